@@ -1,0 +1,4 @@
+"""The gateway: registry, assignment, scheduler, drafters, speculative decoding, HTTP API.
+
+Nothing imports this package.
+"""
