@@ -42,6 +42,14 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
 
     @property
+    def max_context_tokens(self) -> int:
+        # Past the sliding window, Mistral-style attention would drop old keys; the runtime
+        # attends to the whole context, so it caps the context there to stay exact.
+        if self.sliding_window:
+            return min(self.max_position_embeddings, self.sliding_window)
+        return self.max_position_embeddings
+
+    @property
     def kv_bytes_per_token_per_layer_f32(self) -> int:
         return 2 * self.num_kv_heads * self.head_dim * 4
 

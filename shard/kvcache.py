@@ -1,0 +1,118 @@
+"""Per-job KV caches for one stage, addressed by slot, under one memory bound.
+
+A slot is where a token's K/V lives; for committed context slot == absolute position.
+Draft-tree nodes occupy slots past the committed context (siblings share a rotary
+position but never a slot). Committing an accepted tree path gathers its slots to the
+end of the context; discarding speculation is just writing over slots past `ctx_len`.
+Does not know layers' weights, the wire or which peer sent a frame.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from shard.errors import CacheError, CacheFullError
+
+INITIAL_SLOTS = 256
+
+
+@dataclass
+class JobCache:
+    """K and V for one job across a stage's layers: each (layers, kv_heads, capacity, head_dim)."""
+
+    job_id: str
+    max_slots: int
+    k: torch.Tensor
+    v: torch.Tensor
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[2]
+
+    def ensure(self, slots: int) -> None:
+        """Make slots [0, slots) addressable, growing by doubling up to `max_slots`."""
+        if slots > self.max_slots:
+            raise CacheFullError(f"slots for job {self.job_id!r}", self.max_slots, slots)
+        if slots <= self.capacity:
+            return
+        new_cap = min(self.max_slots, max(slots, 2 * self.capacity))
+        shape = (*self.k.shape[:2], new_cap, self.k.shape[3])
+        k = self.k.new_empty(shape)
+        v = self.v.new_empty(shape)
+        k[:, :, : self.capacity] = self.k
+        v[:, :, : self.capacity] = self.v
+        self.k, self.v = k, v
+
+    def commit(self, src: list[int], dst: int) -> None:
+        """Move the K/V at slots `src` (in order) to slots [dst, dst + len(src))."""
+        if not src:
+            return
+        if min(src) < 0 or max(src) >= self.capacity or dst < 0 or dst + len(src) > self.capacity:
+            raise CacheError(
+                f"commit of slots {min(src)}..{max(src)} to [{dst}, {dst + len(src)}) "
+                f"is outside job {self.job_id!r}'s {self.capacity} slots"
+            )
+        idx = torch.tensor(src, dtype=torch.long, device=self.k.device)
+        # Advanced indexing copies first, so overlapping source and destination are safe.
+        self.k[:, :, dst : dst + len(src)] = self.k[:, :, idx]
+        self.v[:, :, dst : dst + len(src)] = self.v[:, :, idx]
+
+    def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v (kv_heads, T, D) at slots [start, start+T) of local layer `layer`;
+        return the views of slots [0, start+T) to attend over."""
+        end = start + k.shape[1]
+        self.k[layer, :, start:end] = k
+        self.v[layer, :, start:end] = v
+        return self.k[layer, :, :end], self.v[layer, :, :end]
+
+
+@dataclass
+class KVCache:
+    """All jobs' caches on one stage; refuses (CacheFullError) rather than exceed max_bytes.
+
+    Each job reserves its worst case (max_slots) at open, so admission is the only place
+    a job can be refused; growth after that never fails for memory.
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    max_bytes: int
+    device: torch.device | str = "cpu"
+    jobs: dict[str, JobCache] = field(default_factory=dict)
+
+    @property
+    def bytes_per_slot(self) -> int:
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
+
+    @property
+    def reserved_bytes(self) -> int:
+        return sum(job.max_slots for job in self.jobs.values()) * self.bytes_per_slot
+
+    def open(self, job_id: str, max_slots: int) -> JobCache:
+        if job_id in self.jobs:
+            raise CacheError(f"job {job_id!r} already has a cache on this stage")
+        if max_slots <= 0:
+            raise CacheError(f"job {job_id!r} asked for {max_slots} slots")
+        need = self.reserved_bytes + max_slots * self.bytes_per_slot
+        if need > self.max_bytes:
+            raise CacheFullError(f"KV bytes to admit job {job_id!r}", self.max_bytes, need)
+        cap = min(max_slots, INITIAL_SLOTS)
+        shape = (self.num_layers, self.num_kv_heads, cap, self.head_dim)
+        job = JobCache(job_id, max_slots, torch.zeros(shape, dtype=self.dtype, device=self.device),
+                       torch.zeros(shape, dtype=self.dtype, device=self.device))
+        self.jobs[job_id] = job
+        return job
+
+    def get(self, job_id: str) -> JobCache:
+        try:
+            return self.jobs[job_id]
+        except KeyError:
+            raise CacheError(f"no KV cache for job {job_id!r} on this stage") from None
+
+    def close(self, job_id: str) -> None:
+        self.jobs.pop(job_id, None)
