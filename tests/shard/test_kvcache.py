@@ -1,0 +1,61 @@
+"""KV cache bookkeeping: admission under a memory bound, growth, commits, isolation."""
+
+import pytest
+import torch
+
+from shard.errors import CacheError, CacheFullError
+from shard.kvcache import KVCache
+
+
+def cache(max_bytes: int) -> KVCache:
+    return KVCache(num_layers=2, num_kv_heads=2, head_dim=4, dtype=torch.float32, max_bytes=max_bytes)
+
+
+def test_admission_refuses_past_the_bound_with_figures():
+    # Bug guarded: a stage that grows without bound and OOMs instead of refusing one job.
+    c = cache(max_bytes=2 * 4 * 2 * 2 * 4 * 100)  # exactly 100 slots' worth
+    c.open("a", 60)
+    with pytest.raises(CacheFullError) as e:
+        c.open("b", 41)
+    assert (e.value.limit, e.value.actual) == (6400, 101 * 64)
+    assert "b" not in c.jobs and c.reserved_bytes == 60 * 64
+    c.close("a")
+    c.open("b", 100)  # freed reservation is reusable
+
+
+def test_growth_keeps_contents_and_stops_at_max_slots():
+    c = cache(1 << 30)
+    job = c.open("a", 600)
+    k = torch.randn(2, 10, 4)
+    job.write(1, 250, k, k + 1)  # crosses the initial 256-slot allocation
+    job.ensure(520)
+    assert job.capacity >= 520
+    assert torch.equal(job.k[1, :, 250:260], k) and torch.equal(job.v[1, :, 250:260], k + 1)
+    with pytest.raises(CacheFullError, match="slots for job 'a'"):
+        job.ensure(601)
+
+
+def test_commit_gathers_in_order_even_when_overlapping():
+    # Accepting tree nodes [12, 10, 11] must place them at [10, 11, 12] in that order even
+    # though sources and destinations overlap (a naive in-place loop would clobber slot 12).
+    c = cache(1 << 30)
+    job = c.open("a", 32)
+    for s in range(16):
+        job.k[:, :, s] = s
+        job.v[:, :, s] = -s
+    job.commit([12, 10, 11], 10)
+    assert job.k[0, 0, 10:13, 0].tolist() == [12, 10, 11]
+    assert job.v[1, 1, 10:13, 0].tolist() == [-12, -10, -11]
+    with pytest.raises(CacheError, match="outside job"):
+        job.commit([40], 0)
+
+
+def test_jobs_are_isolated():
+    c = cache(1 << 30)
+    a, b = c.open("a", 16), c.open("b", 16)
+    a.write(0, 0, torch.ones(2, 3, 4), torch.ones(2, 3, 4))
+    assert b.k.abs().sum() == 0
+    with pytest.raises(CacheError, match="already has a cache"):
+        c.open("a", 16)
+    with pytest.raises(CacheError, match="no KV cache for job 'zz'"):
+        c.get("zz")
