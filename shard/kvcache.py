@@ -63,6 +63,7 @@ class JobCache:
         """Store k, v (kv_heads, T, D) at slots [start, start+T) of local layer `layer`;
         return the views of slots [0, start+T) to attend over."""
         end = start + k.shape[1]
+        self.ensure(end)
         self.k[layer, :, start:end] = k
         self.v[layer, :, start:end] = v
         return self.k[layer, :, :end], self.v[layer, :, :end]

@@ -13,12 +13,12 @@ def cache(max_bytes: int) -> KVCache:
 
 def test_admission_refuses_past_the_bound_with_figures():
     # Bug guarded: a stage that grows without bound and OOMs instead of refusing one job.
-    c = cache(max_bytes=2 * 4 * 2 * 2 * 4 * 100)  # exactly 100 slots' worth
+    c = cache(max_bytes=128 * 100)  # 100 slots: K+V x 2 layers x 2 heads x 4 dims x 4 bytes = 128 B each
     c.open("a", 60)
     with pytest.raises(CacheFullError) as e:
         c.open("b", 41)
-    assert (e.value.limit, e.value.actual) == (6400, 101 * 64)
-    assert "b" not in c.jobs and c.reserved_bytes == 60 * 64
+    assert (e.value.limit, e.value.actual) == (12800, 101 * 128)
+    assert "b" not in c.jobs and c.reserved_bytes == 60 * 128
     c.close("a")
     c.open("b", 100)  # freed reservation is reusable
 
