@@ -1,0 +1,293 @@
+"""Draft chains and trees as data: tokens, parents, depths, positions, ancestor mask.
+
+A draft of M nodes hangs below the *root*, the last committed token (whose target row
+the ring computes in the same round). Nodes are stored in topological order
+(`parents[i] < i`, -1 for a child of the root), so one forward pass over the nodes in
+index order is causal. Siblings share a position: position = root_position + depth,
+with depth 1 for the root's children. A chain is the tree whose parents are i-1.
+
+The tree also records how each node's children were chosen (`ChildSampling`), because
+speculative sampling needs the proposal distribution every child was drawn from.
+`grow_best_first` builds a tree from a model drafter's per-node candidates.
+
+This module does not know about models, logits of the target, the wire, or which
+drafter made a tree beyond the `source` label; it never touches the network.
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import torch
+
+
+class DraftShapeError(ValueError):
+    """A draft or a verification input has an inconsistent shape or structure."""
+
+    def __init__(self, what: str, expected: object, actual: object) -> None:
+        self.what, self.expected, self.actual = what, expected, actual
+        super().__init__(f"bad {what}: expected {expected}, got {actual}")
+
+
+class ChildSampling(enum.Enum):
+    """How a node's children were chosen; acceptance needs each child's proposal.
+
+    GREEDY: deterministic picks (top-k, n-gram lookup); each child's proposal is a
+        point mass on itself, so no draft distribution is needed.
+    IID: children drawn independently from the parent's draft distribution q.
+    WITHOUT_REPLACEMENT: child i drawn from q with children 0..i-1 zeroed, renormalised.
+    """
+
+    GREEDY = "greedy"
+    IID = "iid"
+    WITHOUT_REPLACEMENT = "without_replacement"
+
+
+@dataclass(frozen=True, eq=False)
+class DraftTree:
+    """M draft nodes below the root. Row r of `probs` (and of the target rows the ring
+    returns) is the root for r = 0 and node r-1 otherwise."""
+
+    tokens: torch.Tensor  # (M,) int64 token ids
+    parents: torch.Tensor  # (M,) int64; -1 = child of the root; parents[i] < i
+    logprobs: torch.Tensor | None = None  # (M,) float: log q(token_i | path to its parent)
+    probs: torch.Tensor | None = None  # (M+1, V) float: q at the root and at each node
+    sampling: ChildSampling = ChildSampling.GREEDY
+    source: str = field(default="")  # which drafter and evidence, e.g. "ngram:3"
+
+    def __post_init__(self) -> None:
+        if self.tokens.dim() != 1 or self.tokens.dtype != torch.int64:
+            raise DraftShapeError("tokens", "(M,) int64", f"{tuple(self.tokens.shape)} {self.tokens.dtype}")
+        m = self.tokens.shape[0]
+        if self.parents.shape != (m,) or self.parents.dtype != torch.int64:
+            raise DraftShapeError("parents", f"({m},) int64", f"{tuple(self.parents.shape)} {self.parents.dtype}")
+        index = torch.arange(m)
+        if m and not bool(((self.parents >= -1) & (self.parents < index)).all()):
+            raise DraftShapeError("parents", "-1 <= parents[i] < i (topological order)", self.parents.tolist())
+        if self.logprobs is not None and self.logprobs.shape != (m,):
+            raise DraftShapeError("logprobs", f"({m},)", tuple(self.logprobs.shape))
+        if self.probs is not None and (self.probs.dim() != 2 or self.probs.shape[0] != m + 1):
+            raise DraftShapeError("probs", f"({m + 1}, V)", tuple(self.probs.shape))
+        if self.sampling is not ChildSampling.GREEDY and self.probs is None:
+            raise DraftShapeError("probs", f"a (M+1, V) tensor for {self.sampling.value} children", None)
+
+    # -- constructors ---------------------------------------------------------------
+
+    @classmethod
+    def empty(cls, source: str = "") -> DraftTree:
+        """No draft: the round verifies the root alone and commits one token."""
+        none = torch.zeros(0, dtype=torch.int64)
+        return cls(tokens=none, parents=none.clone(), source=source)
+
+    @classmethod
+    def chain(
+        cls,
+        tokens: Sequence[int] | torch.Tensor,
+        *,
+        logprobs: torch.Tensor | None = None,
+        probs: torch.Tensor | None = None,
+        sampling: ChildSampling = ChildSampling.GREEDY,
+        source: str = "",
+    ) -> DraftTree:
+        """A chain of K tokens: node i's parent is i-1."""
+        t = torch.as_tensor(tokens, dtype=torch.int64).reshape(-1)
+        parents = torch.arange(t.shape[0], dtype=torch.int64) - 1
+        return cls(t, parents, logprobs=logprobs, probs=probs, sampling=sampling, source=source)
+
+    @classmethod
+    def from_branches(cls, branches: Sequence[Sequence[int]], max_nodes: int, source: str = "") -> DraftTree:
+        """Merge token sequences into a trie (shared prefixes become one node), earlier
+        branches first, stopping at `max_nodes`. Siblings keep first-seen order, so the
+        first branch is tried first. Children are GREEDY picks."""
+        tokens: list[int] = []
+        parents: list[int] = []
+        child_of: dict[tuple[int, int], int] = {}  # (parent node, token) -> node
+        for branch in branches:
+            node = -1
+            for tok in branch:
+                nxt = child_of.get((node, tok))
+                if nxt is None:
+                    if len(tokens) >= max_nodes:
+                        break
+                    nxt = len(tokens)
+                    tokens.append(int(tok))
+                    parents.append(node)
+                    child_of[(node, tok)] = nxt
+                node = nxt
+        return cls(torch.tensor(tokens, dtype=torch.int64), torch.tensor(parents, dtype=torch.int64), source=source)
+
+    # -- structure ------------------------------------------------------------------
+
+    @property
+    def num_nodes(self) -> int:
+        return int(self.tokens.shape[0])
+
+    @cached_property
+    def _parent_list(self) -> list[int]:
+        return self.parents.tolist()
+
+    @cached_property
+    def _children(self) -> tuple[tuple[int, ...], ...]:
+        kids: list[list[int]] = [[] for _ in range(self.num_nodes + 1)]  # slot 0 = root
+        for i, p in enumerate(self._parent_list):
+            kids[p + 1].append(i)
+        return tuple(tuple(k) for k in kids)
+
+    def children(self, node: int) -> tuple[int, ...]:
+        """Children of `node` (-1 = root) in the order they were proposed."""
+        return self._children[node + 1]
+
+    @cached_property
+    def depths(self) -> torch.Tensor:
+        """(M,) int64: 1 for the root's children, parent's depth + 1 below."""
+        d: list[int] = []
+        for p in self._parent_list:
+            d.append(1 if p < 0 else d[p] + 1)
+        return torch.tensor(d, dtype=torch.int64)
+
+    @property
+    def max_depth(self) -> int:
+        return int(self.depths.max()) if self.num_nodes else 0
+
+    def sibling_ranks(self) -> list[int]:
+        """Each node's index among its siblings (0 = tried first)."""
+        ranks = [0] * self.num_nodes
+        for kids in self._children:
+            for r, k in enumerate(kids):
+                ranks[k] = r
+        return ranks
+
+    def positions(self, root_position: int) -> torch.Tensor:
+        """(M,) int64 sequence positions: siblings share root_position + depth."""
+        return self.depths + root_position
+
+    def ancestor_mask(self, include_root: bool = False) -> torch.Tensor:
+        """(M, M) bool, [i, j] True iff j is i or an ancestor of i (what node i may
+        attend to inside the draft). With include_root, (M+1, M+1) with the root first:
+        every node also sees the root, and the root sees only itself."""
+        m = self.num_nodes
+        mask = torch.eye(m + 1, dtype=torch.bool)  # row/col 0 = root
+        for i, p in enumerate(self._parent_list):
+            mask[i + 1] |= mask[p + 1]  # parent's row already holds its ancestors (p < i)
+        return mask if include_root else mask[1:, 1:]
+
+    def path(self, node: int) -> list[int]:
+        """Node indices from the root's child down to `node` inclusive ([] for -1)."""
+        out: list[int] = []
+        while node >= 0:
+            out.append(node)
+            node = self._parent_list[node]
+        return out[::-1]
+
+    def path_tokens(self, node: int) -> list[int]:
+        toks = self.tokens.tolist()
+        return [toks[i] for i in self.path(node)]
+
+    def paths(self) -> list[list[int]]:
+        """Every root-to-leaf path as node indices, leaves in index order."""
+        return [self.path(i) for i in range(self.num_nodes) if not self.children(i)]
+
+    def cumulative_logprobs(self) -> torch.Tensor:
+        """(M,) sum of draft log-probs along each node's path (needs `logprobs`)."""
+        if self.logprobs is None:
+            raise DraftShapeError("logprobs", "a (M,) tensor", None)
+        out = self.logprobs.clone().double()
+        for i, p in enumerate(self._parent_list):
+            if p >= 0:
+                out[i] += out[p]
+        return out
+
+
+@dataclass(frozen=True)
+class Expansion:
+    """A model drafter's candidate children for one node, in the order they were drawn.
+
+    For GREEDY trees the candidates are the top-k, sorted by log-prob. For sampled trees
+    they are the draws (with or without replacement) and `probs` is the (V,) draft
+    distribution they were drawn from.
+    """
+
+    tokens: Sequence[int]
+    logprobs: Sequence[float]
+    probs: torch.Tensor | None = None
+
+
+def grow_best_first(
+    expand: Callable[[int, list[int]], Expansion],
+    max_nodes: int,
+    max_depth: int,
+    sampling: ChildSampling = ChildSampling.GREEDY,
+    source: str = "",
+) -> DraftTree:
+    """Best-first tree: repeatedly add the frontier candidate with the highest
+    cumulative draft log-prob until `max_nodes` nodes or nothing is left.
+
+    `expand(node, path_tokens)` gives `node`'s candidates (-1 = root). Expansion is lazy:
+    a node is expanded only when its own cumulative log-prob (an upper bound on its
+    children's) reaches the top of the heap, so leaves are never expanded. A node's
+    i-th candidate enters the heap only after candidate i-1 joined the tree, so the
+    children kept are always a prefix of the draw order; speculative sampling of
+    without-replacement draws is exact only for such prefixes.
+    """
+    tokens: list[int] = []
+    parents: list[int] = []
+    logprobs: list[float] = []
+    rows: dict[int, torch.Tensor] = {}  # node -> q it drew its children from (-1 = root)
+    expansions: dict[int, Expansion] = {}
+    cumulative = {-1: 0.0}
+    counter = 0  # heap tie-break: first pushed wins, so the result is deterministic
+    # Entries: (-score, counter, node, rank); rank -1 means "expand node".
+    heap: list[tuple[float, int, int, int]] = [(0.0, 0, -1, -1)]
+    while heap and len(tokens) < max_nodes:
+        _, _, node, rank = heapq.heappop(heap)
+        if rank < 0:
+            exp = expand(node, [tokens[i] for i in _path(parents, node)])
+            if len(exp.tokens) != len(exp.logprobs):
+                raise DraftShapeError("expansion", "as many log-probs as tokens", (len(exp.tokens), len(exp.logprobs)))
+            expansions[node] = exp
+            if exp.probs is not None:
+                rows[node] = exp.probs
+            rank = -1
+        else:
+            exp = expansions[node]
+            child = len(tokens)
+            tokens.append(int(exp.tokens[rank]))
+            parents.append(node)
+            logprobs.append(float(exp.logprobs[rank]))
+            cumulative[child] = cumulative[node] + logprobs[-1]
+            if len(_path(parents, child)) < max_depth:
+                counter += 1
+                heapq.heappush(heap, (-cumulative[child], counter, child, -1))
+        if rank + 1 < len(exp.tokens):  # next candidate of `node` (the first one after expanding)
+            counter += 1
+            heapq.heappush(heap, (-(cumulative[node] + float(exp.logprobs[rank + 1])), counter, node, rank + 1))
+    m = len(tokens)
+    probs = None
+    if rows:
+        vocab = next(iter(rows.values())).shape[-1]
+        probs = torch.zeros(m + 1, vocab, dtype=torch.float32)
+        for node, row in rows.items():
+            if node < m:
+                probs[node + 1] = row
+    if sampling is not ChildSampling.GREEDY and probs is None:
+        raise DraftShapeError("expansion probs", f"a (V,) draft distribution for {sampling.value} children", None)
+    return DraftTree(
+        torch.tensor(tokens, dtype=torch.int64),
+        torch.tensor(parents, dtype=torch.int64),
+        logprobs=torch.tensor(logprobs, dtype=torch.float32),
+        probs=probs,
+        sampling=sampling,
+        source=source,
+    )
+
+
+def _path(parents: list[int], node: int) -> list[int]:
+    out: list[int] = []
+    while node >= 0:
+        out.append(node)
+        node = parents[node]
+    return out[::-1]
