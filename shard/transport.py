@@ -1,0 +1,380 @@
+"""The node's libp2p host (TCP + Noise + yamux) and length-prefixed frames over its streams.
+
+A frame is a 4-byte big-endian length followed by that many body bytes. The receiver
+checks the length against the caller's bound before reading (or allocating) the body.
+Every stream's remote peer id is the one Noise authenticated, which is how a stage knows
+its predecessor and the coordinator knows its tail.
+
+This module does not know what is inside a frame (the wire codec does), who should talk
+to whom (the ring epoch does), or what a link costs (linkemu emulates, linkprobe measures).
+
+py-libp2p 0.8.1 quirks handled here:
+- `new_host` offers Noise, TLS, SECIO and plaintext by default; we pass exactly Noise
+  (`sec_opt`) and exactly yamux (`muxer_opt`), so nothing weaker can be negotiated.
+- A handler that raises propagates into the connection's nursery and tears the whole
+  connection down; `set_handler` wraps handlers so a ShardError (bad frame, peer gone)
+  resets only that stream.
+- `host.connect` records the peer's addrs with a 120 s TTL; we keep our own copy of
+  every address dialled so `open_stream(peer_id)` can redial after it expires.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import struct
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Protocol
+
+import multiaddr
+import trio
+from libp2p import new_host
+from libp2p.abc import INetStream
+from libp2p.crypto.keys import KeyPair
+from libp2p.crypto.x25519 import create_new_key_pair as create_x25519_key_pair
+from libp2p.custom_types import TProtocol
+from libp2p.exceptions import BaseLibp2pError
+from libp2p.network.stream.exceptions import StreamEOF, StreamReset
+from libp2p.peer.id import ID
+from libp2p.peer.peerinfo import InvalidAddrError, info_from_p2p_addr
+from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
+from libp2p.security.noise.transport import Transport as NoiseTransport
+from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
+from libp2p.stream_muxer.yamux.yamux import Yamux
+
+from shard.errors import ShardError, WireError
+
+log = logging.getLogger(__name__)
+
+FRAME_PREFIX = struct.Struct(">I")  # body length in bytes, big-endian uint32
+MAX_FRAME_BYTES_LIMIT = 2**32 - 1  # the most a ">I" prefix can announce
+SECURITY_PROTOCOL = str(NOISE_PROTOCOL_ID)  # "/noise"
+MUXER_PROTOCOL = str(YAMUX_PROTOCOL_ID)  # "/yamux/1.0.0"
+
+
+@dataclass(frozen=True)
+class TransportConfig:
+    """How a host listens and how long it waits for peers; the only home of these defaults."""
+
+    listen_multiaddr: str = "/ip4/127.0.0.1/tcp/0"
+    dial_timeout_s: float = 10.0  # TCP connect + Noise + yamux + stream protocol select
+    negotiate_timeout_s: int = 10  # py-libp2p takes whole seconds for multistream-select
+
+
+class TransportError(ShardError):
+    """A connection or stream failed. Fields: what happened, and the peer if known."""
+
+    def __init__(self, what: str, peer_id: str | None = None) -> None:
+        self.what, self.peer_id = what, peer_id
+        super().__init__(what if peer_id is None else f"{what} (peer {peer_id})")
+
+
+class DialError(TransportError):
+    """Could not connect to, or open a stream with, a peer. Fields: addr, reason."""
+
+    def __init__(self, addr: str, reason: str, peer_id: str | None = None) -> None:
+        self.addr, self.reason = addr, reason
+        super().__init__(f"cannot reach {addr}: {reason}", peer_id)
+
+
+class StreamClosedError(TransportError):
+    """The peer closed or reset the stream. `received_bytes` of `expected_bytes` of the
+    frame (prefix included) had arrived; 0 of 4 means it closed at a frame boundary."""
+
+    def __init__(self, peer_id: str, reason: str, received_bytes: int, expected_bytes: int) -> None:
+        self.reason, self.received_bytes, self.expected_bytes = reason, received_bytes, expected_bytes
+        where = (
+            "at a frame boundary"
+            if received_bytes == 0
+            else f"mid-frame after {received_bytes} of {expected_bytes} bytes"
+        )
+        super().__init__(f"stream {reason} {where}", peer_id)
+
+
+class FrameEndpoint(Protocol):
+    """What every frame stream offers: the real one, the in-memory one, the emulated link."""
+
+    @property
+    def remote_peer_id(self) -> str: ...
+
+    async def send_frame(self, body: bytes) -> None: ...
+
+    async def recv_frame(self, max_frame_bytes: int) -> bytes: ...
+
+    async def aclose(self) -> None: ...
+
+
+def check_frame_length(length: int, max_frame_bytes: int) -> None:
+    """Raise WireError("frame length", limit, actual) if a frame breaks the bound."""
+    if length > max_frame_bytes:
+        raise WireError("frame length", max_frame_bytes, length)
+
+
+# Errors a libp2p stream or the trio socket under it raise when the peer goes away.
+_STREAM_GONE = (BaseLibp2pError, trio.BrokenResourceError, trio.ClosedResourceError)
+
+
+def _gone_reason(exc: BaseException) -> str:
+    if isinstance(exc, StreamEOF):
+        return "closed"
+    if isinstance(exc, StreamReset):
+        return "reset"
+    return f"failed ({type(exc).__name__}: {exc})"
+
+
+class FramedStream:
+    """Length-prefixed frames over one libp2p stream; long-lived, in order, one writer at a time.
+
+    Error handling: `recv_frame` raises WireError for an over-long frame (before reading its
+    body) and StreamClosedError when the peer closes or resets; `send_frame` raises
+    StreamClosedError if the stream is gone. Neither swallows trio.Cancelled.
+
+    Resource handling: `aclose` half-closes (sends EOF, the peer reads what was sent);
+    `reset` abandons the stream at once. Usable as `async with`.
+    """
+
+    def __init__(self, stream: INetStream) -> None:
+        self._stream = stream
+        self._send_lock = trio.Lock()  # concurrent senders would interleave partial writes
+        self._recv_lock = trio.Lock()
+        self._remote_peer_id = _authenticated_peer(stream)
+
+    @property
+    def remote_peer_id(self) -> str:
+        """The peer id the Noise handshake proved (its static key signed by this identity)."""
+        return self._remote_peer_id
+
+    @property
+    def protocol_id(self) -> str:
+        return str(self._stream.get_protocol())
+
+    @property
+    def security_protocol(self) -> str | None:
+        """The secure channel the connection negotiated ("/noise")."""
+        conn = getattr(self._stream, "swarm_conn", None)
+        return None if conn is None else conn.get_negotiated_security_protocol()
+
+    @property
+    def muxer_protocol(self) -> str | None:
+        """The stream multiplexer the connection negotiated ("/yamux/1.0.0")."""
+        conn = getattr(self._stream, "swarm_conn", None)
+        return None if conn is None else conn.get_negotiated_muxer_protocol()
+
+    async def send_frame(self, body: bytes) -> None:
+        """Write one frame: ">I" length prefix + body, as a single write."""
+        check_frame_length(len(body), MAX_FRAME_BYTES_LIMIT)
+        async with self._send_lock:
+            try:
+                await self._stream.write(FRAME_PREFIX.pack(len(body)) + body)
+            except _STREAM_GONE as exc:
+                raise StreamClosedError(self._remote_peer_id, _gone_reason(exc), 0, 0) from exc
+
+    async def recv_frame(self, max_frame_bytes: int) -> bytes:
+        """Read one frame's body; its announced length is checked before the body is read."""
+        async with self._recv_lock:
+            prefix = await self._read_exactly(FRAME_PREFIX.size, 0, FRAME_PREFIX.size)
+            (length,) = FRAME_PREFIX.unpack(prefix)
+            check_frame_length(length, max_frame_bytes)
+            total = FRAME_PREFIX.size + length
+            return await self._read_exactly(length, FRAME_PREFIX.size, total)
+
+    async def _read_exactly(self, n: int, already: int, total: int) -> bytes:
+        # yamux returns whatever is buffered (up to n), so a frame comes in several reads.
+        chunks: list[bytes] = []
+        got = 0
+        while got < n:
+            try:
+                chunk = await self._stream.read(n - got)
+            except _STREAM_GONE as exc:
+                raise StreamClosedError(self._remote_peer_id, _gone_reason(exc), already + got, total) from exc
+            if not chunk:
+                raise StreamClosedError(self._remote_peer_id, "closed", already + got, total)
+            chunks.append(chunk)
+            got += len(chunk)
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+    async def aclose(self) -> None:
+        try:
+            await self._stream.close()
+        except _STREAM_GONE:
+            pass  # already gone: closing is idempotent
+
+    async def reset(self) -> None:
+        await self._stream.reset()
+
+    async def __aenter__(self) -> FramedStream:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+
+def _authenticated_peer(stream: INetStream) -> str:
+    # The Noise session's remote peer is derived from the identity key that signed the
+    # handshake payload; yamux and the swarm only copy it.
+    secured = getattr(stream.muxed_conn, "secured_conn", None)
+    if secured is None:
+        raise TransportError("stream has no secure session; cannot authenticate the peer")
+    return secured.get_remote_peer().to_base58()
+
+
+StreamHandler = Callable[[FramedStream], Awaitable[None]]
+
+
+class Host:
+    """A running libp2p host. Made by `open_host`; valid only inside its `async with`."""
+
+    def __init__(self, libp2p_host: object, config: TransportConfig) -> None:
+        self._host = libp2p_host
+        self._config = config
+        self._known_addrs: dict[str, multiaddr.Multiaddr] = {}
+
+    @property
+    def peer_id(self) -> str:
+        return self._host.get_id().to_base58()
+
+    @property
+    def addrs(self) -> list[str]:
+        """Full multiaddrs others dial, each ending in /p2p/<peer id>."""
+        return [str(a) for a in self._host.get_addrs()]
+
+    async def connect(self, addr: str) -> str:
+        """Dial `addr` (which must end in /p2p/<id>) unless already connected; return the peer id.
+
+        Error handling: DialError if the address is malformed, the peer is unreachable, the
+        handshake fails, or it takes longer than `dial_timeout_s`.
+        """
+        try:
+            info = info_from_p2p_addr(multiaddr.Multiaddr(addr))
+        except (InvalidAddrError, ValueError) as exc:
+            raise DialError(addr, f"not a /…/p2p/<peer id> multiaddr: {exc}") from exc
+        peer_id = info.peer_id.to_base58()
+        if info.addrs:
+            self._known_addrs[peer_id] = info.addrs[0]
+        with trio.move_on_after(self._config.dial_timeout_s) as scope:
+            try:
+                await self._host.connect(info)
+            except (BaseLibp2pError, OSError) as exc:
+                raise DialError(addr, f"{type(exc).__name__}: {exc}", peer_id) from exc
+        if scope.cancelled_caught:
+            raise DialError(addr, f"no connection within {self._config.dial_timeout_s} s", peer_id)
+        return peer_id
+
+    def set_handler(self, protocol_id: str, handler: StreamHandler) -> None:
+        """Serve inbound streams of `protocol_id` with `handler(FramedStream)`.
+
+        A ShardError escaping the handler (bad frame, peer gone) is logged and resets only
+        that stream; the stream is closed when the handler returns.
+        """
+
+        async def on_stream(stream: INetStream) -> None:
+            framed = FramedStream(stream)
+            try:
+                await handler(framed)
+            except ShardError as exc:
+                log.warning("%s handler for peer %s failed: %s", protocol_id, framed.remote_peer_id, exc)
+                try:
+                    await framed.reset()
+                except _STREAM_GONE:
+                    pass
+                return
+            await framed.aclose()
+
+        self._host.set_stream_handler(TProtocol(protocol_id), on_stream)
+
+    async def open_stream(self, peer: str, protocol_id: str) -> FramedStream:
+        """Open a stream speaking `protocol_id` to `peer`: a peer id, or a full multiaddr.
+
+        Error handling: DialError if the peer cannot be reached or does not serve
+        `protocol_id` within `dial_timeout_s`.
+        """
+        if peer.startswith("/"):
+            peer_id = await self.connect(peer)
+        else:
+            peer_id = peer
+            if peer in self._known_addrs and not self._is_connected(peer):
+                await self.connect(f"{self._known_addrs[peer]}/p2p/{peer}")
+        try:
+            target = ID.from_base58(peer_id)
+        except ValueError as exc:
+            raise DialError(peer, f"not a peer id: {exc}") from exc
+        with trio.move_on_after(self._config.dial_timeout_s) as scope:
+            try:
+                stream = await self._host.new_stream(target, [TProtocol(protocol_id)])
+            except (BaseLibp2pError, OSError) as exc:
+                raise DialError(peer, f"cannot open {protocol_id}: {type(exc).__name__}: {exc}", peer_id) from exc
+        if scope.cancelled_caught:
+            raise DialError(peer, f"no {protocol_id} stream within {self._config.dial_timeout_s} s", peer_id)
+        return FramedStream(stream)
+
+    def _is_connected(self, peer_id: str) -> bool:
+        return bool(self._host.get_network().connections.get(ID.from_base58(peer_id)))
+
+
+@asynccontextmanager
+async def open_host(
+    keypair: KeyPair, listen_multiaddr: str | None = None, *, config: TransportConfig | None = None
+) -> AsyncIterator[Host]:
+    """Start a TCP + Noise + yamux libp2p host for `keypair`, listening on `listen_multiaddr`.
+
+    Resource handling: the listener, every connection and every stream handler task live
+    inside this context; leaving it closes them all.
+    """
+    config = config or TransportConfig()
+    listen = multiaddr.Multiaddr(listen_multiaddr or config.listen_multiaddr)
+    noise = NoiseTransport(keypair, noise_privkey=create_x25519_key_pair().private_key)
+    libp2p_host = new_host(
+        key_pair=keypair,
+        sec_opt={TProtocol(NOISE_PROTOCOL_ID): noise},
+        muxer_opt={TProtocol(YAMUX_PROTOCOL_ID): Yamux},
+        listen_addrs=[listen],
+        negotiate_timeout=config.negotiate_timeout_s,
+    )
+    async with libp2p_host.run([listen]):
+        yield Host(libp2p_host, config)
+
+
+class MemoryFramedStream:
+    """One end of an in-process frame pipe with the same bounds and errors as FramedStream.
+
+    For tests and single-process simulations of a ring without sockets; `remote_peer_id`
+    is whatever the pair was told, not authenticated.
+    """
+
+    def __init__(self, remote_peer_id: str, send: trio.MemorySendChannel[bytes], recv: trio.MemoryReceiveChannel[bytes]) -> None:
+        self._remote_peer_id, self._send, self._recv = remote_peer_id, send, recv
+
+    @property
+    def remote_peer_id(self) -> str:
+        return self._remote_peer_id
+
+    async def send_frame(self, body: bytes) -> None:
+        check_frame_length(len(body), MAX_FRAME_BYTES_LIMIT)
+        try:
+            await self._send.send(bytes(body))
+        except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            raise StreamClosedError(self._remote_peer_id, "closed", 0, 0) from exc
+
+    async def recv_frame(self, max_frame_bytes: int) -> bytes:
+        try:
+            body = await self._recv.receive()
+        except (trio.EndOfChannel, trio.ClosedResourceError) as exc:
+            raise StreamClosedError(self._remote_peer_id, "closed", 0, FRAME_PREFIX.size) from exc
+        check_frame_length(len(body), max_frame_bytes)
+        return body
+
+    async def aclose(self) -> None:
+        await self._send.aclose()
+
+
+def memory_stream_pair(
+    peer_id_a: str, peer_id_b: str, buffer_frames: float = math.inf
+) -> tuple[MemoryFramedStream, MemoryFramedStream]:
+    """Two connected ends: what end a (peer a) sends, end b receives, and back."""
+    a_to_b_send, a_to_b_recv = trio.open_memory_channel[bytes](buffer_frames)
+    b_to_a_send, b_to_a_recv = trio.open_memory_channel[bytes](buffer_frames)
+    end_a = MemoryFramedStream(peer_id_b, a_to_b_send, b_to_a_recv)
+    end_b = MemoryFramedStream(peer_id_a, b_to_a_send, a_to_b_recv)
+    return end_a, end_b
