@@ -1,0 +1,262 @@
+"""Frame bodies: [u32 BE header length][msgpack header][raw tensor bytes], both ways.
+
+The header is a msgpack map: `v` (protocol version), `kind` (a REGISTRY key), the
+message's non-tensor fields, and `tensors`, a list of [name, dtype, shape, nbytes] whose
+bytes follow the header in that order, contiguous and little-endian.
+
+decode() checks every length, count, type, dtype and shape a peer declares against
+Limits before allocating anything for it, and raises only WireError. Knows nothing of
+streams (the transport adds FRAME_PREFIX and enforces max_frame_bytes before reading) or
+of what messages mean.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import struct
+import sys
+from typing import Any
+
+import msgpack
+import torch
+
+from shard.errors import WireError
+from shard.wire.dtypes import BY_NAME, BY_TORCH, DTYPES
+from shard.wire.fields import Tensor, kind_of
+from shard.wire.limits import FRAME_PREFIX, MAX_RANK, Limits
+from shard.wire.messages import PROTOCOL_VERSION, REGISTRY, RESERVED_KEYS, Message
+
+__all__ = ["FRAME_PREFIX", "HEADER_PREFIX", "Limits", "encode", "decode"]
+
+# Inside a body: the length of the msgpack header, u32 big-endian.
+HEADER_PREFIX = struct.Struct(">I")
+# Tensor bytes are little-endian and decoded by reinterpreting memory in place.
+if sys.byteorder != "little":
+    raise ImportError("shard.wire.codec assumes a little-endian host")
+
+_PLAIN_LEAVES = (str, bytes, int, float, bool, type(None))
+_DTYPE_NAMES = [d.name for d in DTYPES]
+# What the header parser or tensor views may raise on hostile input; all become WireError.
+_PARSE_ERRORS = (ValueError, TypeError, OverflowError, RecursionError, msgpack.UnpackException)
+
+
+def _clip(value: object, n: int = 64) -> object:
+    """A peer's value for an error message, cut so logs stay small."""
+    if isinstance(value, (str, bytes)) and len(value) > n:
+        return value[:n] + (b"..." if isinstance(value, bytes) else "...")
+    return value
+
+
+def _fields(cls: type) -> tuple[list[dataclasses.Field], list[dataclasses.Field]]:
+    """(header fields, tensor fields) of a message class, in declaration order."""
+    fs = dataclasses.fields(cls)
+    return [f for f in fs if not isinstance(kind_of(f), Tensor)], [f for f in fs if isinstance(kind_of(f), Tensor)]
+
+
+def encode(msg: Message, limits: Limits | None = None) -> bytes:
+    """The frame body for `msg` (no stream prefix). Checks msg with the same rules decode
+    applies, under `limits` (default Limits()), so we never send what a peer must refuse."""
+    limits = limits or Limits()
+    cls = type(msg)
+    if REGISTRY.get(getattr(cls, "KIND", None)) is not cls:
+        raise TypeError(f"not a wire message: {cls.__name__}")
+    header: dict[str, Any] = {"v": PROTOCOL_VERSION, "kind": cls.KIND}
+    header_fields, tensor_fields = _fields(cls)
+    for f in header_fields:
+        kind = kind_of(f)
+        try:
+            packed = kind.pack(getattr(msg, f.name))
+        except (TypeError, ValueError) as e:
+            raise WireError(f"field '{f.name}' type", type(kind).__name__, type(getattr(msg, f.name)).__name__) from e
+        header[f.name] = kind.check(f"field '{f.name}'", packed, limits)
+    table, chunks = [], []
+    for f in tensor_fields:
+        t, spec = getattr(msg, f.name), kind_of(f)
+        if t is None:
+            if not spec.optional:
+                raise WireError(f"tensor '{f.name}' missing")
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise WireError(f"tensor '{f.name}' type", "Tensor", type(t).__name__)
+        row = BY_TORCH.get(t.dtype)
+        if row is None or row.name not in spec.dtypes:
+            raise WireError(f"tensor '{f.name}' dtype", sorted(spec.dtypes), str(t.dtype))
+        if t.dim() > MAX_RANK:
+            raise WireError(f"tensor '{f.name}' rank", MAX_RANK, t.dim())
+        raw = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)  # (numel * itemsize,)
+        table.append([f.name, row.name, list(t.shape), raw.numel()])
+        chunks.append(memoryview(raw.numpy()))
+    header["tensors"] = table
+    msg.check(limits)
+    head = msgpack.packb(header, use_bin_type=True)
+    if len(head) > limits.max_header_bytes:
+        raise WireError("header length", limits.max_header_bytes, len(head))
+    return b"".join([HEADER_PREFIX.pack(len(head)), head, *chunks])
+
+
+def decode(body: bytes | bytearray | memoryview, limits: Limits) -> Message:
+    """Parse and validate a frame body from a peer. Raises WireError and nothing else.
+
+    Tensors are views into `body` when it is writable (bytearray) and suitably aligned;
+    otherwise their bytes are copied once. Keep `body` alive as long as the tensors.
+    """
+    try:
+        return _decode(body, limits)
+    except WireError:
+        raise
+    except _PARSE_ERRORS as e:  # a check we missed must still be a protocol error on this edge
+        raise WireError("malformed frame", None, f"{type(e).__name__}: {_clip(str(e), 200)}") from e
+
+
+def _decode(body: Any, limits: Limits) -> Message:
+    if not isinstance(body, (bytes, bytearray, memoryview)):
+        raise WireError("frame body type", "bytes", type(body).__name__)
+    mv = memoryview(body).cast("B")  # (n,) bytes; cast raises ValueError if non-contiguous
+    n = mv.nbytes
+    if n > limits.max_frame_bytes:
+        raise WireError("frame length", limits.max_frame_bytes, n)
+    if n < HEADER_PREFIX.size:
+        raise WireError("frame shorter than its header length field", HEADER_PREFIX.size, n)
+    (head_len,) = HEADER_PREFIX.unpack_from(mv, 0)
+    if head_len > limits.max_header_bytes:
+        raise WireError("header length", limits.max_header_bytes, head_len)
+    if HEADER_PREFIX.size + head_len > n:
+        raise WireError("header length past end of frame", n - HEADER_PREFIX.size, head_len)
+    tensor_start = HEADER_PREFIX.size + head_len
+    header = _parse_header(mv[HEADER_PREFIX.size : tensor_start], limits)
+
+    cls = _message_class(header)
+    header_fields, tensor_fields = _fields(cls)
+    allowed = {f.name for f in header_fields} | RESERVED_KEYS
+    for key in header:
+        if key not in allowed:
+            raise WireError(f"unknown field for '{cls.KIND}'", None, _clip(key))
+    values: dict[str, Any] = {}
+    for f in header_fields:
+        if f.name not in header:
+            raise WireError(f"field '{f.name}' missing")
+        values[f.name] = kind_of(f).check(f"field '{f.name}'", header[f.name], limits)
+
+    table = _tensor_table(header, {f.name: kind_of(f) for f in tensor_fields}, limits, n - tensor_start)
+    for f in tensor_fields:
+        if f.name not in table and not kind_of(f).optional:
+            raise WireError(f"tensor '{f.name}' missing")
+    values.update(_tensor_views(body, mv, tensor_start, table))
+    msg = cls(**values)
+    msg.check(limits)
+    return msg
+
+
+def _parse_header(raw: memoryview, limits: Limits) -> dict:
+    def no_ext(code: int, data: bytes) -> None:
+        raise WireError("header msgpack ext type", None, code)
+
+    try:
+        header = msgpack.unpackb(
+            raw,
+            raw=False,
+            strict_map_key=True,
+            use_list=True,
+            ext_hook=no_ext,
+            max_str_len=len(raw),
+            max_bin_len=len(raw),
+            max_array_len=limits.max_list_len,
+            max_map_len=limits.max_list_len,
+            max_ext_len=0,
+        )
+    except WireError:
+        raise
+    except _PARSE_ERRORS as e:
+        raise WireError("header msgpack", None, f"{type(e).__name__}: {_clip(str(e), 200)}") from e
+    # Iterative walk: bounds nesting and rejects any non-plain value, without recursion.
+    stack = [(header, 1)]
+    while stack:
+        obj, depth = stack.pop()
+        if isinstance(obj, (dict, list)):
+            if depth > limits.max_depth:
+                raise WireError("header nesting depth", limits.max_depth, depth)
+            stack.extend((v, depth + 1) for v in (obj.values() if isinstance(obj, dict) else obj))
+        elif not isinstance(obj, _PLAIN_LEAVES):
+            raise WireError("header value type", None, type(obj).__name__)
+    if not isinstance(header, dict):
+        raise WireError("header type", "map", type(header).__name__)
+    return header
+
+
+def _message_class(header: dict) -> type:
+    v = header.get("v")
+    if type(v) is not int or v != PROTOCOL_VERSION:
+        raise WireError("protocol version", PROTOCOL_VERSION, _clip(v))
+    kind = header.get("kind")
+    cls = REGISTRY.get(kind) if isinstance(kind, str) else None
+    if cls is None:
+        raise WireError("message kind", sorted(REGISTRY), _clip(kind))
+    return cls
+
+
+def _tensor_table(header: dict, specs: dict[str, Tensor], limits: Limits, remaining: int) -> dict[str, tuple[str, list[int], int]]:
+    """name -> (dtype name, shape, nbytes), every entry checked; nothing allocated."""
+    entries = header.get("tensors")
+    if not isinstance(entries, list):
+        raise WireError("field 'tensors' type", "list", type(entries).__name__)
+    if len(entries) > limits.max_tensors:
+        raise WireError("tensor count", limits.max_tensors, len(entries))
+    table: dict[str, tuple[str, list[int], int]] = {}
+    total_elements = total_bytes = 0
+    for i, entry in enumerate(entries):
+        if not (isinstance(entry, list) and len(entry) == 4):
+            raise WireError(f"tensor entry {i}", "[name, dtype, shape, nbytes]", _clip(repr(entry)))
+        name, dtype, shape, nbytes = entry
+        if not isinstance(name, str) or name not in specs:
+            raise WireError(f"tensor entry {i} name", sorted(specs), _clip(name))
+        if name in table:
+            raise WireError(f"tensor '{name}' repeated")
+        what = f"tensor '{name}'"
+        if not isinstance(dtype, str) or dtype not in BY_NAME:
+            raise WireError(f"{what} dtype", _DTYPE_NAMES, _clip(dtype))
+        if dtype not in specs[name].dtypes:
+            raise WireError(f"{what} dtype", sorted(specs[name].dtypes), dtype)
+        if not isinstance(shape, list) or len(shape) > MAX_RANK:
+            raise WireError(f"{what} rank", MAX_RANK, len(shape) if isinstance(shape, list) else type(shape).__name__)
+        for d in shape:
+            if type(d) is not int:
+                raise WireError(f"{what} dim type", "int", type(d).__name__)
+            if not (0 <= d <= limits.max_tensor_elements):
+                raise WireError(f"{what} dim", f"[0, {limits.max_tensor_elements}]", d)
+        elements = math.prod(shape)
+        total_elements += elements
+        if total_elements > limits.max_tensor_elements:
+            raise WireError("tensor elements", limits.max_tensor_elements, total_elements)
+        expected = elements * BY_NAME[dtype].itemsize
+        if type(nbytes) is not int or nbytes != expected:
+            raise WireError(f"{what} nbytes", expected, _clip(nbytes))
+        total_bytes += nbytes
+        table[name] = (dtype, shape, nbytes)
+    if total_bytes != remaining:
+        raise WireError("tensor bytes after header", total_bytes, remaining)
+    return table
+
+
+def _tensor_views(body: Any, mv: memoryview, start: int, table: dict[str, tuple[str, list[int], int]]) -> dict[str, torch.Tensor]:
+    """Tensors over the frame's bytes, in table order from `start`. Sizes already checked."""
+    if not table:
+        return {}
+    if mv.nbytes == start:  # every tensor is empty: nothing to view
+        return {name: torch.empty(shape, dtype=BY_NAME[dt].torch_dtype) for name, (dt, shape, _) in table.items()}
+    if mv.readonly:
+        # torch cannot safely view read-only memory: copy the tensor region once.
+        base, offset = torch.frombuffer(bytearray(mv[start:]), dtype=torch.uint8), 0
+    else:
+        base, offset = torch.frombuffer(mv, dtype=torch.uint8), start  # (n,) zero-copy
+    out = {}
+    for name, (dt, shape, nbytes) in table.items():
+        row = BY_NAME[dt]
+        seg = base[offset : offset + nbytes]  # (nbytes,)
+        offset += nbytes
+        if row.torch_dtype is torch.bool and nbytes and int(seg.max()) > 1:
+            raise WireError(f"tensor '{name}' values", "0 or 1", int(seg.max()))
+        if seg.storage_offset() % row.itemsize or seg.data_ptr() % row.itemsize:
+            seg = seg.clone()  # fresh, aligned storage
+        out[name] = seg.view(row.torch_dtype).reshape(shape)
+    return out

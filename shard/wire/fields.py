@@ -1,0 +1,163 @@
+"""Field kinds of wire messages: each checks a value decoded from a peer and packs ours.
+
+A message field is declared with `spec(kind)`; the codec finds the kind in the field's
+metadata. `check` takes what msgpack produced (a peer's, so anything) and returns the
+value the dataclass holds, or raises WireError; `pack` turns our value into msgpack
+types. Knows nothing of frames, tensors' bytes or of which message uses which field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from shard.errors import WireError
+from shard.wire.limits import Limits
+
+# msgpack carries ints in [-2^63, 2^64); every int field here is a non-negative i64.
+I64_MAX = (1 << 63) - 1
+
+
+def _typename(value: object) -> str:
+    return type(value).__name__
+
+
+def _need(what: str, value: object, types: type | tuple[type, ...], expected: str) -> None:
+    # bool is a subclass of int: a peer's True must not pass as 1.
+    if isinstance(value, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
+        raise WireError(f"{what} type", expected, "bool")
+    if not isinstance(value, types):
+        raise WireError(f"{what} type", expected, _typename(value))
+
+
+@dataclass(frozen=True)
+class Int:
+    lo: int = 0
+    hi: int = I64_MAX
+
+    def check(self, what: str, value: Any, limits: Limits) -> int:
+        _need(what, value, int, "int")
+        if not (self.lo <= value <= self.hi):
+            raise WireError(f"{what} range", f"[{self.lo}, {self.hi}]", value)
+        return value
+
+    def pack(self, value: Any) -> int:
+        return int(value)
+
+
+@dataclass(frozen=True)
+class Float:
+    """A finite float >= lo (rates, durations). Ints are accepted and widened."""
+
+    lo: float = 0.0
+
+    def check(self, what: str, value: Any, limits: Limits) -> float:
+        _need(what, value, (int, float), "float")
+        value = float(value)
+        if not math.isfinite(value) or value < self.lo:
+            raise WireError(f"{what} range", f"finite >= {self.lo}", value)
+        return value
+
+    def pack(self, value: Any) -> float:
+        return float(value)
+
+
+@dataclass(frozen=True)
+class Str:
+    """UTF-8 text of at most max_bytes encoded bytes, optionally one of `choices`."""
+
+    max_bytes: int
+    choices: tuple[str, ...] | None = None
+
+    def check(self, what: str, value: Any, limits: Limits) -> str:
+        _need(what, value, str, "str")
+        n = len(value.encode("utf-8"))
+        if n > self.max_bytes:
+            raise WireError(f"{what} length", self.max_bytes, n)
+        if self.choices is not None and value not in self.choices:
+            raise WireError(f"{what} value", list(self.choices), value)
+        return value
+
+    def pack(self, value: Any) -> str:
+        return value
+
+
+@dataclass(frozen=True)
+class Bytes:
+    max_bytes: int
+
+    def check(self, what: str, value: Any, limits: Limits) -> bytes:
+        _need(what, value, bytes, "bytes")
+        if len(value) > self.max_bytes:
+            raise WireError(f"{what} length", self.max_bytes, len(value))
+        return value
+
+    def pack(self, value: Any) -> bytes:
+        return bytes(value)
+
+
+@dataclass(frozen=True)
+class OptionalOf:
+    """None or a value of `inner`."""
+
+    inner: Any
+
+    def check(self, what: str, value: Any, limits: Limits) -> Any:
+        return None if value is None else self.inner.check(what, value, limits)
+
+    def pack(self, value: Any) -> Any:
+        return None if value is None else self.inner.pack(value)
+
+
+@dataclass(frozen=True)
+class ListOf:
+    """A list of `item`, at most max_items long (None = limits.max_list_len). Held as a tuple."""
+
+    item: Any
+    max_items: int | None = None
+
+    def check(self, what: str, value: Any, limits: Limits) -> tuple:
+        _need(what, value, list, "list")
+        cap = limits.max_list_len if self.max_items is None else min(self.max_items, limits.max_list_len)
+        if len(value) > cap:
+            raise WireError(f"{what} length", cap, len(value))
+        return tuple(self.item.check(f"{what}[{i}]", v, limits) for i, v in enumerate(value))
+
+    def pack(self, value: Any) -> list:
+        return [self.item.pack(v) for v in value]
+
+
+@dataclass(frozen=True)
+class MapOf:
+    """A str -> value map of at most limits.max_list_len entries."""
+
+    key: Str
+    value: Any
+
+    def check(self, what: str, value: Any, limits: Limits) -> dict:
+        _need(what, value, dict, "map")
+        if len(value) > limits.max_list_len:
+            raise WireError(f"{what} length", limits.max_list_len, len(value))
+        return {self.key.check(f"{what} key", k, limits): self.value.check(f"{what}[{k!r}]", v, limits) for k, v in value.items()}
+
+    def pack(self, value: Any) -> dict:
+        return {self.key.pack(k): self.value.pack(v) for k, v in value.items()}
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """A tensor field: travels in the tensor table, not the header. `dtypes` are wire names."""
+
+    dtypes: frozenset[str]
+    optional: bool = False
+
+
+def spec(kind: Any, **field_kwargs: Any) -> Any:
+    """Declare a message field of `kind` (a dataclasses.field carrying it as metadata)."""
+    return dataclasses.field(metadata={"wire": kind}, **field_kwargs)
+
+
+def kind_of(f: dataclasses.Field) -> Any:
+    return f.metadata["wire"]

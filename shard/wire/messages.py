@@ -1,0 +1,278 @@
+"""The wire's message kinds: frozen dataclasses, and the registry that is their allow-list.
+
+Each field is declared with its wire kind (fields.py); `check(limits)` holds the rules
+that span fields (shapes, exactly-one-of, orderings). Messages are pure data: nothing
+here does I/O or knows how frames are laid out (codec.py) or read (the transport).
+List fields are held as tuples; any sequence is accepted when building one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import ClassVar, Union
+
+import msgpack
+import torch
+
+from shard.errors import WireError
+from shard.wire.dtypes import BY_TORCH, FLOAT_NAMES, FP8_NAMES
+from shard.wire.fields import Bytes, Float, Int, ListOf, MapOf, OptionalOf, Str, Tensor, kind_of, spec
+from shard.wire.limits import MAX_PAYLOAD_BYTES, MAX_RECEIPT_BYTES, MAX_RECEIPTS, Limits
+
+PROTOCOL_VERSION = 1
+# Header keys the codec owns; no message field may use them.
+RESERVED_KEYS = frozenset({"v", "kind", "tensors"})
+
+JOB_ID = Str(64)
+PEER_ID = Str(128)  # a libp2p peer id in text form (base58 / CID), ~52 chars today
+NAME = Str(256)  # model names, digests, device descriptions, addresses
+EPOCH = Int()
+ROUND = Int()
+RECEIPTS = ListOf(Bytes(MAX_RECEIPT_BYTES), max_items=MAX_RECEIPTS)
+FLOATS = frozenset(FLOAT_NAMES)
+INTS = frozenset({"i32", "i64"})
+F32 = frozenset({"f32"})
+
+
+def _fail_shape(name: str, expected: object, t: torch.Tensor) -> WireError:
+    return WireError(f"tensor '{name}' shape", expected, list(t.shape))
+
+
+def _check_tokens_dim(name: str, t: torch.Tensor, limits: Limits) -> int:
+    """T of a (T,) or (T, ...) tensor, checked to be in [1, max_tokens_per_frame]."""
+    if t.dim() < 1:
+        raise _fail_shape(name, "rank >= 1", t)
+    n = t.shape[0]
+    if not (1 <= n <= limits.max_tokens_per_frame):
+        raise WireError(f"tensor '{name}' tokens", limits.max_tokens_per_frame, n)
+    return n
+
+
+def _check_vector(name: str, t: torch.Tensor | None, n: int) -> None:
+    if t is not None and tuple(t.shape) != (n,):
+        raise _fail_shape(name, [n], t)
+
+
+def _check_nonnegative(name: str, t: torch.Tensor | None) -> None:
+    if t is not None and t.numel() and int(t.min()) < 0:
+        raise WireError(f"tensor '{name}' values", ">= 0", int(t.min()))
+
+
+def _check_activations(name: str, t: torch.Tensor | None, scale: torch.Tensor | None, n: int, limits: Limits, *, multiple: bool) -> None:
+    """t is (n, H) for hidden or (n, k*H), k >= 1, for aux; fp8 rows need a (n,) f32 scale."""
+    scale_name = f"{name}_scale"
+    if t is None:
+        if scale is not None:
+            raise WireError(f"tensor '{scale_name}' without '{name}'")
+        return
+    h = limits.hidden_size
+    expected = [n, ("k*H" if h is None else f"k*{h}") if multiple else ("H" if h is None else h)]
+    if t.dim() != 2 or t.shape[0] != n:
+        raise _fail_shape(name, expected, t)
+    if h is not None:
+        width = t.shape[1]
+        bad_width = (width == 0 or width % h != 0) if multiple else width != h
+        if bad_width:
+            raise _fail_shape(name, expected, t)
+    is_fp8 = BY_TORCH[t.dtype].name in FP8_NAMES
+    if is_fp8 and scale is None:
+        raise WireError(f"tensor '{scale_name}' missing for fp8 '{name}'")
+    if not is_fp8 and scale is not None:
+        raise WireError(f"tensor '{scale_name}' with non-fp8 '{name}'")
+    _check_vector(scale_name, scale, n)
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class Forward:
+    """Coordinator -> head, stage -> next stage: run these T tokens through your layers."""
+
+    KIND: ClassVar[str] = "forward"
+    job_id: str = spec(JOB_ID)
+    epoch: int = spec(EPOCH)
+    round: int = spec(ROUND)
+    nonce: bytes = spec(Bytes(32))
+    phase: str = spec(Str(16, choices=("prefill", "decode", "verify")))
+    # Valid KV slots once the commit is applied; this frame writes [ctx_len, ctx_len + T).
+    ctx_len: int = spec(Int())
+    positions: torch.Tensor = spec(Tensor(INTS))  # (T,) rotary positions; tree siblings share one
+    # Slots gathered, in order, into [commit_dst, commit_dst + len) before this frame runs.
+    commit_src: tuple[int, ...] = spec(ListOf(Int()), default=())
+    commit_dst: int = spec(Int(), default=0)
+    tree_parents: torch.Tensor | None = spec(Tensor(frozenset({"i32"}), optional=True), default=None)  # (T,)
+    tokens: torch.Tensor | None = spec(Tensor(INTS, optional=True), default=None)  # (T,) head only
+    hidden: torch.Tensor | None = spec(Tensor(FLOATS, optional=True), default=None)  # (T, H)
+    hidden_scale: torch.Tensor | None = spec(Tensor(F32, optional=True), default=None)  # (T,) fp8 only
+    aux: torch.Tensor | None = spec(Tensor(FLOATS, optional=True), default=None)  # (T, k*H) EAGLE features
+    aux_scale: torch.Tensor | None = spec(Tensor(F32, optional=True), default=None)  # (T,) fp8 only
+    want_aux_layers: tuple[int, ...] = spec(ListOf(Int()), default=())
+    receipts: tuple[bytes, ...] = spec(RECEIPTS, default=())
+
+    def check(self, limits: Limits) -> None:
+        n = _check_tokens_dim("positions", self.positions, limits)
+        _check_vector("positions", self.positions, n)
+        _check_nonnegative("positions", self.positions)
+        if (self.tokens is None) == (self.hidden is None):
+            raise WireError("exactly one of tensors 'tokens', 'hidden'", 1, int(self.tokens is not None) + int(self.hidden is not None))
+        _check_vector("tokens", self.tokens, n)
+        _check_nonnegative("tokens", self.tokens)
+        _check_activations("hidden", self.hidden, self.hidden_scale, n, limits, multiple=False)
+        _check_activations("aux", self.aux, self.aux_scale, n, limits, multiple=True)
+        if self.tree_parents is not None:
+            _check_vector("tree_parents", self.tree_parents, n)
+            p = self.tree_parents.to(torch.int64)  # (T,)
+            bad = (p < -1) | (p >= torch.arange(n, device=p.device))
+            if bool(bad.any()):
+                i = int(bad.nonzero()[0, 0])
+                raise WireError(f"tensor 'tree_parents'[{i}] value", f"[-1, {i})", int(p[i]))
+        committed = self.commit_dst + len(self.commit_src)
+        if committed > self.ctx_len:
+            raise WireError("field 'commit_dst' + len(commit_src) vs 'ctx_len'", self.ctx_len, committed)
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class Result:
+    """Tail -> coordinator: the final hidden states of a frame (and EAGLE aux features)."""
+
+    KIND: ClassVar[str] = "result"
+    job_id: str = spec(JOB_ID)
+    epoch: int = spec(EPOCH)
+    round: int = spec(ROUND)
+    hidden: torch.Tensor = spec(Tensor(FLOATS))  # (T, H)
+    hidden_scale: torch.Tensor | None = spec(Tensor(F32, optional=True), default=None)  # (T,)
+    aux: torch.Tensor | None = spec(Tensor(FLOATS, optional=True), default=None)  # (T, k*H)
+    aux_scale: torch.Tensor | None = spec(Tensor(F32, optional=True), default=None)  # (T,)
+    receipts: tuple[bytes, ...] = spec(RECEIPTS, default=())
+
+    def check(self, limits: Limits) -> None:
+        n = _check_tokens_dim("hidden", self.hidden, limits)
+        _check_activations("hidden", self.hidden, self.hidden_scale, n, limits, multiple=False)
+        _check_activations("aux", self.aux, self.aux_scale, n, limits, multiple=True)
+
+
+@dataclass(frozen=True, kw_only=True)
+class EndJob:
+    """Coordinator -> stages: the job is over; free its KV cache."""
+
+    KIND: ClassVar[str] = "end_job"
+    job_id: str = spec(JOB_ID)
+    epoch: int = spec(EPOCH)
+
+    def check(self, limits: Limits) -> None:
+        pass
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobError:
+    """Stage -> coordinator: a frame of this job could not be processed."""
+
+    KIND: ClassVar[str] = "job_error"
+    job_id: str = spec(JOB_ID)
+    epoch: int = spec(EPOCH)
+    round: int = spec(ROUND)
+    code: str = spec(Str(64))
+    message: str = spec(Str(1024))
+    stage: str = spec(PEER_ID)
+
+    def check(self, limits: Limits) -> None:
+        pass
+
+
+@dataclass(frozen=True, kw_only=True)
+class Register:
+    """Node -> coordinator: who I am and what I can do (measured, not claimed-by-config)."""
+
+    KIND: ClassVar[str] = "register"
+    peer_id: str = spec(PEER_ID)
+    model: str = spec(NAME)
+    manifest_digest: str = spec(NAME)
+    device: str = spec(NAME)
+    memory_bytes: int = spec(Int())
+    decode_s_per_layer: float = spec(Float())
+    prefill_s_per_layer_token: float = spec(Float())
+    upload_bytes_per_s: float = spec(Float())
+    download_bytes_per_s: float = spec(Float())
+    rtt_ms: dict[str, float] = spec(MapOf(PEER_ID, Float()), default_factory=dict)  # peer id -> ms
+    listen_addrs: tuple[str, ...] = spec(ListOf(NAME, max_items=64), default=())
+
+    def check(self, limits: Limits) -> None:
+        pass
+
+
+@dataclass(frozen=True, kw_only=True)
+class Assignment:
+    """Coordinator -> node: your place in ring epoch `epoch`, signed by the coordinator."""
+
+    KIND: ClassVar[str] = "assignment"
+    epoch: int = spec(EPOCH)
+    peer_id: str = spec(PEER_ID)
+    role: str = spec(Str(32))
+    layer_start: int = spec(Int())
+    layer_end: int = spec(Int())  # half-open: layers [layer_start, layer_end)
+    predecessor: str | None = spec(OptionalOf(PEER_ID))  # None = the coordinator feeds me
+    successor: str | None = spec(OptionalOf(PEER_ID))  # None = tail, returns to coordinator
+    model: str = spec(NAME)
+    manifest_digest: str = spec(NAME)
+    wire_dtype: str = spec(Str(16, choices=tuple(sorted(FLOAT_NAMES))))
+    signature: bytes = spec(Bytes(64), default=b"")  # Ed25519 over signing_bytes()
+
+    def check(self, limits: Limits) -> None:
+        if self.layer_start >= self.layer_end:
+            raise WireError("field 'layer_end' must exceed 'layer_start'", self.layer_start, self.layer_end)
+
+    def signing_bytes(self) -> bytes:
+        """Deterministic msgpack of every field but the signature, keys sorted, with the
+        version and kind included so a signature cannot be replayed as another message."""
+        body = {"kind": self.KIND, "v": PROTOCOL_VERSION}
+        for f in dataclasses.fields(self):
+            if f.name != "signature":
+                body[f.name] = kind_of(f).pack(getattr(self, f.name))
+        return msgpack.packb(dict(sorted(body.items())), use_bin_type=True)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Ready:
+    """Node -> coordinator: my slice is loaded and I serve epoch `epoch`."""
+
+    KIND: ClassVar[str] = "ready"
+    peer_id: str = spec(PEER_ID)
+    epoch: int = spec(EPOCH)
+
+    def check(self, limits: Limits) -> None:
+        pass
+
+
+@dataclass(frozen=True, kw_only=True)
+class Ping:
+    """Liveness / RTT probe; a non-empty payload makes it a bandwidth probe."""
+
+    KIND: ClassVar[str] = "ping"
+    nonce: int = spec(Int())
+    sent_ns: int = spec(Int())
+    payload: bytes = spec(Bytes(MAX_PAYLOAD_BYTES), default=b"")
+
+    def check(self, limits: Limits) -> None:
+        pass
+
+
+@dataclass(frozen=True, kw_only=True)
+class Pong:
+    """Answer to a Ping: echoes its nonce and sent_ns."""
+
+    KIND: ClassVar[str] = "pong"
+    nonce: int = spec(Int())
+    sent_ns: int = spec(Int())
+    payload: bytes = spec(Bytes(MAX_PAYLOAD_BYTES), default=b"")
+
+    def check(self, limits: Limits) -> None:
+        pass
+
+
+Message = Union[Forward, Result, EndJob, JobError, Register, Assignment, Ready, Ping, Pong]
+# The allow-list: the only classes a peer's `kind` can name.
+REGISTRY: dict[str, type] = {c.KIND: c for c in (Forward, Result, EndJob, JobError, Register, Assignment, Ready, Ping, Pong)}
+
+for _cls in REGISTRY.values():
+    _clash = {f.name for f in dataclasses.fields(_cls)} & RESERVED_KEYS
+    if _clash:
+        raise TypeError(f"{_cls.__name__} uses reserved header keys {sorted(_clash)}")
