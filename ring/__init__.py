@@ -2,3 +2,20 @@
 
 Decisions are pure functions of data; nothing here opens a socket or touches torch.
 """
+
+from ring.churn import ChurnPolicy, plan_moves, reselect
+from ring.cost import evaluate, max_layers
+from ring.errors import InfeasibleError, InvalidInputError, RingError, UnknownPeerError
+from ring.network import LatencyMatrix, Network, NodeInfo, PeerId
+from ring.oracle import oracle_ring
+from ring.plan import Hop, Move, Plan, Role, RoleKind, Stage, StageTiming
+from ring.roles import RolePolicy, assign_roles
+from ring.search import Constraints, select_ring
+from ring.spec import ModelSpec, Workload
+
+__all__ = [
+    "ChurnPolicy", "Constraints", "Hop", "InfeasibleError", "InvalidInputError", "LatencyMatrix", "ModelSpec",
+    "Move", "Network", "NodeInfo", "PeerId", "Plan", "RingError", "Role", "RoleKind", "RolePolicy", "Stage",
+    "StageTiming", "UnknownPeerError", "Workload", "assign_roles", "evaluate", "max_layers", "oracle_ring",
+    "plan_moves", "reselect", "select_ring",
+]

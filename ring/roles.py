@@ -1,0 +1,83 @@
+"""Roles for the nodes a plan leaves off the ring, each with a reason a person can read.
+
+Pure. Order of preference: one hot standby per stage (fastest to take that slice over),
+decode-only replicas (can hold the whole model), spot-check verifiers, weight seeders
+(good uplink), relays (everything else). Knows nothing of how the ring was chosen.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ring.cost import max_layers
+from ring.network import Network, NodeInfo, PeerId
+from ring.plan import Plan, Role, RoleKind
+from ring.spec import ModelSpec, Workload
+from shard.layers import LayerRange
+
+
+@dataclass(frozen=True)
+class RolePolicy:
+    standbys_per_stage: int = 1
+    verifiers_per_stage: float = 0.5  # verifier count = ceil-ish of this times the stage count
+    seeder_min_upload_bytes_per_s: float = 12.5e6  # 100 Mbit/s
+
+
+def missing_layers(node: NodeInfo, layers: LayerRange) -> int:
+    """How many of `layers` the node would still have to fetch."""
+    if node.held is None:
+        return len(layers)
+    overlap = max(0, min(node.held.end, layers.end) - max(node.held.start, layers.start))
+    return len(layers) - overlap
+
+
+def fetch_s(node: NodeInfo, layers: LayerRange, model: ModelSpec, source_upload_bytes_per_s: float) -> float:
+    """Seconds to fetch the missing part of `layers` over min(own download, source upload)."""
+    rate = min(node.download_bytes_per_s, source_upload_bytes_per_s)
+    return missing_layers(node, layers) * model.bytes_per_layer / rate
+
+
+def assign_roles(plan: Plan, network: Network, model: ModelSpec, workload: Workload,
+                 policy: RolePolicy = RolePolicy()) -> dict[PeerId, Role]:
+    on_ring = set(plan.peers)
+    spare = sorted((n for n in network.nodes if n.peer not in on_ring), key=lambda n: n.peer)
+    roles: dict[PeerId, Role] = {}
+    subnets = [network.node(s.peer).subnet for s in plan.stages]
+
+    for index, stage in enumerate(plan.stages):
+        others = set(subnets[:index] + subnets[index + 1:])
+        source_upload = network.node(stage.peer).upload_bytes_per_s
+        fits = [(fetch_s(n, stage.layers, model, source_upload), n.peer, n) for n in spare
+                if n.peer not in roles and n.subnet not in others
+                and max_layers(n, model, workload) >= len(stage.layers)]
+        for seconds, peer, _ in sorted(fits)[: policy.standbys_per_stage]:
+            roles[peer] = Role(RoleKind.HOT_STANDBY,
+                               f"fits stage {index}'s {len(stage.layers)} layers {stage.layers}; "
+                               f"can load them in {seconds:.1f} s", index)
+
+    verifier_quota = max(1, round(policy.verifiers_per_stage * len(plan.stages)))
+    verifiers = 0
+    for node in spare:
+        if node.peer in roles:
+            continue
+        cap = max_layers(node, model, workload)
+        if cap >= model.num_layers:
+            roles[node.peer] = Role(RoleKind.DECODE_REPLICA,
+                                    f"holds all {model.num_layers} layers with KV for {workload.context_tokens} "
+                                    f"tokens: serves short requests alone, no ring hops")
+        elif cap >= 1 and verifiers < verifier_quota:
+            index = verifiers % len(plan.stages)
+            roles[node.peer] = Role(RoleKind.SPOT_CHECK_VERIFIER,
+                                    f"holds {cap} layers: recomputes sampled frames of stage {index} "
+                                    f"{plan.stages[index].layers} and compares receipts", index)
+            verifiers += 1
+        elif node.upload_bytes_per_s >= policy.seeder_min_upload_bytes_per_s:
+            roles[node.peer] = Role(RoleKind.WEIGHT_SEEDER,
+                                    f"uplink {node.upload_bytes_per_s * 8 / 1e6:.0f} Mbit/s: seeds weight "
+                                    f"slices to new stages")
+        else:
+            why = "no room for a layer" if cap < 1 else "verifier quota met"
+            roles[node.peer] = Role(RoleKind.RELAY,
+                                    f"{why}, uplink {node.upload_bytes_per_s * 8 / 1e6:.0f} Mbit/s too slow "
+                                    f"to seed: relays connections for peers behind NAT")
+    return roles
