@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import pathlib
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -123,6 +124,9 @@ class GGUFSource:
     def load(self, progress: bool) -> None:
         from transformers import AutoModelForCausalLM
 
+        if progress:
+            print(f"dequantising {self.path.name} through transformers (one-time; about a minute)...",
+                  file=sys.stderr, flush=True)
         # f32 so the stage's forward is exactly comparable with transformers loading the
         # same GGUF in f32 (Q4_1 dequantises to f32 values anyway).
         model = AutoModelForCausalLM.from_pretrained(str(self.path.parent), gguf_file=self.path.name,

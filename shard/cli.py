@@ -1,0 +1,70 @@
+"""`shard-node`: the node's command line. One function per subcommand.
+
+Parses arguments and reports errors as one line; the work lives in the modules it calls
+(shard.store for `prepare`). Knows nothing of how a store is laid out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Callable
+
+from shard.errors import ShardError
+from shard.sources import ALIASES, DEFAULT_MODEL
+
+PROG = "shard-node"
+
+
+def add_prepare(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("prepare", help="turn a model into a layer-addressable store (one-time, offline)",
+                       description="Split a model into per-layer safetensors files plus a manifest of digests. "
+                                   "Idempotent: an existing store is verified and left as is.")
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help=f"alias ({', '.join(ALIASES)}), a local HF model dir, or a .gguf file (default: %(default)s)")
+    p.add_argument("--out", default=None, help="store dir (default: $SHARD_HOME/models/<name>, "
+                                               "SHARD_HOME defaulting to ~/.cache/shard)")
+    p.add_argument("--force", action="store_true", help="rebuild even if a valid store is already there")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.set_defaults(run=run_prepare)
+
+
+def run_prepare(args: argparse.Namespace) -> int:
+    from shard.store import prepare
+
+    result = prepare(args.model, args.out, force=args.force, progress=not args.quiet)
+    m = result.store.manifest
+    what = "prepared" if result.created else "already prepared, digests verified, nothing to do:"
+    print(f"{what} {m.name} ({m.model_type}, {m.num_layers} layers, {m.dtype}) at {result.store.root}")
+    print(f"digest {m.digest}")
+    return 0
+
+
+# Each entry adds one subcommand's parser, whose `run` default is the function that runs it.
+SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [add_prepare]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=PROG, description="A shard node: hosts a slice of a model's layers.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add in SUBCOMMANDS:
+        add(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point. Returns the exit status: 0 ok, 1 a ShardError (one line, no traceback),
+    2 a usage error (argparse), 130 interrupted."""
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except ShardError as e:
+        print(f"{PROG} {args.command}: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"{PROG} {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
