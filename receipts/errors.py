@@ -202,3 +202,6 @@ class WrongCoordinator(VerificationError):
     """A bundle or evidence record is signed by a coordinator key other than the expected one."""
 
     check = "coordinator"
+
+
+__all__ = [name for name, obj in list(globals().items()) if isinstance(obj, type) and issubclass(obj, ReceiptError)]
