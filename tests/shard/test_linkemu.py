@@ -195,3 +195,23 @@ def test_real_loopback_libp2p_stream_sees_the_emulated_latency():
     t_single, t_burst = trio.run(bounded)
     assert latency_s <= arrived[0] - t_single < latency_s + 0.100
     assert latency_s <= arrived[-1] - t_burst < 2 * latency_s
+
+
+def test_probes_measure_the_emulated_link():
+    # Guards: probes that time the local send call instead of the round trip, or that
+    # count the sync's own round trip as transfer time (bandwidth under-reported).
+    # Oracle: the emulation's own parameters (mock clock, so exact up to the prefix bytes).
+    from shard.linkprobe import measure_bandwidth, measure_rtt, serve_probe
+
+    async def main():
+        near, far = memory_stream_pair("client", "server")
+        async with open_emulated_link(near, 0.040, 1e6) as up, open_emulated_link(far, 0.040, 1e9) as down:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(serve_probe, down)
+                rtt = await measure_rtt(up, 5)
+                bw = await measure_bandwidth(up, 2_000_000)
+                await up.aclose()
+        assert rtt.median_s == pytest.approx(0.080, rel=0.01)
+        assert bw.bytes_per_s == pytest.approx(1e6, rel=0.01)
+
+    run_mock(main)
