@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import logging
 import math
-import struct
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -45,10 +44,10 @@ from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
 from libp2p.stream_muxer.yamux.yamux import Yamux
 
 from shard.errors import ShardError, WireError
+from shard.wire.limits import FRAME_PREFIX  # ">I": body length, big-endian uint32; torch-free home
 
 log = logging.getLogger(__name__)
 
-FRAME_PREFIX = struct.Struct(">I")  # body length in bytes, big-endian uint32
 MAX_FRAME_BYTES_LIMIT = 2**32 - 1  # the most a ">I" prefix can announce
 SECURITY_PROTOCOL = str(NOISE_PROTOCOL_ID)  # "/noise"
 MUXER_PROTOCOL = str(YAMUX_PROTOCOL_ID)  # "/yamux/1.0.0"
