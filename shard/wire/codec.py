@@ -35,6 +35,7 @@ HEADER_PREFIX = struct.Struct(">I")
 if sys.byteorder != "little":
     raise ImportError("shard.wire.codec assumes a little-endian host")
 
+_TENSOR_ALIGN = max(d.itemsize for d in DTYPES)  # 8: aligned for every wire dtype
 _PLAIN_LEAVES = (str, bytes, int, float, bool, type(None))
 _DTYPE_NAMES = [d.name for d in DTYPES]
 # What the header parser or tensor views may raise on hostile input; all become WireError.
@@ -54,6 +55,11 @@ def _fields(cls: type) -> tuple[list[dataclasses.Field], list[dataclasses.Field]
     return [f for f in fs if not isinstance(kind_of(f), Tensor)], [f for f in fs if isinstance(kind_of(f), Tensor)]
 
 
+def _itemsize_of(t: Any) -> int:
+    row = BY_TORCH.get(t.dtype) if isinstance(t, torch.Tensor) else None
+    return row.itemsize if row else 0
+
+
 def encode(msg: Message, limits: Limits | None = None) -> bytes:
     """The frame body for `msg` (no stream prefix). Checks msg with the same rules decode
     applies, under `limits` (default Limits()), so we never send what a peer must refuse."""
@@ -71,7 +77,9 @@ def encode(msg: Message, limits: Limits | None = None) -> bytes:
             raise WireError(f"field '{f.name}' type", type(kind).__name__, type(getattr(msg, f.name)).__name__) from e
         header[f.name] = kind.check(f"field '{f.name}'", packed, limits)
     table, chunks = [], []
-    for f in tensor_fields:
+    # Largest itemsize first: with the tensor bytes starting 8-aligned (see `pad`), every
+    # tensor then starts at a multiple of its own itemsize and decodes without a copy.
+    for f in sorted(tensor_fields, key=lambda f: -_itemsize_of(getattr(msg, f.name))):
         t, spec = getattr(msg, f.name), kind_of(f)
         if t is None:
             if not spec.optional:
@@ -89,6 +97,11 @@ def encode(msg: Message, limits: Limits | None = None) -> bytes:
         chunks.append(memoryview(raw.numpy()))
     header["tensors"] = table
     msg.check(limits)
+    # bin8 holds 0..255 bytes behind a fixed 2-byte prefix, so growing `pad` by d grows
+    # the header by exactly d: one repack lands the tensor bytes on an 8-byte boundary.
+    header["pad"] = b""
+    unpadded = len(msgpack.packb(header, use_bin_type=True))
+    header["pad"] = bytes(-(HEADER_PREFIX.size + unpadded) % _TENSOR_ALIGN)
     head = msgpack.packb(header, use_bin_type=True)
     if len(head) > limits.max_header_bytes:
         raise WireError("header length", limits.max_header_bytes, len(head))
@@ -132,6 +145,11 @@ def _decode(body: Any, limits: Limits) -> Message:
     for key in header:
         if key not in allowed:
             raise WireError(f"unknown field for '{cls.KIND}'", None, _clip(key))
+    pad = header.get("pad", b"")
+    if not isinstance(pad, bytes):
+        raise WireError("field 'pad' type", "bytes", type(pad).__name__)
+    if len(pad) >= _TENSOR_ALIGN:
+        raise WireError("field 'pad' length", _TENSOR_ALIGN - 1, len(pad))
     values: dict[str, Any] = {}
     for f in header_fields:
         if f.name not in header:

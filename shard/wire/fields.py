@@ -43,8 +43,8 @@ class Int:
             raise WireError(f"{what} range", f"[{self.lo}, {self.hi}]", value)
         return value
 
-    def pack(self, value: Any) -> int:
-        return int(value)
+    def pack(self, value: Any) -> Any:
+        return value  # no coercion: check() must see a bool or a numpy int as the bug it is
 
 
 @dataclass(frozen=True)
@@ -60,8 +60,8 @@ class Float:
             raise WireError(f"{what} range", f"finite >= {self.lo}", value)
         return value
 
-    def pack(self, value: Any) -> float:
-        return float(value)
+    def pack(self, value: Any) -> Any:
+        return float(value) if type(value) is int else value  # widen ints only; check() rejects the rest
 
 
 @dataclass(frozen=True)
@@ -94,8 +94,8 @@ class Bytes:
             raise WireError(f"{what} length", self.max_bytes, len(value))
         return value
 
-    def pack(self, value: Any) -> bytes:
-        return bytes(value)
+    def pack(self, value: Any) -> Any:
+        return bytes(value) if isinstance(value, (bytearray, memoryview)) else value
 
 
 @dataclass(frozen=True)

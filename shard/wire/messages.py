@@ -21,8 +21,9 @@ from shard.wire.fields import Bytes, Float, Int, ListOf, MapOf, OptionalOf, Str,
 from shard.wire.limits import MAX_PAYLOAD_BYTES, MAX_RECEIPT_BYTES, MAX_RECEIPTS, Limits
 
 PROTOCOL_VERSION = 1
-# Header keys the codec owns; no message field may use them.
-RESERVED_KEYS = frozenset({"v", "kind", "tensors"})
+# Header keys the codec owns; no message field may use them. `pad` (bin, 0..7 bytes) makes
+# the tensor bytes start 8-aligned in the body so they can be viewed without copying.
+RESERVED_KEYS = frozenset({"v", "kind", "tensors", "pad"})
 
 JOB_ID = Str(64)
 PEER_ID = Str(128)  # a libp2p peer id in text form (base58 / CID), ~52 chars today
