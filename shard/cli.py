@@ -40,8 +40,32 @@ def run_prepare(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_join(sub: argparse._SubParsersAction) -> None:
+    from shard.node import NodeConfig
+    from shard.options import add_options
+
+    p = sub.add_parser("join", help="join a coordinator's swarm and serve the layers it assigns",
+                       description="Register with a coordinator, load the assigned slice of the model, serve ring frames.")
+    add_options(p, NodeConfig)
+    p.add_argument("--log-level", default="INFO")
+    p.set_defaults(run=run_join)
+
+
+def run_join(args: argparse.Namespace) -> int:
+    import logging
+
+    import trio
+
+    from shard.node import NodeConfig, run_node
+    from shard.options import config_from_args
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    trio.run(run_node, config_from_args(NodeConfig, args))
+    return 0
+
+
 # Each entry adds one subcommand's parser, whose `run` default is the function that runs it.
-SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [add_prepare]
+SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [add_prepare, add_join]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -59,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.run(args)
     except ShardError as e:
-        print(f"{PROG} {args.command}: error: {e}", file=sys.stderr)
+        one_line = " ".join(str(e).split())
+        print(f"{PROG} {args.command}: error: {one_line}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print(f"{PROG} {args.command}: interrupted", file=sys.stderr)

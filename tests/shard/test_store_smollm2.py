@@ -56,3 +56,25 @@ def test_a_third_of_the_layers_costs_about_a_third(smollm2_store):
     assert sorted(layers) == list(third)
     assert layers[15]["self_attn.k_proj.weight"].shape == (192, 576)
     print(f"load+verify: a third {t_third:.3f}s, all {t_full:.3f}s, ratio {t_third / t_full:.2f}")
+
+
+def test_stored_weights_equal_the_dequantised_gguf(smollm2_store):
+    # Bug guarded: a GGUF tensor mapped to the wrong HF name or layer, or rounded through a
+    # narrower dtype. Sound: the oracle is the gguf library's own dequantisation of the
+    # file, read independently of transformers (q/k are left out: llama.cpp stores them
+    # row-permuted for its rope layout, and transformers undoes that).
+    import gguf
+    import numpy as np
+
+    from shard.sources import locate_alias
+
+    reader = gguf.GGUFReader(str(locate_alias("smollm2-135m")))
+    by_name = {t.name: t for t in reader.tensors}
+    layer = smollm2_store.load_layers(LayerRange(7, 8))[7]
+    pairs = {"attn_v": "self_attn.v_proj.weight", "attn_output": "self_attn.o_proj.weight",
+             "ffn_down": "mlp.down_proj.weight", "ffn_gate": "mlp.gate_proj.weight",
+             "attn_norm": "input_layernorm.weight", "ffn_norm": "post_attention_layernorm.weight"}
+    for gguf_name, hf_name in pairs.items():
+        t = by_name[f"blk.7.{gguf_name}.weight"]
+        expected = torch.from_numpy(np.array(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32))
+        assert torch.equal(layer[hf_name], expected), hf_name
