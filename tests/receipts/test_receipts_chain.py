@@ -66,7 +66,7 @@ def test_honest_ring_verifies_as_objects_and_bytes(ring):
 SIGNED_FIELD_TAMPERS = {
     "manifest_digest": lambda r: sha256_digest(b"other manifest"),
     "weights_digest": lambda r: sha256_digest(b"other weights"),
-    "epoch": lambda r: r.epoch + 1,
+    "epoch": lambda r: r.epoch ^ 1,  # stays a u64 at the top of the range
     "job_id": lambda r: "job-2",
     "round": lambda r: r.round + 1,
     "nonce": lambda r: bytes(reversed(r.nonce)),
