@@ -18,8 +18,8 @@ from receipts.errors import MalformedError
 MAX_UINT64 = 2**64 - 1
 MAX_LAYERS = 2**16  # far above any model; bounds layer indices from peers
 MIN_NONCE_BYTES = 16  # 128 bits: a per-job nonce the coordinator draws at random
-MAX_NONCE_BYTES = 64
-MAX_JOB_ID_CHARS = 128
+MAX_NONCE_BYTES = 32  # the wire protocol caps the nonce at 32 bytes too
+MAX_JOB_ID_CHARS = 64  # ASCII, so also the wire cap of 64 bytes
 # Job ids name files in the bundle store, so they are restricted to a filename-safe set
 # that cannot be "." / ".." or hidden (uuid hex and "chatcmpl-…" both fit).
 JOB_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")

@@ -175,8 +175,8 @@ def test_unknown_version_and_oversize_and_trailing_bytes():
     [
         ("epoch", True, "expected an int, got bool"),
         ("round", -1, "outside"),
-        ("nonce", b"short", "expected 16..64 bytes, got 5"),
-        ("job_id", "../etc/passwd", "is not 1..128 chars"),
+        ("nonce", b"short", "expected 16..32 bytes, got 5"),
+        ("job_id", "../etc/passwd", "is not 1..64 chars"),
         ("layer_start", 16, "empty or reversed"),
         ("input_digest", b"x" * 31, "expected 32 bytes, got 31"),
     ],
