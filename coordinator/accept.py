@@ -71,50 +71,61 @@ def accept_sampling(tree: DraftTree, target_probs: torch.Tensor, generator: torc
     """
     _check_rows(tree, target_probs, "target probs")
     toks = tree.tokens.tolist()
+    greedy_picks = tree.sampling is ChildSampling.GREEDY
     node, nodes, tried = -1, [], 0
     while True:
         p = target_probs[node + 1].double()  # (V,) target at this node
-        q = tree.probs[node + 1].double() if tree.probs is not None else None  # (V,) draft here
+        q = None if greedy_picks else tree.probs[node + 1].double()  # (V,) draft at this node
         accepted = None
         for child in tree.children(node):
             x = toks[child]
             tried += 1
-            # 1) Child x was drawn from proposal r (a point mass for GREEDY picks, q for
-            #    IID draws, q minus earlier siblings for draws without replacement).
+            # 1) Child x was drawn from a proposal r: a point mass for GREEDY picks, q for
+            #    IID draws, q minus the earlier siblings for draws without replacement.
             #    Accepting with prob min(1, p(x)/r(x)) and otherwise drawing from
-            #    norm(max(0, p - r)) yields exactly p (Leviathan et al. / Chen et al.).
-            r = _proposal(tree.sampling, q, x, p.shape[0])
-            if not r[x] > 0:
-                raise DraftShapeError(f"draft probability of node {child} (token {x})", "> 0", float(r[x]))
-            if float(torch.rand((), generator=generator, dtype=torch.float64)) * r[x] < p[x]:
+            #    norm(max(0, p - r)) emits exactly p (Leviathan et al.; Chen et al.).
+            px, rx = float(p[x]), 1.0 if greedy_picks else float(q[x])
+            if not rx > 0:
+                raise DraftShapeError(f"draft probability of node {child} (token {x})", "> 0", rx)
+            if float(torch.rand((), generator=generator, dtype=torch.float64)) * rx < px:
                 accepted = child
                 break
-            # 2) Rejected: the next sibling must reproduce the residual, so it becomes the
-            #    target. The residual depends on r but not on x, so by induction over the
-            #    siblings each step emits the current target and the whole node emits p.
-            residual = torch.clamp(p - r, min=0.0)
-            total = residual.sum()
+            # 2) Rejected: the remaining siblings must emit the residual, so it becomes the
+            #    target. It depends on r but not on which x was drawn, so by induction over
+            #    the siblings (the last fallback being a draw from the residual) the node
+            #    emits p. For a point mass the residual is p with x removed.
+            if greedy_picks:
+                residual = p.clone()
+                residual[x] = 0.0
+            else:
+                residual = torch.clamp(p - q, min=0.0)
+            total = float(residual.sum())
             if total > 0:  # total == 0 needs p == r on the support: rejection had prob 0
                 p = residual / total
-            # 3) Without replacement, the next child was drawn from q with x removed; x
-            #    also has zero residual mass now (it was rejected, so p(x) <= r(x)).
+            # 3) Without replacement the next sibling was drawn from q with x removed,
+            #    renormalised; x has no residual mass left either (rejected: p(x) <= r(x)).
             if tree.sampling is ChildSampling.WITHOUT_REPLACEMENT:
                 q = q.clone()
                 q[x] = 0.0
-                q = q / q.sum() if q.sum() > 0 else q
+                mass = float(q.sum())
+                if mass > 0:
+                    q = q / mass
         if accepted is None:
-            bonus = int(torch.multinomial(p, 1, generator=generator))
+            bonus = _draw(p, generator)
             return Acceptance(tuple(nodes), tuple(toks[n] for n in nodes) + (bonus,), tried)
         node = accepted
         nodes.append(node)
 
 
-def _proposal(sampling: ChildSampling, q: torch.Tensor | None, token: int, vocab: int) -> torch.Tensor:
-    if sampling is ChildSampling.GREEDY:
-        point = torch.zeros(vocab, dtype=torch.float64)
-        point[token] = 1.0
-        return point
-    return q
+def _draw(p: torch.Tensor, generator: torch.Generator) -> int:
+    """One index from a (V,) distribution by inverting its CDF: one uniform draw, and an
+    entry with zero mass is never returned (its CDF step is empty)."""
+    cdf = torch.cumsum(p, dim=0)  # (V,)
+    u = float(torch.rand((), generator=generator, dtype=torch.float64)) * float(cdf[-1])
+    index = int(torch.searchsorted(cdf, torch.tensor([u], dtype=cdf.dtype), right=True))
+    if index >= p.shape[0]:  # u rounded up to the total: take the last entry with mass
+        index = int(torch.nonzero(p).max())
+    return index
 
 
 def truncate_at_stop(tokens: Sequence[int], stop_ids: Collection[int]) -> tuple[list[int], bool]:

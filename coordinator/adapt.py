@@ -1,0 +1,274 @@
+"""Choosing the draft's shape: chain length K or tree size M, depth, and pipelining depth.
+
+Exo style: `apply(event, state) -> state` folds measurements (acceptance, draft time,
+traversal time) into EWMAs, and `plan(state) -> DraftShape` picks the shape that
+maximises expected committed tokens per second. `route` scores competing drafts (n-gram,
+EAGLE chain, EAGLE tree) the same way. Everything is a pure function of its arguments.
+
+Acceptance model: a draft node is accepted, given its parent was, with probability
+a * (1 - a)^rank, where rank is its index among its siblings (siblings are tried in
+order and each succeeds with probability a). A chain of K then commits
+1 + a + ... + a^K = (1 - a^(K+1)) / (1 - a) tokens per traversal on average, and `a`
+is estimated as accepted / tried nodes, the maximum-likelihood estimate under that model.
+
+Pipelining model: with P rounds in flight, round r+1 leaves before round r returns,
+assuming r's top path and a guessed bonus are all accepted (probability s = a^(depth+1));
+otherwise it is discarded. A run of rounds ends at the first one that is not fully
+accepted, which gives tokens per second = E / (T (1 - s) + s I), where E is the expected
+tokens per round, T the round's latency and I = max(T / P, draft + ring compute) the
+launch interval. P = 1 gives E / T.
+
+This module does not know about tokens, logits, the ring's members or the network.
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+
+from coordinator.draft_tree import DraftTree
+from coordinator.drafting import DraftBudget
+
+ALL_SOURCES = ""  # acceptance key that pools every drafter
+
+
+class DraftKind(enum.Enum):
+    CHAIN = "chain"
+    TREE = "tree"
+
+
+@dataclass(frozen=True)
+class DraftShape:
+    """What the next round drafts: `nodes` in total (K for a chain), at most `depth`
+    deep, with `pipeline_depth` rounds in flight."""
+
+    kind: DraftKind
+    nodes: int
+    depth: int
+    pipeline_depth: int
+
+    def budget(self) -> DraftBudget:
+        return DraftBudget(self.nodes, self.depth)
+
+
+@dataclass(frozen=True)
+class AdaptConfig:
+    """Priors before measurements, the shapes considered, and the EWMA weight."""
+
+    ewma_alpha: float = 0.2  # weight of the newest round
+    prior_acceptance: float = 0.5
+    prior_traversal_s: float = 0.2  # fixed part of one traversal (latency)
+    prior_per_node_s: float = 0.002  # marginal ring time of one more draft row
+    max_chain: int = 8
+    tree_nodes: tuple[int, ...] = (8, 16, 32, 64)
+    tree_depths: tuple[int, ...] = (3, 4, 6, 8)
+    kinds: tuple[DraftKind, ...] = (DraftKind.CHAIN, DraftKind.TREE)
+    max_pipeline_depth: int = 4
+    # A deeper pipeline burns ring compute on rounds that may be discarded (other jobs
+    # share the ring), so it must buy at least this relative speed-up.
+    min_pipeline_gain: float = 0.05
+    max_acceptance: float = 0.99  # keeps the model from promising unbounded chains
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.ewma_alpha <= 1.0:
+            raise ValueError(f"AdaptConfig.ewma_alpha must be in (0, 1], got {self.ewma_alpha}")
+        if not self.kinds or self.max_chain < 0 or self.max_pipeline_depth < 1:
+            raise ValueError("AdaptConfig needs kinds, max_chain >= 0 and max_pipeline_depth >= 1")
+
+
+@dataclass(frozen=True)
+class AcceptanceStats:
+    """EWMAs of accepted and tried draft nodes per round."""
+
+    accepted: float
+    tried: float
+
+    @property
+    def rate(self) -> float:
+        return self.accepted / self.tried if self.tried > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class TraversalFit:
+    """EWMA moments of (draft rows n, traversal seconds t) for a line t = c + b n."""
+
+    n: float
+    t: float
+    nn: float
+    nt: float
+
+
+@dataclass(frozen=True)
+class AdaptState:
+    acceptance: Mapping[str, AcceptanceStats] = field(default_factory=dict)
+    traversal: TraversalFit | None = None
+    draft_s_per_node: float = 0.0
+    rounds: int = 0
+
+
+@dataclass(frozen=True)
+class RoundVerified:
+    """One round came back and was verified."""
+
+    source: str  # DraftTree.source, e.g. "ngram:3" or "eagle"
+    nodes: int  # draft nodes sent (the ring computed nodes + 1 rows)
+    tried: int  # Acceptance.tried
+    accepted: int  # len(Acceptance.nodes)
+    traversal_s: float  # send to return, ring only
+    draft_s: float  # coordinator time spent drafting this round
+
+
+@dataclass(frozen=True)
+class RingChanged:
+    """The ring was re-selected: its timing is unknown again; acceptance still holds."""
+
+
+Event = RoundVerified | RingChanged
+
+
+def _ewma(old: float, new: float, alpha: float) -> float:
+    return (1 - alpha) * old + alpha * new
+
+
+def apply(event: Event, state: AdaptState, config: AdaptConfig = AdaptConfig()) -> AdaptState:
+    """Fold one event into the state; returns a new state."""
+    if isinstance(event, RingChanged):
+        return replace(state, traversal=None)
+    alpha = config.ewma_alpha
+    acceptance = dict(state.acceptance)
+    family = event.source.split(":")[0]
+    for key in dict.fromkeys((event.source, family, ALL_SOURCES)):  # unique, in order
+        old = acceptance.get(key, AcceptanceStats(config.prior_acceptance, 1.0))
+        acceptance[key] = AcceptanceStats(
+            _ewma(old.accepted, event.accepted, alpha), _ewma(old.tried, event.tried, alpha)
+        )
+    n, t = float(event.nodes + 1), event.traversal_s
+    fit = state.traversal
+    if fit is None:  # first measurement on this ring: start the moments there, not at 0
+        fit = TraversalFit(n, t, n * n, n * t)
+    else:
+        fit = TraversalFit(
+            _ewma(fit.n, n, alpha), _ewma(fit.t, t, alpha), _ewma(fit.nn, n * n, alpha), _ewma(fit.nt, n * t, alpha)
+        )
+    per_node = event.draft_s / max(event.nodes, 1)
+    draft = per_node if state.rounds == 0 else _ewma(state.draft_s_per_node, per_node, alpha)
+    return AdaptState(acceptance, fit, draft, state.rounds + 1)
+
+
+def acceptance_rate(state: AdaptState, source: str = ALL_SOURCES, config: AdaptConfig = AdaptConfig()) -> float:
+    """Per-node acceptance for `source`, falling back to its family ("ngram"), then to
+    all drafters, then to the prior."""
+    for key in (source, source.split(":")[0], ALL_SOURCES):
+        if key in state.acceptance:
+            return min(state.acceptance[key].rate, config.max_acceptance)
+    return min(config.prior_acceptance, config.max_acceptance)
+
+
+def traversal_line(state: AdaptState, config: AdaptConfig = AdaptConfig()) -> tuple[float, float]:
+    """(fixed_s, per_row_s) of traversal time = fixed_s + per_row_s * rows."""
+    fit = state.traversal
+    if fit is None:
+        return config.prior_traversal_s, config.prior_per_node_s
+    var = fit.nn - fit.n * fit.n
+    # Below one row of spread the slope is noise; keep the prior and fit the intercept.
+    slope = max(0.0, (fit.nt - fit.n * fit.t) / var) if var >= 1.0 else config.prior_per_node_s
+    return max(0.0, fit.t - slope * fit.n), slope
+
+
+def expected_tokens_chain(a: float, k: int) -> float:
+    """1 + a + ... + a^k: accepted drafts plus the bonus, per traversal."""
+    return sum(a**d for d in range(k + 1))
+
+
+def expected_tokens(tree: DraftTree, a: float) -> float:
+    """1 + sum over nodes of P(node accepted) under the rank model (module docstring)."""
+    reach: list[float] = []
+    for p, rank in zip(tree.parents.tolist(), tree.sibling_ranks()):
+        here = a * (1 - a) ** rank
+        reach.append(here if p < 0 else reach[p] * here)
+    return 1.0 + sum(reach)
+
+
+def best_tree_tokens(a: float, nodes: int, depth: int) -> float:
+    """Expected tokens of the best tree of `nodes` nodes at most `depth` deep under the
+    rank model. Values shrink from parent to child and from sibling to next sibling, so
+    taking the top `nodes` values best-first yields a valid tree, and the best one."""
+    total, heap, counter = 1.0, [(-a, 0, 1)], 0  # (-value, tie-break, depth) of candidates
+    for _ in range(nodes):
+        if not heap:
+            break
+        neg, _, d = heapq.heappop(heap)
+        value = -neg
+        total += value
+        counter += 1
+        heapq.heappush(heap, (-value * (1 - a), counter, d))  # next sibling
+        if d < depth:
+            counter += 1
+            heapq.heappush(heap, (-value * a, counter, d + 1))  # first child
+    return total
+
+
+def tokens_per_s(
+    expected: float, a: float, depth: int, round_s: float, floor_s: float, pipeline_depth: int
+) -> float:
+    """Committed tokens per second (module docstring): round_s is draft + traversal,
+    floor_s the shortest launch interval (draft + ring compute)."""
+    s = a ** (depth + 1)
+    interval = max(round_s / pipeline_depth, floor_s)
+    return expected / (round_s * (1 - s) + s * interval)
+
+
+def _shapes(config: AdaptConfig) -> list[tuple[DraftKind, int, int]]:
+    shapes = []
+    if DraftKind.CHAIN in config.kinds:
+        shapes += [(DraftKind.CHAIN, k, k) for k in range(config.max_chain + 1)]
+    if DraftKind.TREE in config.kinds:
+        shapes += [(DraftKind.TREE, m, d) for m in config.tree_nodes for d in config.tree_depths if d < m]
+    return shapes
+
+
+def plan(state: AdaptState, config: AdaptConfig = AdaptConfig(), source: str = ALL_SOURCES) -> DraftShape:
+    """The shape (and pipelining depth) with the most expected tokens per second.
+    Ties keep the earlier shape in `_shapes` order: chains, then smaller trees."""
+    a = acceptance_rate(state, source, config)
+    fixed_s, per_row_s = traversal_line(state, config)
+    best, best_rate = DraftShape(DraftKind.CHAIN, 0, 0, 1), -1.0
+    for kind, nodes, depth in _shapes(config):
+        expected = expected_tokens_chain(a, nodes) if kind is DraftKind.CHAIN else best_tree_tokens(a, nodes, depth)
+        draft_s = state.draft_s_per_node * nodes
+        round_s = draft_s + fixed_s + per_row_s * (nodes + 1)
+        floor_s = draft_s + per_row_s * (nodes + 1)
+        pipeline, rate = 1, tokens_per_s(expected, a, depth, round_s, floor_s, 1)
+        while pipeline < config.max_pipeline_depth:
+            deeper = tokens_per_s(expected, a, depth, round_s, floor_s, pipeline + 1)
+            if deeper <= rate * (1 + config.min_pipeline_gain):
+                break
+            pipeline, rate = pipeline + 1, deeper
+        if rate > best_rate:
+            best, best_rate = DraftShape(kind, nodes, depth, pipeline), rate
+    return best
+
+
+@dataclass(frozen=True)
+class DraftCandidate:
+    """A draft one drafter offers for the next round and what drafting it cost."""
+
+    tree: DraftTree
+    draft_s: float = 0.0
+
+
+def route(candidates: Sequence[DraftCandidate], state: AdaptState, config: AdaptConfig = AdaptConfig()) -> int:
+    """Index of the candidate with the most expected tokens per second of round time,
+    using each drafter's own recent acceptance (keyed by `tree.source`, so an n-gram
+    draft from a 4-token match is judged by how 4-token matches have fared)."""
+    if not candidates:
+        raise ValueError("route needs at least one candidate")
+    fixed_s, per_row_s = traversal_line(state, config)
+    scores = []
+    for c in candidates:
+        a = acceptance_rate(state, c.tree.source, config)
+        round_s = c.draft_s + fixed_s + per_row_s * (c.tree.num_nodes + 1)
+        scores.append(expected_tokens(c.tree, a) / round_s)
+    return max(range(len(scores)), key=lambda i: (scores[i], -i))
