@@ -196,7 +196,7 @@ def _write_tensors(path: pathlib.Path, tensors: dict[str, torch.Tensor]) -> File
     return FileEntry(sha256_file(path), path.stat().st_size, entries)
 
 
-def _take(source, names_shapes: dict[str, tuple[int, ...]], what: str) -> dict[str, torch.Tensor]:
+def _take(source, names_shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
     """Fetch tensors by full name from the source, checking each one's shape and dtype."""
     out = {}
     for name, shape in names_shapes.items():
@@ -251,9 +251,9 @@ def prepare(model: str, out: str | os.PathLike[str] | None = None, *, force: boo
             raise UnsupportedModelError("tensor", sorted(extra)[0], "the Llama-family layer layout")
         for i in _progress(range(arch.num_layers), f"writing {source.name} layers", progress):
             shapes = {layer_prefix(i) + n: s for n, s in layer_tensor_shapes(arch).items()}
-            files[layer_file(i)] = _write_tensors(tmp / layer_file(i), _take(source, shapes, f"layer {i}"))
-        files[EMBED_FILE] = _write_tensors(tmp / EMBED_FILE, _take(source, embed_tensor_shapes(arch), "embedding"))
-        files[HEAD_FILE] = _write_tensors(tmp / HEAD_FILE, _take(source, head_tensor_shapes(arch), "head"))
+            files[layer_file(i)] = _write_tensors(tmp / layer_file(i), _take(source, shapes))
+        files[EMBED_FILE] = _write_tensors(tmp / EMBED_FILE, _take(source, embed_tensor_shapes(arch)))
+        files[HEAD_FILE] = _write_tensors(tmp / HEAD_FILE, _take(source, head_tensor_shapes(arch)))
         source.save_tokenizer(tmp / TOKENIZER_DIR)
         for path in sorted((tmp / TOKENIZER_DIR).rglob("*")):
             if path.is_file():
