@@ -22,28 +22,35 @@ from ring.spec import ModelSpec, Workload
 from shard.layers import LayerRange
 
 
-def _orders(nodes: Sequence[NodeInfo], constraints: Constraints, limit: int) -> Iterator[tuple[NodeInfo, ...]]:
-    """Every admissible ordered subset, depth first."""
-    def extend(prefix: list[NodeInfo], subnets: set[str]) -> Iterator[tuple[NodeInfo, ...]]:
-        if prefix:
-            yield tuple(prefix)
+def _orders(nodes: Sequence[NodeInfo], network: Network, constraints: Constraints,
+            limit: int) -> Iterator[tuple[float, tuple[int, ...]]]:
+    """Every admissible ordering of every subset as (path latency, node indices), depth first."""
+    n, coord = len(nodes), network.coordinator
+    lat = [[network.link(a.peer, b.peer)[0] for b in nodes] for a in nodes]
+    lat_in = [network.link(coord, a.peer)[0] for a in nodes]
+    lat_out = [network.link(a.peer, coord)[0] for a in nodes]
+    pinned = next((i for i, a in enumerate(nodes) if a.peer == constraints.pinned), None)
+    trusted = [not constraints.trusted_ends or a.trusted for a in nodes]
+    prefix: list[int] = []
+
+    def extend(latency: float, used: set[int], subnets: set[str]) -> Iterator[tuple[float, tuple[int, ...]]]:
+        last = prefix[-1]
+        if trusted[last] and (pinned is None or pinned in used):
+            yield latency + lat_out[last], tuple(prefix)
         if len(prefix) == limit:
             return
-        for node in nodes:
-            if node in prefix or (constraints.one_per_subnet and node.subnet in subnets):
+        for i in range(n):
+            if i in used or (constraints.one_per_subnet and nodes[i].subnet in subnets):
                 continue
-            if not prefix and constraints.trusted_ends and not node.trusted:
-                continue
-            prefix.append(node)
-            yield from extend(prefix, subnets | {node.subnet})
+            prefix.append(i)
+            yield from extend(latency + lat[last][i], used | {i}, subnets | {nodes[i].subnet})
             prefix.pop()
 
-    for order in extend([], set()):
-        if constraints.trusted_ends and not order[-1].trusted:
-            continue
-        if constraints.pinned is not None and constraints.pinned not in {n.peer for n in order}:
-            continue
-        yield order
+    for first in range(n):
+        if trusted[first]:
+            prefix.append(first)
+            yield from extend(lat_in[first], {first}, {nodes[first].subnet})
+            prefix.pop()
 
 
 def _compositions(total: int, parts: int, caps: Sequence[int]) -> Iterator[tuple[int, ...]]:
@@ -58,10 +65,13 @@ def oracle_ring(network: Network, model: ModelSpec, workload: Workload,
     """The plan with the lowest predicted total time over every admissible ring."""
     nodes = sorted((n for n in network.nodes if max_layers(n, model, workload) >= 1), key=lambda n: n.peer)
     limit = min(model.num_layers, constraints.max_stages or model.num_layers)
+    if constraints.pinned is not None and constraints.pinned not in {n.peer for n in nodes}:
+        raise InfeasibleError(f"pinned node {constraints.pinned} cannot hold one layer", len(network.nodes))
     coord_chunk_s, _ = coordinator_sends(network, model, workload)
     best: Plan | None = None
-    path_cache: dict[frozenset, tuple[float, tuple[NodeInfo, ...]]] = {}
-    for order in _orders(nodes, constraints, limit):
+    path_cache: dict[frozenset[int], tuple[float, tuple[int, ...]]] = {}
+    for latency, indices in _orders(nodes, network, constraints, limit):
+        order = tuple(nodes[i] for i in indices)
         if enumerate_splits:
             caps = [max_layers(n, model, workload) for n in order]
             for sizes in _compositions(model.num_layers, len(order), caps):
@@ -69,13 +79,12 @@ def oracle_ring(network: Network, model: ModelSpec, workload: Workload,
                 if best is None or plan.total_s < best.total_s:
                     best = plan
             continue
-        # Split depends on the set only, latency on the order only: keep each set's best order.
-        latency = sum(network.link(a, b)[0] for a, b in zip(
-            (network.coordinator, *(n.peer for n in order)), (*(n.peer for n in order), network.coordinator)))
-        key = frozenset(n.peer for n in order)
+        # The split depends on the set only, latency on the order only: keep each set's best order.
+        key = frozenset(indices)
         if key not in path_cache or latency < path_cache[key][0]:
-            path_cache[key] = (latency, order)
-    for _, order in path_cache.values():
+            path_cache[key] = (latency, indices)
+    for _, indices in path_cache.values():
+        order = tuple(nodes[i] for i in indices)
         terms = [NodeTerms.of(n, model, workload) for n in order]
         alloc = allocate(terms, model.num_layers, workload.num_chunks - 1, coord_chunk_s)
         if alloc is None:

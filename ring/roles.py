@@ -1,8 +1,9 @@
 """Roles for the nodes a plan leaves off the ring, each with a reason a person can read.
 
 Pure. Order of preference: one hot standby per stage (fastest to take that slice over),
-decode-only replicas (can hold the whole model), spot-check verifiers, weight seeders
-(good uplink), relays (everything else). Knows nothing of how the ring was chosen.
+a few decode-only replicas (can hold the whole model), a few weight seeders (good
+uplink), spot-check verifiers (can hold a layer), relays (everything else).
+Knows nothing of how the ring was chosen.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from shard.layers import LayerRange
 @dataclass(frozen=True)
 class RolePolicy:
     standbys_per_stage: int = 1
-    verifiers_per_stage: float = 0.5  # verifier count = ceil-ish of this times the stage count
+    decode_replicas: int = 2
+    seeders_per_stage: float = 1.0  # up to max(2, this times the stage count)
     seeder_min_upload_bytes_per_s: float = 12.5e6  # 100 Mbit/s
 
 
@@ -55,29 +57,29 @@ def assign_roles(plan: Plan, network: Network, model: ModelSpec, workload: Workl
                                f"fits stage {index}'s {len(stage.layers)} layers {stage.layers}; "
                                f"can load them in {seconds:.1f} s", index)
 
-    verifier_quota = max(1, round(policy.verifiers_per_stage * len(plan.stages)))
-    verifiers = 0
+    replicas = seeders = verifiers = 0
+    seeder_quota = max(2, round(policy.seeders_per_stage * len(plan.stages)))
     for node in spare:
         if node.peer in roles:
             continue
         cap = max_layers(node, model, workload)
-        if cap >= model.num_layers:
+        mbit = node.upload_bytes_per_s * 8 / 1e6
+        if cap >= model.num_layers and replicas < policy.decode_replicas:
             roles[node.peer] = Role(RoleKind.DECODE_REPLICA,
                                     f"holds all {model.num_layers} layers with KV for {workload.context_tokens} "
                                     f"tokens: serves short requests alone, no ring hops")
-        elif cap >= 1 and verifiers < verifier_quota:
+            replicas += 1
+        elif node.upload_bytes_per_s >= policy.seeder_min_upload_bytes_per_s and seeders < seeder_quota:
+            roles[node.peer] = Role(RoleKind.WEIGHT_SEEDER, f"uplink {mbit:.0f} Mbit/s: seeds weight slices to new stages")
+            seeders += 1
+        elif cap >= 1:
+            # Verifiers cost the ring nothing, and more of them sample more frames.
             index = verifiers % len(plan.stages)
             roles[node.peer] = Role(RoleKind.SPOT_CHECK_VERIFIER,
                                     f"holds {cap} layers: recomputes sampled frames of stage {index} "
                                     f"{plan.stages[index].layers} and compares receipts", index)
             verifiers += 1
-        elif node.upload_bytes_per_s >= policy.seeder_min_upload_bytes_per_s:
-            roles[node.peer] = Role(RoleKind.WEIGHT_SEEDER,
-                                    f"uplink {node.upload_bytes_per_s * 8 / 1e6:.0f} Mbit/s: seeds weight "
-                                    f"slices to new stages")
         else:
-            why = "no room for a layer" if cap < 1 else "verifier quota met"
-            roles[node.peer] = Role(RoleKind.RELAY,
-                                    f"{why}, uplink {node.upload_bytes_per_s * 8 / 1e6:.0f} Mbit/s too slow "
-                                    f"to seed: relays connections for peers behind NAT")
+            roles[node.peer] = Role(RoleKind.RELAY, f"no room for a layer with its KV cache; uplink {mbit:.0f} "
+                                    f"Mbit/s: relays connections for peers behind NAT")
     return roles

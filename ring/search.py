@@ -262,7 +262,17 @@ def _heuristic(problem: Problem, usable: Sequence[int], required: int | None) ->
         seen: set[str] = set()
         firsts = [i for i in ranked if not (problem.nodes[i].subnet in seen or seen.add(problem.nodes[i].subnet))]
         ranked = firsts + [i for i in ranked if i not in set(firsts)]
-    core = ranked[: constraints.exact_max_nodes]
+    # Diversify the exact core: the best nodes by overall score, by uplink, by compute and
+    # by distance to the coordinator, interleaved, so a node that only shines on one axis
+    # (a fiber uplink with little memory) still gets considered.
+    views = [ranked] + [sorted(ranked, key=lambda i, f=f: (f(i), problem.nodes[i].peer)) for f in (
+        lambda i: problem.terms[i].chunk_send_s, lambda i: problem.terms[i].per_layer_s,
+        lambda i: problem.lat_in[i] + problem.lat_out[i])]
+    core: list[int] = []
+    for rank in range(len(ranked)):
+        for view in views:
+            if len(core) < constraints.exact_max_nodes and view[rank] not in core:
+                core.append(view[rank])
     if constraints.trusted_ends:
         trusted = [i for i in ranked if problem.nodes[i].trusted][:2]
         core = core[: constraints.exact_max_nodes - len(set(trusted) - set(core))]
