@@ -99,21 +99,20 @@ def probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         out = torch.zeros_like(logits)
         return out.scatter_(-1, torch.argmax(logits, dim=-1, keepdim=True), 1.0)
     scaled = logits / params.temperature  # (..., V)
+    # One ranking for both filters, by the raw logits with ties to the lower id (stable
+    # sort): the same order argmax uses, so the greedy token always survives, even when
+    # float32 rounding makes its tempered probability equal to a neighbour's.
+    order = torch.sort(logits, dim=-1, descending=True, stable=True).indices  # (..., V)
     vocab = scaled.shape[-1]
     if 0 < params.top_k < vocab:
-        # Keep exactly k entries; among equal logits at the boundary the lower ids win
-        # (stable sort), so the support never depends on sort internals.
-        order = torch.sort(scaled, dim=-1, descending=True, stable=True).indices  # (..., V)
-        drop = order[..., params.top_k :]
-        scaled = scaled.scatter(-1, drop, float("-inf"))
+        scaled = scaled.scatter(-1, order[..., params.top_k :], float("-inf"))
     p = torch.softmax(scaled, dim=-1)  # (..., V)
     if params.top_p < 1.0:
-        sorted_p, order = torch.sort(p, dim=-1, descending=True, stable=True)  # (..., V)
+        sorted_p = p.gather(-1, order)  # (..., V), in ranking order
         # Mass strictly before each entry; keep entries whose preceding mass < top_p, i.e.
         # the smallest prefix whose mass reaches top_p. The first entry is always kept.
         before = torch.cumsum(sorted_p, dim=-1) - sorted_p
-        keep_sorted = before < params.top_p
-        keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+        keep = torch.zeros_like(p, dtype=torch.bool).scatter(-1, order, before < params.top_p)
         p = torch.where(keep, p, torch.zeros_like(p))
     return p / p.sum(dim=-1, keepdim=True)
 

@@ -27,16 +27,18 @@ def local_engine(tiny_llama, tiny_tokenizer) -> LocalEngine:
 
 
 class ScriptedJob:
-    """Yields the engine's scripted blocks; can wait on a gate between blocks or fail."""
+    """Yields the engine's scripted blocks; the engine's gate holds every block after the
+    first (a job stuck mid-generation); `fail_after` blocks it raises JobFailedError."""
 
     def __init__(self, engine: ScriptedEngine, prompt_ids: list[int], params: SamplingParams) -> None:
         self.engine, self.prompt_ids, self.params = engine, prompt_ids, params
         self.closed = False
+        self.closed_event = trio.Event()
         self.blocks_sent = 0
 
     async def next_tokens(self) -> AsyncIterator[list[int]]:
         for block in self.engine.blocks:
-            if self.engine.gate is not None:
+            if self.engine.gate is not None and self.blocks_sent >= 1:
                 await self.engine.gate.wait()
             if self.engine.fail_after is not None and self.blocks_sent >= self.engine.fail_after:
                 raise JobFailedError("stage 1 vanished and no standby holds its layers")
@@ -48,11 +50,12 @@ class ScriptedJob:
 
     async def aclose(self) -> None:
         self.closed = True
+        self.closed_event.set()
 
 
 class ScriptedEngine:
     """An Engine whose output is a fixed list of token blocks (several tokens per block, as
-    a speculative ring commits them). `gate` (a trio.Event) holds each block until set."""
+    a speculative ring commits them). `gate` (a trio.Event) holds blocks after the first."""
 
     def __init__(self, tokenizer: Any, blocks: list[list[int]], *, max_context_tokens: int = 64,
                  ready: bool = True, fail_after: int | None = None) -> None:
