@@ -273,3 +273,18 @@ def prepare(model: str, out: str | os.PathLike[str] | None = None, *, force: boo
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return PrepareResult(ModelStore.open(out), created=True)
+
+
+def open_or_prepare(model: str, store_dir: str | os.PathLike[str] | None = None, *, progress: bool = True) -> ModelStore:
+    """The store for `model`, preparing it only if it is not there yet.
+
+    Unlike prepare(), an existing store is opened without hashing every file: a node
+    verifies only the slice it loads (load_layers checks those files' digests), which
+    keeps start-up proportional to the slice rather than the model.
+    """
+    from shard.sources import open_source
+
+    out = pathlib.Path(store_dir) if store_dir is not None else default_store_dir(open_source(model).name)
+    if (out / MANIFEST_NAME).exists():
+        return ModelStore.open(out)
+    return prepare(model, out, progress=progress).store

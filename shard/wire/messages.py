@@ -212,6 +212,7 @@ class Assignment:
     layer_end: int = spec(Int())  # half-open: layers [layer_start, layer_end)
     predecessor: str | None = spec(OptionalOf(PEER_ID))  # None = the coordinator feeds me
     successor: str | None = spec(OptionalOf(PEER_ID))  # None = tail, returns to coordinator
+    successor_addrs: tuple[str, ...] = spec(ListOf(NAME, max_items=16), default=())  # where to dial it
     model: str = spec(NAME)
     manifest_digest: str = spec(NAME)
     wire_dtype: str = spec(Str(16, choices=tuple(sorted(FLOAT_NAMES))))

@@ -35,7 +35,7 @@ def test_packages_import_only_to_their_left():
 
 UNSAFE = re.compile(
     r"^\s*(import pickle|from pickle|import dill|import cloudpickle|import marshal)|pickle\.loads?\(|"
-    r"\beval\(|\bexec\(|torch\.load\((?![^)]*weights_only=True)"
+    r"(?<![.\w])eval\(|(?<![.\w])exec\(|torch\.load\((?![^)]*weights_only=True)"
 )
 
 
@@ -54,5 +54,5 @@ def test_no_unsafe_deserialisation_in_runtime_code():
 def test_unsafe_pattern_catches_what_it_should():
     for line in ["import pickle", "x = pickle.loads(b)", "eval(s)", "torch.load(f)", "exec(code)"]:
         assert UNSAFE.search(line), line
-    for line in ["torch.load(f, weights_only=True)", "evaluate(x)", "self.executor"]:
+    for line in ["torch.load(f, weights_only=True)", "evaluate(x)", "self.executor", "model.eval()"]:
         assert not UNSAFE.search(line), line

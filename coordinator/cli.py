@@ -1,0 +1,64 @@
+"""`shard-coord`: the coordinator's command line. Flags derive from CoordConfig."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+import trio
+
+from coordinator.server import CoordConfig, serve_coordinator
+from shard.errors import ShardError
+from shard.options import add_options, config_from_args
+
+PROG = "shard-coord"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=PROG, description="The shard coordinator and OpenAI-compatible gateway.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    serve = sub.add_parser("serve", help="run the coordinator (and, with --local-nodes, a local ring)")
+    add_options(serve, CoordConfig)
+    serve.add_argument("--log-level", default="INFO")
+    return parser
+
+
+def banner(http_port: int, host: str, model: str) -> str:
+    base = f"http://{host}:{http_port}"
+    return f"""
+shard is serving {model} at {base}/v1 (OpenAI-compatible). Try:
+
+  curl {base}/v1/chat/completions -H 'Content-Type: application/json' \\
+    -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "Name three colours."}}], "max_tokens": 40}}'
+
+  python -c "from openai import OpenAI; c = OpenAI(base_url='{base}/v1', api_key='none'); \\
+print(c.chat.completions.create(model='{model}', messages=[{{'role': 'user', 'content': 'Name three colours.'}}], max_tokens=40).choices[0].message.content)"
+
+Ring status: curl {base}/v1/ring     Stop: Ctrl-C
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    config = config_from_args(CoordConfig, args)
+
+    async def run() -> None:
+        async with trio.open_nursery() as nursery:
+            http_port, addr, model_id = await nursery.start(serve_coordinator, config)
+            print(banner(http_port, config.http.rsplit(":", 1)[0], model_id), flush=True)
+            print(f"Volunteers join with: shard-node join --coordinator {addr}\n", flush=True)
+
+    try:
+        trio.run(run)
+    except ShardError as e:
+        print(f"{PROG} {args.command}: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

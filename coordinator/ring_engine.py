@@ -1,0 +1,271 @@
+"""The Engine that generates over a ring of stages: prefill, decode, and resume.
+
+It owns the model's two ends (the head stage embeds; the coordinator keeps the final norm
+and LM head), sends token frames to the head, receives the tail's hidden states directly,
+and turns them into committed tokens. Prefill, decode and recovery are one procedure:
+"bring the ring's KV up to the committed context, then give me the next logits" — after a
+ring change the ring holds nothing for the job, so the same call re-prefills it. A dead
+node therefore costs time, not tokens. It does not choose rings (swarm) or speak HTTP.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import trio
+
+from coordinator.engine import JobFailedError, NotReadyError
+from coordinator.sampling import SamplingParams, make_generator, sample
+from coordinator.swarm import RingState, Swarm
+from shard.activations import from_wire
+from shard.errors import WireError
+from shard.stage import OutputHead
+from shard.transport import FramedStream, Host, TransportError
+from shard.node import RING_PROTOCOL
+from shard.wire.codec import decode, encode
+from shard.wire.messages import EndJob, Forward, JobError, Result
+
+log = logging.getLogger("shard.coordinator")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    prefill_chunk_tokens: int = 256
+    frame_timeout_s: float = 120.0  # one traversal; past it the job resumes on a new ring
+    max_resumes: int = 3
+    resume_wait_s: float = 10.0  # after a stage error, how long to wait for the ring to re-form
+    link_latency_ms: float = 0.0  # emulated one-way latency on the coordinator -> head edge
+    link_upload_mbps: float = 0.0
+    link_jitter_ms: float = 0.0
+
+
+class RingChanged(Exception):
+    """The ring this job's KV lives on is gone (a node left or the ring re-formed)."""
+
+
+class RingEngine:
+    def __init__(self, swarm: Swarm, host: Host, tokenizer: Any, config: EngineConfig) -> None:
+        store = swarm.store
+        self.swarm, self.host, self.tokenizer, self.config = swarm, host, tokenizer, config
+        self.cfg = store.config
+        self.model_id = store.manifest.name
+        self.max_context_tokens = self.cfg.max_context_tokens
+        eos = set(self.cfg.eos_token_ids)
+        if tokenizer.eos_token_id is not None:
+            eos.add(int(tokenizer.eos_token_id))
+        self.eos_token_ids = frozenset(eos)
+        norm, lm_head = store.load_head()
+        self.head = OutputHead(self.cfg, norm, lm_head if lm_head is not None else store.load_embedding())
+        self._jobs: dict[str, trio.MemorySendChannel] = {}
+        self._head_streams: dict[int, FramedStream] = {}
+        self._send_lock = trio.Lock()
+        self.hop_times: dict[str, float] = {}
+        swarm.job_error_handler = self._deliver
+        swarm.ring_listeners.append(self._on_ring_change)
+
+    # -- Engine interface ----------------------------------------------------------------
+    async def open_job(self, prompt_ids: list[int], params: SamplingParams) -> "RingJob":
+        if self.swarm.ring is None:
+            raise NotReadyError("no ring is formed yet (waiting for nodes)")
+        job_id = os.urandom(8).hex()
+        send, recv = trio.open_memory_channel(256)
+        self._jobs[job_id] = send
+        return RingJob(self, job_id, list(prompt_ids), params, recv)
+
+    def info(self) -> dict[str, Any]:
+        ring = self.swarm.ring
+        members = []
+        if ring is not None:
+            for a in ring.assignments:
+                reg = self.swarm.members.get(a.peer_id)
+                members.append({
+                    "peer_id": a.peer_id, "layers": [a.layer_start, a.layer_end], "role": a.role,
+                    "decode_ms_per_layer": reg.register.decode_s_per_layer * 1e3 if reg else None,
+                    "device": reg.register.device if reg else None,
+                })
+        return {"ready": ring is not None, "model": self.model_id, "epoch": ring.epoch if ring else None,
+                "members": members, "registered_nodes": len(self.swarm.members), "active_jobs": len(self._jobs),
+                "wire_dtype": self.swarm.config.wire_dtype}
+
+    # -- frames ----------------------------------------------------------------------------
+    async def send(self, ring: RingState, msg: Forward | EndJob) -> None:
+        async with self._send_lock:
+            stream = self._head_streams.get(ring.epoch)
+            if stream is None:
+                self._head_streams.clear()
+                stream = await self.host.open_stream(ring.head, RING_PROTOCOL)
+                stream = self._emulate(stream)
+                self._head_streams[ring.epoch] = stream
+            await stream.send_frame(encode(msg))
+
+    def _emulate(self, stream):
+        c = self.config
+        if not (c.link_latency_ms or c.link_upload_mbps or c.link_jitter_ms):
+            return stream
+        from shard.linkemu import EmulatedLink
+
+        return EmulatedLink(stream, one_way_latency_s=c.link_latency_ms / 1e3,
+                            upload_bytes_per_s=c.link_upload_mbps * 1e6 / 8 if c.link_upload_mbps else math.inf,
+                            jitter_s=c.link_jitter_ms / 1e3)
+
+    async def handle_ring_stream(self, stream: FramedStream) -> None:
+        """Results from the tail. Frames from any other peer are refused (and logged)."""
+        remote = stream.remote_peer_id
+        limits = self.swarm.limits
+        try:
+            while True:
+                body = await stream.recv_frame(limits.max_frame_bytes)
+                ring = self.swarm.ring
+                if ring is None or remote != ring.tail:
+                    log.warning("refused a frame from %s: not the tail of the current ring", remote)
+                    return
+                try:
+                    msg = decode(body, limits)
+                except WireError as exc:
+                    log.warning("dropped a malformed frame from tail %s: %s", remote, exc)
+                    continue
+                if isinstance(msg, Result):
+                    self._deliver(msg)
+        except (TransportError, WireError) as exc:
+            log.info("ring stream from %s ended: %s", remote, exc)
+        finally:
+            await stream.aclose()
+
+    def _deliver(self, msg: Result | JobError) -> None:
+        channel = self._jobs.get(msg.job_id)
+        if channel is not None:
+            try:
+                channel.send_nowait(msg)
+            except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
+                pass
+
+    def _on_ring_change(self, ring: RingState | None) -> None:
+        for channel in self._jobs.values():
+            try:
+                channel.send_nowait(RingChanged())
+            except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
+                pass
+
+    def close_job(self, job_id: str) -> None:
+        channel = self._jobs.pop(job_id, None)
+        if channel is not None:
+            channel.close()
+
+    def logits(self, result: Result) -> torch.Tensor:
+        """Result hidden (T, H) -> logits (T, V) f32."""
+        return self.head.logits(from_wire(result.hidden, result.hidden_scale, torch.float32))
+
+
+@dataclass
+class RingJob:
+    engine: RingEngine
+    job_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    inbox: trio.MemoryReceiveChannel
+    nonce: bytes = field(default_factory=lambda: os.urandom(16))
+    committed: list[int] = field(default_factory=list)
+    ring_ctx: int = 0  # tokens of `committed` whose K/V the ring holds (for ring_epoch)
+    ring_epoch: int = -1
+    round: int = 0
+    traversals: int = 0
+    resumes: int = 0
+    started_s: float = field(default_factory=time.monotonic)
+    ttft_s: float | None = None
+    closed: bool = False
+
+    async def next_tokens(self) -> AsyncIterator[list[int]]:
+        self.committed = list(self.prompt_ids)
+        generator = make_generator(self.params.seed)
+        limit = self.engine.max_context_tokens
+        while len(self.committed) < limit:
+            logits = await self._next_logits()
+            token = sample(logits, self.params, generator)
+            if self.ttft_s is None:
+                self.ttft_s = time.monotonic() - self.started_s
+            self.committed.append(token)
+            yield [token]
+
+    async def _next_logits(self) -> torch.Tensor:
+        """Logits after the whole committed context, resuming on a new ring if needed."""
+        for attempt in range(self.engine.config.max_resumes + 1):
+            ring = await self.engine.swarm.wait_ring()
+            if ring.epoch != self.ring_epoch:
+                if self.traversals:
+                    self.resumes += 1
+                    log.info("job %s resumes on ring epoch %d (re-prefill %d tokens)", self.job_id, ring.epoch, len(self.committed))
+                self.ring_epoch, self.ring_ctx = ring.epoch, 0
+            try:
+                return await self._feed(ring)
+            except (RingChanged, JobFailedError, TransportError, trio.TooSlowError) as exc:
+                # Whatever happened, the ring may no longer hold this job's K/V: start over
+                # from the committed tokens on whichever ring is current next time round.
+                log.warning("job %s: round failed on ring epoch %d (%s); resuming", self.job_id, ring.epoch, exc)
+                self.ring_epoch, self.ring_ctx = -1, 0
+                if not isinstance(exc, RingChanged):
+                    await self.engine.swarm.wait_change(ring.epoch, self.engine.config.resume_wait_s)
+        raise JobFailedError(f"job {self.job_id} lost its ring {self.engine.config.max_resumes + 1} times")
+
+    async def _feed(self, ring: RingState) -> torch.Tensor:
+        """Send committed[ring_ctx:] (chunked, pipelined) and return the last row's logits."""
+        todo = self.committed[self.ring_ctx:]
+        chunk = self.engine.config.prefill_chunk_tokens if len(todo) > 1 else 1
+        rounds = []
+        start = self.ring_ctx
+        while start < len(self.committed):
+            ids = self.committed[start:start + chunk]
+            self.round += 1
+            rounds.append(self.round)
+            await self.engine.send(ring, Forward(
+                job_id=self.job_id, epoch=ring.epoch, round=self.round, nonce=self.nonce,
+                phase="decode" if len(todo) == 1 else "prefill", ctx_len=start,
+                positions=torch.arange(start, start + len(ids)), tokens=torch.tensor(ids),
+            ))
+            start += len(ids)
+        last = None
+        with trio.fail_after(self.engine.config.frame_timeout_s * len(rounds)):
+            for expected in rounds:
+                last = await self._receive(ring.epoch, expected)
+        self.traversals += 1
+        self.ring_ctx = len(self.committed)
+        logits = await trio.to_thread.run_sync(self.engine.logits, last)
+        return logits[-1]
+
+    async def _receive(self, epoch: int, expected_round: int) -> Result:
+        while True:
+            msg = await self.inbox.receive()
+            if isinstance(msg, RingChanged):
+                raise msg
+            if isinstance(msg, JobError):
+                if msg.epoch == epoch:
+                    raise JobFailedError(f"stage {msg.stage} failed: {msg.code}: {msg.message}")
+                continue
+            if msg.epoch == epoch and msg.round == expected_round:
+                return msg
+            # a stale result from a discarded round or an old epoch: ignore it
+
+    def stats(self) -> dict[str, Any]:
+        generated = max(len(self.committed) - len(self.prompt_ids), 0)
+        # The first traversal (prefill) commits the first token, so tokens per traversal is
+        # generated / traversals; plain decoding gives exactly 1.0.
+        return {"traversals": self.traversals, "tokens_per_traversal": generated / self.traversals if self.traversals else 0.0,
+                "ring_epoch": self.ring_epoch, "ttft_s": self.ttft_s, "resumes": self.resumes, "drafter": "none"}
+
+    async def aclose(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.engine.close_job(self.job_id)
+        ring = self.engine.swarm.ring
+        if ring is not None and ring.epoch == self.ring_epoch:
+            try:
+                await self.engine.send(ring, EndJob(job_id=self.job_id, epoch=ring.epoch))
+            except TransportError:
+                pass

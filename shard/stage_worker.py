@@ -1,0 +1,103 @@
+"""One stage's frame processing: a decoded Forward in, the next message out.
+
+Synchronous and transport-free (the node runs it in a worker thread): it opens and
+frees per-job KV caches, converts activations from and to the wire dtype, runs the
+stage forward, attaches EAGLE aux features for the layers it owns, and builds the
+Forward for its successor, or the Result for the coordinator when it is the tail.
+It does not know peers, streams or which peer sent the frame (the node checks that).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from shard.activations import from_wire, to_wire
+from shard.kvcache import KVCache
+from shard.stage import Stage, StageInputError
+from shard.wire.messages import Forward, Result
+
+# Extra slots past the model's context so a full-context job can still hold a draft tree.
+DRAFT_SLACK_SLOTS = 128
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    wire_dtype: str = "f32"
+    is_tail: bool = False
+    max_kv_bytes: int = 2 << 30
+    max_context_tokens: int = 8192
+
+
+# Called with (frame received, message about to be sent) to produce a signed receipt;
+# None = receipts off. Kept abstract so this module stays free of key handling.
+ReceiptSigner = Callable[[Forward, "Forward | Result"], bytes]
+
+
+class StageWorker:
+    def __init__(self, stage: Stage, config: WorkerConfig, signer: ReceiptSigner | None = None) -> None:
+        self.stage, self.config, self.signer = stage, config, signer
+        cfg = stage.cfg
+        self.cache = KVCache(len(stage.layers), cfg.num_kv_heads, cfg.head_dim, stage.dtype,
+                             config.max_kv_bytes, stage.device)
+
+    def end_job(self, job_id: str) -> None:
+        self.cache.close(job_id)
+
+    def process(self, fwd: Forward) -> Forward | Result:
+        """Run one frame. Raises ShardError subclasses (CacheFullError, StageInputError...)
+        for frames this stage cannot serve; the caller turns them into a JobError."""
+        stage = self.stage
+        job = self.cache.jobs.get(fwd.job_id)
+        if job is None:
+            job = self.cache.open(fwd.job_id, self.config.max_context_tokens + DRAFT_SLACK_SLOTS)
+        if stage.is_head:
+            if fwd.tokens is None:
+                raise StageInputError("head stage input", "token ids", "hidden states")
+            x = fwd.tokens
+        else:
+            if fwd.hidden is None:
+                raise StageInputError("stage input", "hidden states", "token ids")
+            x = from_wire(fwd.hidden, fwd.hidden_scale, stage.dtype)
+        wanted = [layer for layer in fwd.want_aux_layers if layer in stage.layers]
+        h, captured = stage.forward(
+            job, x, ctx_len=fwd.ctx_len, positions=fwd.positions, tree_parents=fwd.tree_parents,
+            commit_src=list(fwd.commit_src), commit_dst=fwd.commit_dst, capture=wanted,
+        )
+        aux, aux_scale = self._aux(fwd, captured)
+        if self.config.is_tail and fwd.phase == "prefill":
+            # The coordinator samples from the last prompt row only; aux features (which the
+            # drafter needs for every prompt token) keep all rows.
+            h = h[-1:]
+        hidden, hidden_scale = to_wire(h, self.config.wire_dtype)
+        if self.config.is_tail:
+            out: Forward | Result = Result(
+                job_id=fwd.job_id, epoch=fwd.epoch, round=fwd.round, hidden=hidden, hidden_scale=hidden_scale,
+                aux=aux, aux_scale=aux_scale, receipts=fwd.receipts,
+            )
+        else:
+            out = Forward(
+                job_id=fwd.job_id, epoch=fwd.epoch, round=fwd.round, nonce=fwd.nonce, phase=fwd.phase,
+                ctx_len=fwd.ctx_len, positions=fwd.positions, commit_src=fwd.commit_src, commit_dst=fwd.commit_dst,
+                tree_parents=fwd.tree_parents, hidden=hidden, hidden_scale=hidden_scale, aux=aux, aux_scale=aux_scale,
+                want_aux_layers=fwd.want_aux_layers, receipts=fwd.receipts,
+            )
+        if self.signer is not None:
+            receipt = self.signer(fwd, out)
+            out = dataclasses.replace(out, receipts=(*fwd.receipts, receipt))
+        return out
+
+    def _aux(self, fwd: Forward, captured: dict[int, torch.Tensor]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Append this stage's captured layers to the aux features riding the frame,
+        in the order the coordinator listed them."""
+        if not captured:
+            return fwd.aux, fwd.aux_scale
+        parts = []
+        if fwd.aux is not None:
+            parts.append(from_wire(fwd.aux, fwd.aux_scale, torch.float32))
+        parts += [captured[layer].float() for layer in fwd.want_aux_layers if layer in captured]
+        return to_wire(torch.cat(parts, dim=-1), self.config.wire_dtype)
+
