@@ -227,8 +227,8 @@ def grow_best_first(
     cumulative draft log-prob until `max_nodes` nodes or nothing is left.
 
     `expand(node, path_tokens)` gives `node`'s candidates (-1 = root). Expansion is lazy:
-    a node is expanded only when its own cumulative log-prob (an upper bound on its
-    children's) reaches the top of the heap, so leaves are never expanded. A node's
+    a node is expanded at most once, only when its own cumulative log-prob (an upper
+    bound on its children's) reaches the top of the heap, and never at max_depth. A node's
     i-th candidate enters the heap only after candidate i-1 joined the tree, so the
     children kept are always a prefix of the draw order; speculative sampling of
     without-replacement draws is exact only for such prefixes.
