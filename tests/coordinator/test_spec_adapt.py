@@ -1,0 +1,152 @@
+"""Draft-shape planning and drafter routing: the models, the EWMAs, and the choices."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from coordinator.adapt import (
+    AcceptanceStats,
+    AdaptConfig,
+    AdaptState,
+    DraftCandidate,
+    DraftKind,
+    RingChanged,
+    RoundVerified,
+    acceptance_rate,
+    apply,
+    best_tree_tokens,
+    expected_tokens,
+    expected_tokens_chain,
+    plan,
+    route,
+    tokens_per_s,
+    traversal_line,
+)
+from coordinator.draft_tree import DraftTree
+
+rates = st.floats(0.0, 0.99)
+
+
+def state_with(a: float, **kw) -> AdaptState:
+    return AdaptState(acceptance={"": AcceptanceStats(a, 1.0)}, **kw)
+
+
+@given(rates, st.integers(0, 12))
+def test_chain_expectation_is_the_closed_form_and_the_tree_model_agrees(a, k):
+    closed = (1 - a ** (k + 1)) / (1 - a)
+    assert expected_tokens_chain(a, k) == pytest.approx(closed)
+    assert expected_tokens(DraftTree.chain(list(range(k))), a) == pytest.approx(closed)
+
+
+def test_chain_expectation_matches_simulation():
+    # Sound: the model claims per-node acceptance a, stop at first rejection, plus bonus.
+    rng = random.Random(0)
+    a, k, n = 0.7, 5, 20000
+    total = 0
+    for _ in range(n):
+        accepted = 0
+        while accepted < k and rng.random() < a:
+            accepted += 1
+        total += accepted + 1
+    assert total / n == pytest.approx(expected_tokens_chain(a, k), rel=0.02)
+
+
+@st.composite
+def shaped_trees(draw):
+    m = draw(st.integers(1, 16))
+    parents = [draw(st.integers(-1, i - 1)) for i in range(m)]
+    return DraftTree(torch.arange(m), torch.tensor(parents, dtype=torch.int64))
+
+
+@settings(max_examples=60, deadline=None)
+@given(shaped_trees(), rates)
+def test_best_tree_is_at_least_as_good_as_any_tree_of_that_size(tree, a):
+    # Bug guarded: a best-first search that is not optimal would make plan() undervalue
+    # trees. Sound: any concrete tree of M nodes within the depth is a candidate.
+    assert best_tree_tokens(a, tree.num_nodes, tree.max_depth) >= expected_tokens(tree, a) - 1e-9
+    assert best_tree_tokens(a, tree.num_nodes, tree.num_nodes) >= expected_tokens_chain(a, tree.num_nodes) - 1e-9
+
+
+@given(st.lists(st.tuples(st.integers(0, 8), st.integers(0, 8)), min_size=1, max_size=30))
+def test_acceptance_ewma_stays_a_probability(rounds):
+    state = AdaptState()
+    for tried, accepted in rounds:
+        accepted = min(accepted, tried)
+        state = apply(RoundVerified("ngram:2", tried + 1, tried, accepted, 0.1, 0.0), state)
+    for key in ("ngram:2", "ngram", ""):
+        assert 0.0 <= acceptance_rate(state, key) <= AdaptConfig().max_acceptance
+
+
+def test_acceptance_converges_and_is_kept_per_source():
+    state = AdaptState()
+    for _ in range(60):
+        state = apply(RoundVerified("ngram:4", 4, 4, 4, 0.1, 0.0), state)  # always accepted
+        state = apply(RoundVerified("eagle", 4, 2, 1, 0.1, 0.01), state)  # half
+    assert acceptance_rate(state, "ngram:4") == pytest.approx(0.99)  # capped
+    assert acceptance_rate(state, "eagle") == pytest.approx(0.5, abs=1e-3)
+    assert acceptance_rate(state, "ngram:1") == acceptance_rate(state, "ngram")  # family fallback
+    assert acceptance_rate(AdaptState(), "x") == AdaptConfig().prior_acceptance
+
+
+def test_traversal_line_is_fitted_and_forgotten_on_ring_change():
+    # t = 0.3 s + 0.01 s per row, observed at alternating sizes.
+    state = AdaptState()
+    for i in range(80):
+        nodes = 4 if i % 2 else 20
+        state = apply(RoundVerified("", nodes, 1, 1, 0.3 + 0.01 * (nodes + 1), 0.0), state)
+    fixed, per_row = traversal_line(state)
+    assert fixed == pytest.approx(0.3, abs=1e-6) and per_row == pytest.approx(0.01, abs=1e-6)
+    assert traversal_line(apply(RingChanged(), state)) == (AdaptConfig().prior_traversal_s, AdaptConfig().prior_per_node_s)
+
+
+def test_one_shape_keeps_the_prior_slope():
+    state = AdaptState()
+    for _ in range(10):
+        state = apply(RoundVerified("", 7, 1, 1, 0.5, 0.0), state)
+    fixed, per_row = traversal_line(state)
+    assert per_row == AdaptConfig().prior_per_node_s and fixed == pytest.approx(0.5 - 8 * per_row)
+
+
+CHAINS = AdaptConfig(kinds=(DraftKind.CHAIN,), max_pipeline_depth=1, max_chain=16)
+
+
+@settings(max_examples=40, deadline=None)
+@given(rates, rates, st.floats(0.01, 1.0), st.floats(0.0, 0.05))
+def test_chain_length_grows_with_acceptance(a, b, fixed_s, per_row_s):
+    # E(K+1)/E(K) increases with a, so the best K cannot shrink as acceptance rises.
+    lo, hi = sorted((a, b))
+    config = AdaptConfig(
+        kinds=(DraftKind.CHAIN,), max_pipeline_depth=1, max_chain=16, prior_traversal_s=fixed_s, prior_per_node_s=per_row_s
+    )
+    assert plan(state_with(lo), config).nodes <= plan(state_with(hi), config).nodes
+
+
+def test_pipelining_is_deep_when_acceptance_is_high_and_off_when_low():
+    high, low = plan(state_with(0.95)), plan(state_with(0.1))
+    assert high.pipeline_depth > 1 and high.nodes >= 4
+    assert low.pipeline_depth == 1
+    chain_low = plan(state_with(0.05), CHAINS)
+    assert chain_low.kind is DraftKind.CHAIN and chain_low.nodes <= 1
+
+
+def test_pipelining_rate_model():
+    # P = 1 is plain E / T; with everything accepted P rounds in flight give P times that.
+    assert tokens_per_s(3.0, 0.5, 2, 0.2, 0.01, 1) == pytest.approx(15.0)
+    assert tokens_per_s(5.0, 1.0, 4, 0.2, 0.01, 4) == pytest.approx(5.0 / 0.05)
+    assert tokens_per_s(5.0, 1.0, 4, 0.2, 0.1, 4) == pytest.approx(5.0 / 0.1)  # launch floor
+
+
+def test_router_prefers_a_trusted_free_ngram_match_and_falls_back_to_eagle():
+    ngram = DraftCandidate(DraftTree.chain([1, 2, 3, 4, 5, 6], source="ngram:4"), draft_s=0.0)
+    eagle = DraftCandidate(DraftTree.chain([7, 8, 9, 10], source="eagle"), draft_s=0.02)
+    state = AdaptState(acceptance={"ngram:4": AcceptanceStats(0.9, 1.0), "eagle": AcceptanceStats(0.7, 1.0)})
+    assert route([eagle, ngram], state) == 1
+    state = AdaptState(acceptance={"ngram:4": AcceptanceStats(0.1, 1.0), "eagle": AcceptanceStats(0.7, 1.0)})
+    assert route([eagle, ngram], state) == 0
+    with pytest.raises(ValueError, match="at least one candidate"):
+        route([], state)
