@@ -6,6 +6,7 @@ JSON shape with the status a client expects (400 bad request, 404 unknown model 
 413 prompt longer than the context, 429 too many concurrent jobs, 503 no ring). Every
 response carries a `shard` object with the job's stats.
 
+It runs on trio (hypercorn's trio worker): connection lifetimes use trio cancel scopes.
 This module does not know how tokens are made (the Engine does), nor the stopping rules
 (engine.Generation owns them); it validates, renders JSON and manages connection lifetime.
 """
@@ -71,12 +72,12 @@ def error_response(err: RequestError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status)
 
 
-def request_error_for(exc: EngineError) -> RequestError:
+def request_error_for(exc: EngineError, prompt_param: str = "messages") -> RequestError:
     """The status and OpenAI fields for an engine-side refusal."""
     if isinstance(exc, PromptTooLongError):
-        return RequestError(413, str(exc), param="messages", code="context_length_exceeded")
+        return RequestError(413, str(exc), param=prompt_param, code="context_length_exceeded")
     if isinstance(exc, PromptFormatError):
-        return RequestError(400, str(exc), param="messages", code="invalid_prompt")
+        return RequestError(400, str(exc), param=prompt_param, code="invalid_prompt")
     if isinstance(exc, NotReadyError):
         return RequestError(503, str(exc), type="service_unavailable", code="no_ring")
     if isinstance(exc, JobFailedError):
@@ -105,6 +106,8 @@ class JobSlots:
 
 
 def _openai_errors(handler: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
+    prompt_param = "prompt" if handler.__name__ == "completions" else "messages"
+
     @wraps(handler)
     async def wrapped(request: Request) -> Response:
         try:
@@ -112,7 +115,7 @@ def _openai_errors(handler: Callable[[Request], Awaitable[Response]]) -> Callabl
         except RequestError as exc:
             return error_response(exc)
         except EngineError as exc:
-            return error_response(request_error_for(exc))
+            return error_response(request_error_for(exc, prompt_param))
 
     return wrapped
 
@@ -202,17 +205,16 @@ class GenerationResponse(Response):
                 self.release()
 
     async def _send_whole(self, send: Send) -> None:
-        parts, fin = [self.prefix_text], None
+        parts = [self.prefix_text]
         try:
             async for event in self.gen.events():
                 if isinstance(event, TextChunk):
                     parts.append(event.text)
                 else:
-                    fin = event
+                    fin = event  # Generation.events always ends with exactly one Finished
         except EngineError as exc:
             await error_response(request_error_for(exc))({"type": "http"}, _no_receive, send)
             return
-        assert fin is not None  # Generation.events always ends with Finished
         body = self._envelope(self.shape.object_whole, [self.shape.whole_choice("".join(parts), fin)],
                               usage=_usage(fin), shard=fin.stats)
         await JSONResponse(body)({"type": "http"}, _no_receive, send)

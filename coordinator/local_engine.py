@@ -95,6 +95,20 @@ class LocalEngine:
         self.eos_token_ids = eos_ids_of(tokenizer, getattr(model.generation_config, "eos_token_id", None))
         self.open_jobs = 0
 
+    @classmethod
+    def from_pretrained(cls, path: str, *, gguf_file: str | None = None, model_id: str | None = None,
+                        max_context_tokens: int | None = None) -> LocalEngine:
+        """Load a local HF directory (safetensors), or `gguf_file` inside it, in float32 on
+        CPU. Never downloads: a missing path fails instead of reaching the network."""
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        kwargs: dict[str, Any] = {"local_files_only": True}
+        if gguf_file is not None:
+            kwargs["gguf_file"] = gguf_file
+        tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kwargs)
+        return cls(model, tokenizer, model_id=model_id or str(path), max_context_tokens=max_context_tokens)
+
     def new_cache(self) -> Any:
         from transformers import DynamicCache
 

@@ -130,6 +130,17 @@ def test_local_engine_greedy_equals_transformers_generate(local_engine, tiny_lla
     assert trio.run(main) == ref
 
 
+def test_local_engine_loads_a_local_hf_dir_without_network(tiny_llama, local_engine):
+    # Bug guarded: from_pretrained loading something other than the saved weights (or
+    # reaching for the hub). Sound: greedy output must equal the in-memory model's.
+    from coordinator.local_engine import LocalEngine
+
+    loaded = LocalEngine.from_pretrained(str(tiny_llama.path), model_id="tiny")
+    params = SamplingParams(temperature=0, max_tokens=8)
+    assert loaded.model_id == "tiny" and loaded.max_context_tokens == 256
+    assert collect(loaded, [5, 6, 7], params)[0] == collect(local_engine, [5, 6, 7], params)[0]
+
+
 def test_local_engine_seeded_sampling_is_reproducible(local_engine):
     # Bug guarded: a shared or unseeded generator making `seed` meaningless. Sound: two
     # jobs with one seed agree, a third with another seed differs over 20 tokens.

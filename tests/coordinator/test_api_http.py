@@ -148,6 +148,7 @@ BAD_REQUESTS = [
     (CHAT, {"model": "scripted", "messages": HELLO, "frobnicate": 1}, 400, None, "Unrecognized request argument supplied: frobnicate"),
     (CHAT, {"model": "gpt-4", "messages": HELLO}, 404, "model", "The model `gpt-4` does not exist"),
     (CHAT, {"model": "scripted", "messages": [{"role": "user", "content": "x" * 100}]}, 413, "messages", "context is 64 tokens"),
+    (COMPLETIONS, {"model": "scripted", "prompt": "x" * 100}, 413, "prompt", "context is 64 tokens"),
     (COMPLETIONS, {"model": "scripted"}, 400, "prompt", "Missing required parameter: 'prompt'"),
     (COMPLETIONS, {"model": "scripted", "prompt": [1, 99999]}, 400, "prompt", "token ids must be in"),
     (COMPLETIONS, {"model": "scripted", "prompt": ["a", "b"]}, 400, "prompt", "batches"),
