@@ -10,6 +10,7 @@ It does not know peers, streams or which peer sent the frame (the node checks th
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -62,6 +63,7 @@ class StageWorker:
             if fwd.hidden is None:
                 raise StageInputError("stage input", "hidden states", "token ids")
             x = from_wire(fwd.hidden, fwd.hidden_scale, stage.dtype)
+        started = time.perf_counter()
         wanted = [layer for layer in fwd.want_aux_layers if layer in stage.layers]
         h, captured = stage.forward(
             job, x, ctx_len=fwd.ctx_len, positions=fwd.positions, tree_parents=fwd.tree_parents,
@@ -73,17 +75,18 @@ class StageWorker:
             # drafter needs for every prompt token) keep all rows.
             h = h[-1:]
         hidden, hidden_scale = to_wire(h, self.config.wire_dtype)
+        compute_s = (*fwd.compute_s, time.perf_counter() - started)
         if self.config.is_tail:
             out: Forward | Result = Result(
                 job_id=fwd.job_id, epoch=fwd.epoch, round=fwd.round, hidden=hidden, hidden_scale=hidden_scale,
-                aux=aux, aux_scale=aux_scale, receipts=fwd.receipts,
+                aux=aux, aux_scale=aux_scale, receipts=fwd.receipts, compute_s=compute_s,
             )
         else:
             out = Forward(
                 job_id=fwd.job_id, epoch=fwd.epoch, round=fwd.round, nonce=fwd.nonce, phase=fwd.phase,
                 ctx_len=fwd.ctx_len, positions=fwd.positions, commit_src=fwd.commit_src, commit_dst=fwd.commit_dst,
                 tree_parents=fwd.tree_parents, hidden=hidden, hidden_scale=hidden_scale, aux=aux, aux_scale=aux_scale,
-                want_aux_layers=fwd.want_aux_layers, receipts=fwd.receipts,
+                want_aux_layers=fwd.want_aux_layers, receipts=fwd.receipts, compute_s=compute_s,
             )
         if self.signer is not None:
             receipt = self.signer(fwd, out)

@@ -31,6 +31,7 @@ NAME = Str(256)  # model names, digests, device descriptions, addresses
 EPOCH = Int()
 ROUND = Int()
 RECEIPTS = ListOf(Bytes(MAX_RECEIPT_BYTES), max_items=MAX_RECEIPTS)
+COMPUTE_TIMES = ListOf(Float(), max_items=MAX_RECEIPTS)  # one per stage, like receipts
 FLOATS = frozenset(FLOAT_NAMES)
 INTS = frozenset({"i32", "i64"})
 F32 = frozenset({"f32"})
@@ -108,6 +109,9 @@ class Forward:
     aux_scale: torch.Tensor | None = spec(Tensor(F32, optional=True), default=None)  # (T,) fp8 only
     want_aux_layers: tuple[int, ...] = spec(ListOf(Int()), default=())
     receipts: tuple[bytes, ...] = spec(RECEIPTS, default=())
+    # Seconds each stage so far spent computing this frame (one entry per stage, in ring
+    # order): lets the coordinator split a traversal into transport and compute.
+    compute_s: tuple[float, ...] = spec(COMPUTE_TIMES, default=())
 
     def check(self, limits: Limits) -> None:
         n = _check_tokens_dim("positions", self.positions, limits)
@@ -144,6 +148,7 @@ class Result:
     aux: torch.Tensor | None = spec(Tensor(FLOATS, optional=True), default=None)  # (T, k*H)
     aux_scale: torch.Tensor | None = spec(Tensor(F32, optional=True), default=None)  # (T,)
     receipts: tuple[bytes, ...] = spec(RECEIPTS, default=())
+    compute_s: tuple[float, ...] = spec(COMPUTE_TIMES, default=())  # as in Forward
 
     def check(self, limits: Limits) -> None:
         n = _check_tokens_dim("hidden", self.hidden, limits)
