@@ -3,8 +3,8 @@
 Moving weights over home uplinks costs far more than a slightly slower ring, so every
 candidate is charged its weight-transfer time amortised over the requests the ring is
 expected to serve: objective = total_s + move_s / amortise_over_requests. Candidates are
-(1) repairs: survivors keep their slices and each gap goes to an outsider or to the
-neighbours, and (2) a fresh `select_ring`. Knows nothing of how the departure was noticed.
+(1) repairs: survivors keep their slices and the gap goes to one outsider, two outsiders
+or the neighbours, and (2) a fresh `select_ring`. Knows nothing of how the departure was noticed.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Iterable
 
-from ring.cost import evaluate, max_layers
+from ring.cost import NodeTerms, evaluate, max_layers
 from ring.errors import InfeasibleError, InvalidInputError, RingError
 from ring.network import Network, NodeInfo, PeerId
 from ring.plan import Move, Plan, Stage
@@ -21,6 +21,9 @@ from ring.roles import assign_roles, missing_layers
 from ring.search import Constraints, select_ring
 from ring.spec import ModelSpec, Workload
 from shard.layers import LayerRange
+
+
+_PAIR_SHORTLIST = 6  # outsiders considered for two-way splits of a hole: 30 pairs x cut points
 
 
 @dataclass(frozen=True)
@@ -100,9 +103,21 @@ def _repairs(previous: Plan, network: Network, model: ModelSpec, workload: Workl
     hole = stages[gap]
     on_ring = {s.peer for s in stages if isinstance(s, Stage)}
     out: list[list[Stage]] = []
-    for node in sorted(network.nodes, key=lambda n: n.peer):
-        if node.peer not in on_ring and max_layers(node, model, workload) >= len(hole):
+    outsiders = sorted((n for n in network.nodes if n.peer not in on_ring), key=lambda n: n.peer)
+    caps = {n.peer: max_layers(n, model, workload) for n in outsiders}
+    for node in outsiders:
+        if caps[node.peer] >= len(hole):
             out.append(_fill(stages, gap, [Stage(node.peer, hole)]))
+    # A hole too big for any one outsider: split it between two of the most capable.
+    terms = {n.peer: NodeTerms.of(n, model, workload) for n in outsiders}
+    shortlist = sorted((n.peer for n in outsiders if caps[n.peer] >= 1),
+                       key=lambda p: (terms[p].fixed_s + terms[p].per_layer_s * len(hole) / 2, p))[:_PAIR_SHORTLIST]
+    for first in shortlist:
+        for second in shortlist:
+            for cut in range(hole.start + 1, hole.end):
+                if first != second and caps[first] >= cut - hole.start and caps[second] >= hole.end - cut:
+                    out.append(_fill(stages, gap, [Stage(first, LayerRange(hole.start, cut)),
+                                                   Stage(second, LayerRange(cut, hole.end))]))
     before = stages[gap - 1] if gap > 0 else None
     after = stages[gap + 1] if gap + 1 < len(stages) else None
     for cut in range(hole.start, hole.end + 1):  # the predecessor takes [start, cut), the successor the rest
