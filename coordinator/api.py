@@ -18,6 +18,7 @@ import logging
 import secrets
 import time
 from collections.abc import Awaitable, Callable
+from contextlib import aclosing
 from dataclasses import dataclass
 from functools import partial, wraps
 from typing import Any
@@ -207,11 +208,12 @@ class GenerationResponse(Response):
     async def _send_whole(self, send: Send) -> None:
         parts = [self.prefix_text]
         try:
-            async for event in self.gen.events():
-                if isinstance(event, TextChunk):
-                    parts.append(event.text)
-                else:
-                    fin = event  # Generation.events always ends with exactly one Finished
+            async with aclosing(self.gen.events()) as events:
+                async for event in events:
+                    if isinstance(event, TextChunk):
+                        parts.append(event.text)
+                    else:
+                        fin = event  # Generation.events always ends with exactly one Finished
         except EngineError as exc:
             await error_response(request_error_for(exc))({"type": "http"}, _no_receive, send)
             return
@@ -234,14 +236,15 @@ class GenerationResponse(Response):
         if self.prefix_text:
             await event(self._envelope(obj, [self.shape.chunk_choice(self.prefix_text, None)]))
         try:
-            async for ev in self.gen.events():
-                if isinstance(ev, TextChunk):
-                    if ev.text:
-                        await event(self._envelope(obj, [self.shape.chunk_choice(ev.text, None)]))
-                    continue
-                await event(self._envelope(obj, [self.shape.chunk_choice("", ev.finish_reason)], shard=ev.stats))
-                if self.include_usage:
-                    await event(self._envelope(obj, [], usage=_usage(ev)))
+            async with aclosing(self.gen.events()) as events:
+                async for ev in events:
+                    if isinstance(ev, TextChunk):
+                        if ev.text:
+                            await event(self._envelope(obj, [self.shape.chunk_choice(ev.text, None)]))
+                        continue
+                    await event(self._envelope(obj, [self.shape.chunk_choice("", ev.finish_reason)], shard=ev.stats))
+                    if self.include_usage:
+                        await event(self._envelope(obj, [], usage=_usage(ev)))
             await event("[DONE]")
         except EngineError as exc:
             await event(request_error_for(exc).body())
