@@ -22,6 +22,7 @@ import torch
 import trio
 
 from coordinator.engine import JobFailedError, NotReadyError
+from coordinator.receipt_check import JobReceipts, ReceiptChecker
 from coordinator.sampling import SamplingParams, make_generator, sample
 from coordinator.swarm import RingState, Swarm
 from shard.activations import from_wire
@@ -51,7 +52,9 @@ class RingChanged(Exception):
 
 
 class RingEngine:
-    def __init__(self, swarm: Swarm, host: Host, tokenizer: Any, config: EngineConfig) -> None:
+    def __init__(self, swarm: Swarm, host: Host, tokenizer: Any, config: EngineConfig,
+                 receipts: ReceiptChecker | None = None) -> None:
+        self.receipts = receipts  # None: rounds are not checked (receipts off)
         store = swarm.store
         self.swarm, self.host, self.tokenizer, self.config = swarm, host, tokenizer, config
         self.cfg = store.config
@@ -77,7 +80,14 @@ class RingEngine:
         job_id = os.urandom(8).hex()
         send, recv = trio.open_memory_channel(256)
         self._jobs[job_id] = send
-        return RingJob(self, job_id, list(prompt_ids), params, recv)
+        job = RingJob(self, job_id, list(prompt_ids), params, recv)
+        if self.receipts is not None:
+            job.receipts = self.receipts.open_job(job_id, job.nonce, job.prompt_ids)
+        return job
+
+    def bundle(self, job_id: str) -> dict[str, Any] | None:
+        """The signed receipt bundle of a finished job as JSON, None if unknown."""
+        return self.receipts.bundle(job_id) if self.receipts is not None else None
 
     def info(self) -> dict[str, Any]:
         ring = self.swarm.ring
@@ -180,6 +190,7 @@ class RingJob:
     started_s: float = field(default_factory=time.monotonic)
     ttft_s: float | None = None
     closed: bool = False
+    receipts: JobReceipts | None = None
 
     async def next_tokens(self) -> AsyncIterator[list[int]]:
         self.committed = list(self.prompt_ids)
@@ -223,16 +234,21 @@ class RingJob:
             ids = self.committed[start:start + chunk]
             self.round += 1
             rounds.append(self.round)
-            await self.engine.send(ring, Forward(
+            fwd = Forward(
                 job_id=self.job_id, epoch=ring.epoch, round=self.round, nonce=self.nonce,
                 phase="decode" if len(todo) == 1 else "prefill", ctx_len=start,
                 positions=torch.arange(start, start + len(ids)), tokens=torch.tensor(ids),
-            ))
+            )
+            if self.receipts is not None:
+                self.receipts.sent(fwd)
+            await self.engine.send(ring, fwd)
             start += len(ids)
         last = None
         with trio.fail_after(self.engine.config.frame_timeout_s * len(rounds)):
             for expected in rounds:
                 last = await self._receive(ring.epoch, expected)
+                if self.receipts is not None:
+                    self.receipts.check(ring, last)  # fail closed: ReceiptRejected ends the job
         self.traversals += 1
         self.ring_ctx = len(self.committed)
         logits = await trio.to_thread.run_sync(self.engine.logits, last)
@@ -256,13 +272,16 @@ class RingJob:
         # The first traversal (prefill) commits the first token, so tokens per traversal is
         # generated / traversals; plain decoding gives exactly 1.0.
         return {"traversals": self.traversals, "tokens_per_traversal": generated / self.traversals if self.traversals else 0.0,
-                "ring_epoch": self.ring_epoch, "ttft_s": self.ttft_s, "resumes": self.resumes, "drafter": "none"}
+                "ring_epoch": self.ring_epoch, "ttft_s": self.ttft_s, "resumes": self.resumes, "drafter": "none",
+                "job_id": self.job_id}
 
     async def aclose(self) -> None:
         if self.closed:
             return
         self.closed = True
         self.engine.close_job(self.job_id)
+        if self.receipts is not None:
+            self.receipts.finish(self.committed[len(self.prompt_ids):])
         ring = self.engine.swarm.ring
         if ring is not None and ring.epoch == self.ring_epoch:
             try:

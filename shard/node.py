@@ -23,14 +23,17 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from libp2p.peer.id import ID
 
 from shard.errors import ShardError, WireError
+from shard.frame_log import FrameLog
 from shard.layers import LayerRange
+from shard.receipt_signer import make_signer
 from shard.stage import Stage
 from shard.stage_worker import StageWorker, WorkerConfig
 from shard.store import ModelStore, open_or_prepare
 from shard.transport import FramedStream, Host, TransportError
 from shard.wire.codec import decode, encode
 from shard.wire.limits import Limits
-from shard.wire.messages import Assignment, EndJob, Forward, JobError, Ping, Pong, Ready, Register, Result
+from shard.wire.messages import (Assignment, AuditReply, AuditRequest, EndJob, Forward, JobError, Ping, Pong, Ready,
+                                 Register, Result)
 
 log = logging.getLogger("shard.node")
 
@@ -55,6 +58,9 @@ class NodeConfig:
     link_latency_ms: float = 0.0  # emulated one-way latency on this node's outgoing ring edge
     link_upload_mbps: float = 0.0  # emulated uplink; 0 = unlimited
     link_jitter_ms: float = 0.0
+    # Sign a receipt per frame and log frames for audits. Off only to measure their cost:
+    # a coordinator that checks receipts fails every job through a node that does not sign.
+    receipts: bool = True
 
 
 def public_key_of_peer(peer_id: str) -> bytes:
@@ -116,6 +122,8 @@ class Node:
     control_lock: trio.Lock = field(default_factory=trio.Lock)
     control: FramedStream | None = None
     limits: Limits = field(default_factory=Limits)
+    signing_seed: bytes | None = None  # the identity's Ed25519 seed; None = do not sign receipts
+    frame_log: FrameLog = field(default_factory=FrameLog)
     _out_streams: dict[str, object] = field(default_factory=dict)
 
     async def serve(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -144,6 +152,8 @@ class Node:
                 await self._assume(msg)
             elif isinstance(msg, Ping):
                 await self._send_control(Pong(nonce=msg.nonce, sent_ns=msg.sent_ns))
+            elif isinstance(msg, AuditRequest):
+                await self._send_control(self._audit_reply(msg))
             else:
                 log.warning("ignoring %s on the control stream", type(msg).__name__)
 
@@ -157,6 +167,13 @@ class Node:
         if not isinstance(reply, Pong):
             raise ShardError(f"coordinator answered a ping with {type(reply).__name__}")
         return 2 * len(payload) / elapsed
+
+    def _audit_reply(self, req: AuditRequest) -> AuditReply:
+        """The logged canonical bytes of one side of one frame (None if not kept)."""
+        rec = self.frame_log.get(req.job_id, req.epoch, req.round)
+        data = None if rec is None else (rec.input_frame if req.side == "input" else rec.output_frame)
+        frame = None if data is None else torch.frombuffer(bytearray(data), dtype=torch.uint8)  # (nbytes,)
+        return AuditReply(job_id=req.job_id, epoch=req.epoch, round=req.round, side=req.side, frame=frame)
 
     async def _send_control(self, msg) -> None:
         async with self.control_lock:
@@ -172,10 +189,13 @@ class Node:
             stage = old.worker.stage  # same slice: keep the weights, drop the caches
         else:
             stage = await trio.to_thread.run_sync(self._load_stage, r)
+        signer = None
+        if self.config.receipts and self.signing_seed is not None:
+            signer = make_signer(self.signing_seed, self.store, a, self.frame_log)
         worker = StageWorker(stage, WorkerConfig(
             wire_dtype=a.wire_dtype, is_tail=a.successor is None, max_context_tokens=self.store.config.max_context_tokens,
             max_kv_bytes=max(self.config.max_memory_bytes - self.store.layer_bytes(r), 64 << 20),
-        ))
+        ), signer=signer)
         self.state = EpochState(a, worker, a.predecessor or self.coordinator_id, a.successor or self.coordinator_id)
         self._out_streams.clear()
         log.info("epoch %d: serving layers %s as %s (pred %s, succ %s)", a.epoch, r, a.role,
@@ -216,6 +236,7 @@ class Node:
     async def _handle(self, state: EpochState, msg) -> None:
         if isinstance(msg, EndJob):
             state.worker.end_job(msg.job_id)
+            self.frame_log.end_job(msg.job_id)
             if state.assignment.successor is not None:
                 await self._send_ring(state, msg)
             return
@@ -271,7 +292,7 @@ class Node:
 
 async def run_node(config: NodeConfig, task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Prepare (or verify) the model store, start the host and serve until cancelled."""
-    from shard.identity import load_or_create_identity
+    from shard.identity import identity_signing_key, load_or_create_identity
     from shard.store import cache_root
     from shard.transport import open_host
 
@@ -280,5 +301,5 @@ async def run_node(config: NodeConfig, task_status=trio.TASK_STATUS_IGNORED) -> 
     store = await trio.to_thread.run_sync(lambda: open_or_prepare(config.model, config.store_dir))
     keypair = load_or_create_identity(config.key_path or cache_root() / "node.key")
     async with open_host(keypair, config.listen) as host:
-        node = Node(config, host, store)
+        node = Node(config, host, store, signing_seed=identity_signing_key(keypair))
         await node.serve(task_status=task_status)

@@ -275,9 +275,41 @@ class Pong:
         pass
 
 
-Message = Union[Forward, Result, EndJob, JobError, Register, Assignment, Ready, Ping, Pong]
+@dataclass(frozen=True, kw_only=True)
+class AuditRequest:
+    """Coordinator -> stage (control stream): send me one side of a frame you logged."""
+
+    KIND: ClassVar[str] = "audit_request"
+    job_id: str = spec(JOB_ID)
+    epoch: int = spec(EPOCH)
+    round: int = spec(ROUND)
+    side: str = spec(Str(8, choices=("input", "output")))
+
+    def check(self, limits: Limits) -> None:
+        pass
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class AuditReply:
+    """Stage -> coordinator: the canonical frame bytes (shard.frame_digest) it logged for
+    that round and side, as a u8 tensor; None when it kept no record."""
+
+    KIND: ClassVar[str] = "audit_reply"
+    job_id: str = spec(JOB_ID)
+    epoch: int = spec(EPOCH)
+    round: int = spec(ROUND)
+    side: str = spec(Str(8, choices=("input", "output")))
+    frame: torch.Tensor | None = spec(Tensor(frozenset({"u8"}), optional=True), default=None)  # (nbytes,)
+
+    def check(self, limits: Limits) -> None:
+        if self.frame is not None and self.frame.dim() != 1:
+            raise _fail_shape("frame", ["nbytes"], self.frame)
+
+
+Message = Union[Forward, Result, EndJob, JobError, Register, Assignment, Ready, Ping, Pong, AuditRequest, AuditReply]
 # The allow-list: the only classes a peer's `kind` can name.
-REGISTRY: dict[str, type] = {c.KIND: c for c in (Forward, Result, EndJob, JobError, Register, Assignment, Ready, Ping, Pong)}
+REGISTRY: dict[str, type] = {c.KIND: c for c in (Forward, Result, EndJob, JobError, Register, Assignment, Ready, Ping, Pong,
+                                                 AuditRequest, AuditReply)}
 
 for _cls in REGISTRY.values():
     _clash = {f.name for f in dataclasses.fields(_cls)} & RESERVED_KEYS

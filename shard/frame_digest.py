@@ -1,0 +1,32 @@
+"""The bytes a receipt's input and output digests are taken over, defined once.
+
+A frame's *canonical bytes* are `shard.wire.codec.encode` of the message with its
+`receipts` and `compute_s` emptied: every field that says what was computed (ids,
+positions, commit, activations in the wire dtype, aux features) and nothing that each
+stage appends as the frame travels. So stage i's output digest equals stage i+1's input
+digest even though stage i+1 received the frame with one more receipt and timing on it,
+and the chain holds with fp8 on the wire (the fp8 bytes and their scales are what is
+hashed). The codec is deterministic and decode/encode round-trips byte for byte, so the
+receiver re-derives the sender's bytes exactly.
+
+Used by the stage's signer, its frame log, the coordinator's chain check and audits. It
+does not know keys, receipts or which side of the ring it runs on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from receipts import sha256_digest
+from shard.wire.codec import encode
+from shard.wire.messages import Forward, Result
+
+
+def canonical_frame(msg: Forward | Result) -> bytes:
+    """The frame body of `msg` without the per-stage trailers (receipts, compute_s)."""
+    return encode(dataclasses.replace(msg, receipts=(), compute_s=()))
+
+
+def frame_digest(msg: Forward | Result) -> bytes:
+    """SHA-256 (32 bytes) of canonical_frame(msg)."""
+    return sha256_digest(canonical_frame(msg))

@@ -1,0 +1,103 @@
+"""A stage's bounded log of the canonical bytes it received and sent, for audits.
+
+Receipts bind a stage to digests of its input and output frames; an audit asks the stage
+for those bytes later (shard.frame_digest defines them), hashes them against the signed
+receipt, and recomputes the slice. Recomputing a decode frame needs the KV state the
+stage had, so the log keeps every frame of a (job, epoch) in processing order until the
+job ends plus `grace_s`, and the auditor replays them on a fresh cache.
+
+Bounded by total bytes and by number of jobs: past either bound the oldest job (ended
+ones first) is dropped whole, since a partial job cannot be replayed. A dropped record is
+what an audit reports as missing, so bounds must cover the audit window (docs/receipts.md).
+
+Thread-safe: the stage's worker thread records while the node's trio task answers
+audits. Knows nothing of keys, receipts, streams or models.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class FrameLogConfig:
+    max_bytes: int = 512 << 20  # input + output bytes of all logged frames
+    max_jobs: int = 1024  # (job, epoch) entries
+    grace_s: float = 300.0  # how long an ended job stays auditable
+
+
+@dataclass(frozen=True)
+class FrameRecord:
+    round: int
+    input_frame: bytes  # canonical bytes received (shard.frame_digest)
+    output_frame: bytes  # canonical bytes sent
+
+
+@dataclass
+class _JobLog:
+    frames: list[FrameRecord] = field(default_factory=list)
+    nbytes: int = 0
+    ended_s: float | None = None  # clock time EndJob arrived; None while running
+
+
+class FrameLog:
+    def __init__(self, config: FrameLogConfig = FrameLogConfig(), clock=time.monotonic) -> None:
+        self.config, self._clock = config, clock
+        self._jobs: OrderedDict[tuple[str, int], _JobLog] = OrderedDict()  # oldest first
+        self._nbytes = 0
+        self._lock = threading.Lock()
+
+    @property
+    def nbytes(self) -> int:
+        return self._nbytes
+
+    def record(self, job_id: str, epoch: int, round: int, input_frame: bytes, output_frame: bytes) -> None:
+        """Append one processed frame. A single frame larger than max_bytes is not kept."""
+        size = len(input_frame) + len(output_frame)
+        with self._lock:
+            key = (job_id, epoch)
+            log = self._jobs.get(key)
+            if log is None:
+                log = self._jobs[key] = _JobLog()
+            log.frames.append(FrameRecord(round, input_frame, output_frame))
+            log.nbytes += size
+            self._nbytes += size
+            self._evict_locked()
+
+    def end_job(self, job_id: str) -> None:
+        """Start the grace period of every epoch of `job_id`."""
+        now = self._clock()
+        with self._lock:
+            for (jid, _), log in self._jobs.items():
+                if jid == job_id and log.ended_s is None:
+                    log.ended_s = now
+            self._evict_locked()
+
+    def frames(self, job_id: str, epoch: int) -> list[FrameRecord]:
+        """The job's frames on this epoch in processing order ([] if none are kept)."""
+        with self._lock:
+            self._evict_locked()
+            log = self._jobs.get((job_id, epoch))
+            return list(log.frames) if log is not None else []
+
+    def get(self, job_id: str, epoch: int, round: int) -> FrameRecord | None:
+        """The last frame of `round` (a round is processed once per epoch; last wins)."""
+        for rec in reversed(self.frames(job_id, epoch)):
+            if rec.round == round:
+                return rec
+        return None
+
+    def _evict_locked(self) -> None:
+        now, cfg = self._clock(), self.config
+        for key in [k for k, log in self._jobs.items() if log.ended_s is not None and now - log.ended_s > cfg.grace_s]:
+            self._drop_locked(key)
+        while self._jobs and (self._nbytes > cfg.max_bytes or len(self._jobs) > cfg.max_jobs):
+            ended = [k for k, log in self._jobs.items() if log.ended_s is not None]
+            self._drop_locked(ended[0] if ended else next(iter(self._jobs)))
+
+    def _drop_locked(self, key: tuple[str, int]) -> None:
+        log = self._jobs.pop(key)
+        self._nbytes -= log.nbytes
