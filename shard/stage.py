@@ -149,17 +149,20 @@ class Stage:
                 raise StageInputError("hidden shape", (t, cfg.hidden_size), tuple(x.shape))
             h = x.to(self.device, self.dtype)
         cos, sin = self.rotary.lookup(positions)  # (T, D) each
-        mask = attention_mask(ctx_len, tree_parents, t, self.device)
+        # A fresh causal chain (prefill from slot 0) can use SDPA's own causal kernel; every
+        # other frame shape gets an explicit mask.
+        causal = ctx_len == 0 and tree_parents is None and t > 1
+        mask = None if causal else attention_mask(ctx_len, tree_parents, t, self.device)
         wanted = set(capture)
         captured: dict[int, torch.Tensor] = {}
         for local, (layer, w) in enumerate(zip(self.layers, self.blocks)):
-            h = h + self._attention(job, local, rms_norm(h, w.input_norm, cfg.rms_norm_eps), w, ctx_len, cos, sin, mask)
+            h = h + self._attention(job, local, rms_norm(h, w.input_norm, cfg.rms_norm_eps), w, ctx_len, cos, sin, mask, causal)
             h = h + self._mlp(rms_norm(h, w.post_norm, cfg.rms_norm_eps), w)
             if layer in wanted:
                 captured[layer] = h
         return h, captured
 
-    def _attention(self, job, local, x, w: LayerWeights, ctx_len, cos, sin, mask) -> torch.Tensor:
+    def _attention(self, job, local, x, w: LayerWeights, ctx_len, cos, sin, mask, causal) -> torch.Tensor:
         cfg = self.cfg
         t, d, hq, hkv = x.shape[0], cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
         qkv = F.linear(x, w.wqkv, w.bqkv)  # (T, (Hq + 2 Hkv) D)
@@ -168,7 +171,8 @@ class Stage:
         k = apply_rotary(k.view(t, hkv, d).transpose(0, 1), cos, sin)  # (Hkv, T, D)
         v = v.view(t, hkv, d).transpose(0, 1)  # (Hkv, T, D)
         keys, values = job.write(local, ctx_len, k, v)  # (Hkv, S, D) with S = ctx_len + T
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=hq != hkv)  # (Hq, T, D)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=causal,
+                                             enable_gqa=hq != hkv)  # (Hq, T, D)
         return F.linear(out.transpose(0, 1).reshape(t, hq * d), w.wo)  # (T, H)
 
     @staticmethod
