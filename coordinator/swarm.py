@@ -26,7 +26,7 @@ from shard.store import ModelStore
 from shard.transport import FramedStream, TransportError
 from shard.wire.codec import decode, encode
 from shard.wire.limits import Limits
-from shard.wire.messages import Assignment, JobError, Ping, Pong, Ready, Register
+from shard.wire.messages import Assignment, AuditReply, JobError, Ping, Pong, Ready, Register
 
 log = logging.getLogger("shard.coordinator")
 
@@ -67,6 +67,12 @@ class Swarm:
         self.store, self.config = store, config
         self._key = Ed25519PrivateKey.from_private_bytes(signing_key)
         self.limits = Limits.for_model(store.config)
+        # Audit replies carry a whole canonical frame as a u8 tensor: one element per byte,
+        # so the element cap is the frame cap there (memory stays bounded by frame bytes).
+        self.control_limits = dataclasses.replace(
+            self.limits, max_tensor_elements=max(self.limits.max_tensor_elements, self.limits.max_frame_bytes))
+        self.faulty: dict[str, str] = {}  # peer id -> why audits excluded it from rings
+        self.audit_reply_handler: Callable[[str, AuditReply], None] = lambda peer, r: None
         self.members: dict[str, Member] = {}
         self.ring: RingState | None = None
         self.epoch = 0
@@ -82,7 +88,7 @@ class Swarm:
         peer = stream.remote_peer_id
         try:
             while True:
-                msg = decode(await stream.recv_frame(self.limits.max_frame_bytes), self.limits)
+                msg = decode(await stream.recv_frame(self.control_limits.max_frame_bytes), self.control_limits)
                 if isinstance(msg, Ping):
                     await stream.send_frame(encode(Pong(nonce=msg.nonce, sent_ns=msg.sent_ns, payload=msg.payload)))
                 elif isinstance(msg, Register):
@@ -94,6 +100,8 @@ class Swarm:
                         self._notify()
                 elif isinstance(msg, JobError):
                     self.job_error_handler(msg)
+                elif isinstance(msg, AuditReply):
+                    self.audit_reply_handler(peer, msg)
                 else:
                     log.warning("ignoring %s on %s's control stream", type(msg).__name__, peer)
         except (TransportError, WireError) as exc:
@@ -114,6 +122,22 @@ class Swarm:
         log.info("node %s registered (%s, %.0f MB usable)", peer, msg.device, msg.memory_bytes / 1e6)
         self._notify()
 
+    async def send_control(self, peer: str, msg) -> None:
+        """Send one message on a member's control stream. Raises TransportError if the
+        peer is not (or no longer) registered or its stream fails."""
+        member = self.members.get(peer)
+        if member is None:
+            raise TransportError(f"{peer} is not registered", peer)
+        async with member.lock:
+            await member.control.send_frame(encode(msg))
+
+    def mark_faulty(self, peer: str, reason: str) -> None:
+        """Exclude `peer` from every later ring (an audit caught it); re-forms now."""
+        if peer not in self.faulty:
+            log.warning("node %s marked faulty: %s", peer, reason)
+            self.faulty[peer] = reason
+            self._notify()
+
     def _notify(self) -> None:
         self._changed.set()
         self._changed = trio.Event()
@@ -124,7 +148,7 @@ class Swarm:
         task_status.started()
         while True:
             changed = self._changed
-            wanted = set(self.members)
+            wanted = set(self.members) - set(self.faulty)
             current = {p for p, _ in self.ring.stages} if self.ring else set()
             if wanted != current and len(wanted) >= self.config.min_nodes:
                 await self._form()
@@ -133,7 +157,7 @@ class Swarm:
             await changed.wait()
 
     async def _form(self) -> None:
-        members = dict(self.members)
+        members = {p: m for p, m in self.members.items() if p not in self.faulty}
         caps = [Capacity(p, m.register.memory_bytes, m.register.decode_s_per_layer) for p, m in members.items()]
         num_layers = self.store.num_layers
         per_layer = max(self.store.layer_bytes(LayerRange(0, num_layers)) // num_layers, 1)
