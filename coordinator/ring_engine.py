@@ -10,6 +10,7 @@ node therefore costs time, not tokens. It does not choose rings (swarm) or speak
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -23,7 +24,11 @@ import trio
 
 from coordinator.engine import JobFailedError, NotReadyError
 from coordinator.receipt_check import JobReceipts, ReceiptChecker
-from coordinator.sampling import SamplingParams, make_generator, sample
+from coordinator import adapt
+from coordinator.accept import accept_greedy, accept_sampling
+from coordinator.draft_tree import DraftTree
+from coordinator.drafting import DraftBudget, Drafter, NgramDrafter
+from coordinator.sampling import SamplingParams, make_generator, probs
 from coordinator.swarm import RingState, Swarm
 from shard.activations import from_wire
 from shard.errors import WireError
@@ -45,6 +50,7 @@ class EngineConfig:
     link_latency_ms: float = 0.0  # emulated one-way latency on the coordinator -> head edge
     link_upload_mbps: float = 0.0
     link_jitter_ms: float = 0.0
+    draft: str = "ngram"  # none | ngram
 
 
 class RingChanged(Exception):
@@ -80,7 +86,8 @@ class RingEngine:
         job_id = os.urandom(8).hex()
         send, recv = trio.open_memory_channel(256)
         self._jobs[job_id] = send
-        job = RingJob(self, job_id, list(prompt_ids), params, recv)
+        drafter = NgramDrafter() if self.config.draft == "ngram" else None
+        job = RingJob(self, job_id, list(prompt_ids), params, recv, drafter=drafter)
         if self.receipts is not None:
             job.receipts = self.receipts.open_job(job_id, job.nonce, job.prompt_ids)
         return job
@@ -190,69 +197,119 @@ class RingJob:
     started_s: float = field(default_factory=time.monotonic)
     ttft_s: float | None = None
     closed: bool = False
+    drafter: Drafter | None = None
+    adapt: adapt.AdaptState = field(default_factory=adapt.AdaptState)
+    pending_commit: tuple[tuple[int, ...], int] = ((), 0)  # (slots to gather, first destination)
+    drafted: dict[str, int] = field(default_factory=dict)  # rounds per drafter
     receipts: JobReceipts | None = None
 
     async def next_tokens(self) -> AsyncIterator[list[int]]:
+        """One verify round per traversal: the unfed root (last committed token) plus a
+        draft; the accepted path and bonus token come back as one block. With no draft
+        this is plain decoding, and the first round is the prefill."""
         self.committed = list(self.prompt_ids)
         generator = make_generator(self.params.seed)
         limit = self.engine.max_context_tokens
         while len(self.committed) < limit:
-            logits = await self._next_logits()
-            token = sample(logits, self.params, generator)
+            tree, draft_s = self._draft(limit)
+            rows, traversal_s = await self._verify(tree)
+            if self.params.greedy:
+                acc = accept_greedy(tree, rows)
+            else:
+                acc = accept_sampling(tree, probs(rows, self.params), generator)
+            root_slot = len(self.committed) - 1
+            src = [root_slot + 1 + n for n in acc.nodes]
+            # The accepted nodes' K/V move next to the root in the next frame (no extra
+            # round trip); a chain's accepted prefix is already in place.
+            self.pending_commit = (src, root_slot + 1) if src != list(range(root_slot + 1, root_slot + 1 + len(src))) else ((), 0)
+            self.ring_ctx = root_slot + 1 + len(acc.nodes)
+            tokens = list(acc.tokens)[: limit - len(self.committed)]
+            self.committed += tokens
             if self.ttft_s is None:
                 self.ttft_s = time.monotonic() - self.started_s
-            self.committed.append(token)
-            yield [token]
+            if tree.num_nodes:
+                self.drafted[tree.source.split(":")[0]] = self.drafted.get(tree.source.split(":")[0], 0) + 1
+                self.adapt = adapt.apply(adapt.RoundVerified(
+                    source=tree.source, nodes=tree.num_nodes, tried=acc.tried, accepted=len(acc.nodes),
+                    traversal_s=traversal_s, draft_s=draft_s), self.adapt)
+            yield tokens
 
-    async def _next_logits(self) -> torch.Tensor:
-        """Logits after the whole committed context, resuming on a new ring if needed."""
+    def _draft(self, limit: int) -> tuple[DraftTree, float]:
+        """The next round's draft, sized by the adaptive planner and the context left."""
+        if self.drafter is None or self.traversals == 0:
+            return DraftTree.empty(), 0.0
+        t0 = time.perf_counter()
+        shape = adapt.plan(self.adapt)
+        room = limit - len(self.committed) - 1
+        budget = DraftBudget(max(0, min(shape.nodes, room)), max(0, min(shape.depth, room)))
+        tree = self.drafter.propose(self.committed, budget) if budget.max_nodes else DraftTree.empty()
+        return tree, time.perf_counter() - t0
+
+    async def _verify(self, tree: DraftTree) -> tuple[torch.Tensor, float]:
+        """Target logits (M+1, V) for the root and each draft node, resuming on a new ring
+        (re-prefilling the committed context) when the ring changed or a stage failed."""
         for attempt in range(self.engine.config.max_resumes + 1):
             ring = await self.engine.swarm.wait_ring()
             if ring.epoch != self.ring_epoch:
                 if self.traversals:
                     self.resumes += 1
                     log.info("job %s resumes on ring epoch %d (re-prefill %d tokens)", self.job_id, ring.epoch, len(self.committed))
-                self.ring_epoch, self.ring_ctx = ring.epoch, 0
+                self.ring_epoch, self.ring_ctx, self.pending_commit = ring.epoch, 0, ((), 0)
             try:
-                return await self._feed(ring)
+                return await self._round(ring, tree)
             except (RingChanged, JobFailedError, TransportError, trio.TooSlowError) as exc:
                 # Whatever happened, the ring may no longer hold this job's K/V: start over
                 # from the committed tokens on whichever ring is current next time round.
                 log.warning("job %s: round failed on ring epoch %d (%s); resuming", self.job_id, ring.epoch, exc)
-                self.ring_epoch, self.ring_ctx = -1, 0
+                self.ring_epoch, self.ring_ctx, self.pending_commit = -1, 0, ((), 0)
                 if not isinstance(exc, RingChanged):
                     await self.engine.swarm.wait_change(ring.epoch, self.engine.config.resume_wait_s)
         raise JobFailedError(f"job {self.job_id} lost its ring {self.engine.config.max_resumes + 1} times")
 
-    async def _feed(self, ring: RingState) -> torch.Tensor:
-        """Send committed[ring_ctx:] (chunked, pipelined) and return the last row's logits."""
-        todo = self.committed[self.ring_ctx:]
-        chunk = self.engine.config.prefill_chunk_tokens if len(todo) > 1 else 1
+    async def _round(self, ring: RingState, tree: DraftTree) -> tuple[torch.Tensor, float]:
+        """Feed committed[ring_ctx:-1] as pipelined prefill chunks, then the root and the
+        draft as one verify frame carrying the previous round's commit."""
+        t0 = time.monotonic()
+        root = len(self.committed) - 1
+        chunk = self.engine.config.prefill_chunk_tokens
         rounds = []
-        start = self.ring_ctx
-        while start < len(self.committed):
-            ids = self.committed[start:start + chunk]
-            self.round += 1
-            rounds.append(self.round)
-            fwd = Forward(
-                job_id=self.job_id, epoch=ring.epoch, round=self.round, nonce=self.nonce,
-                phase="decode" if len(todo) == 1 else "prefill", ctx_len=start,
-                positions=torch.arange(start, start + len(ids)), tokens=torch.tensor(ids),
-            )
-            if self.receipts is not None:
-                self.receipts.sent(fwd)
-            await self.engine.send(ring, fwd)
-            start += len(ids)
+        for start in range(self.ring_ctx, root, chunk):
+            ids = self.committed[start:min(start + chunk, root)]
+            rounds.append(await self._send(ring, Forward(
+                job_id=self.job_id, epoch=ring.epoch, round=self.round + 1, nonce=self.nonce, phase="prefill",
+                ctx_len=start, positions=torch.arange(start, start + len(ids)), tokens=torch.tensor(ids),
+            )))
+        src, dst = self.pending_commit if not rounds else ((), 0)
+        frame_ids = [self.committed[root], *tree.tokens.tolist()]
+        parents = None
+        if tree.num_nodes:
+            parents = torch.tensor([-1] + [p + 1 if p >= 0 else 0 for p in tree.parents.tolist()], dtype=torch.int32)
+        positions = torch.cat([torch.tensor([root]), tree.positions(root)]) if tree.num_nodes else torch.tensor([root])
+        rounds.append(await self._send(ring, Forward(
+            job_id=self.job_id, epoch=ring.epoch, round=self.round + 1, nonce=self.nonce,
+            phase="verify" if tree.num_nodes else ("decode" if self.traversals else "prefill"),
+            ctx_len=root, commit_src=tuple(src), commit_dst=dst, positions=positions, tree_parents=parents,
+            tokens=torch.tensor(frame_ids),
+        )))
+        self.pending_commit = ((), 0)
         last = None
         with trio.fail_after(self.engine.config.frame_timeout_s * len(rounds)):
             for expected in rounds:
                 last = await self._receive(ring.epoch, expected)
                 if self.receipts is not None:
                     self.receipts.check(ring, last)  # fail closed: ReceiptRejected ends the job
+        traversal_s = time.monotonic() - t0
         self.traversals += 1
-        self.ring_ctx = len(self.committed)
         logits = await trio.to_thread.run_sync(self.engine.logits, last)
-        return logits[-1]
+        return logits[-(tree.num_nodes + 1):], traversal_s
+
+    async def _send(self, ring: RingState, fwd: Forward) -> int:
+        self.round += 1
+        fwd = dataclasses.replace(fwd, round=self.round)
+        if self.receipts is not None:
+            self.receipts.sent(fwd)
+        await self.engine.send(ring, fwd)
+        return self.round
 
     async def _receive(self, epoch: int, expected_round: int) -> Result:
         while True:
@@ -272,7 +329,8 @@ class RingJob:
         # The first traversal (prefill) commits the first token, so tokens per traversal is
         # generated / traversals; plain decoding gives exactly 1.0.
         return {"traversals": self.traversals, "tokens_per_traversal": generated / self.traversals if self.traversals else 0.0,
-                "ring_epoch": self.ring_epoch, "ttft_s": self.ttft_s, "resumes": self.resumes, "drafter": "none",
+                "ring_epoch": self.ring_epoch, "ttft_s": self.ttft_s, "resumes": self.resumes,
+                "drafter": self.engine.config.draft, "draft_rounds": dict(self.drafted),
                 "job_id": self.job_id}
 
     async def aclose(self) -> None:
