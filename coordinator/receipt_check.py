@@ -53,7 +53,8 @@ class ReceiptConfig:
 
 class ReceiptRejected(EngineError):
     """A round's receipt chain failed: the job is failed closed. Fields: job_id, round,
-    check (the receipts check name), stage (index in the chain or None), peer_id."""
+    check (the receipts check name), stage (index in the chain or None), peer_id (the
+    peer assigned the blamed receipt's layers, or None)."""
 
     def __init__(self, job_id: str, round: int, error: VerificationError, peer_id: str | None) -> None:
         self.job_id, self.round, self.check, self.stage, self.peer_id = job_id, round, error.check, error.stage, peer_id
@@ -165,9 +166,9 @@ class JobReceipts:
                 sent_digest=sent_digest, received_digest=received, assignments=view.assignments)
         except VerificationError as exc:
             self.failed = True
-            peer = None
-            if exc.stage is not None and exc.stage < len(ring.stages):
-                peer = ring.stages[exc.stage][0]
+            # The receipt under blame names its layers; its index in a short chain need
+            # not be the stage's place in the ring.
+            peer = next((p for p, r in ring.stages if exc.layers == (r.start, r.end)), None)
             raise ReceiptRejected(self.job_id, result.round, exc, peer) from exc
         self._rounds[result.round] = RoundRecord(result.round, ring.epoch, sent_digest, received, tuple(result.receipts))
         self._verified[result.round] = VerifiedRound(ring.epoch, decoded)
