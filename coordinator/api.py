@@ -324,6 +324,14 @@ def create_app(engine: Engine, config: ApiConfig = ApiConfig()) -> Starlette:
     async def ring(request: Request) -> Response:
         return JSONResponse(engine.info())
 
+    async def receipts(request: Request) -> Response:
+        job_id = request.path_params["job_id"]
+        bundle_of = getattr(engine, "bundle", None)  # engines without receipts have none
+        bundle = bundle_of(job_id) if bundle_of is not None else None
+        if bundle is None:
+            raise RequestError(404, f"no receipt bundle for job `{job_id}`", param="job_id", code="receipts_not_found")
+        return JSONResponse(bundle)
+
     async def http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
         kind = "not_found" if exc.status_code == 404 else "invalid_request_error"
@@ -342,6 +350,7 @@ def create_app(engine: Engine, config: ApiConfig = ApiConfig()) -> Starlette:
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/health", health, methods=["GET"]),
         Route("/v1/ring", ring, methods=["GET"]),
+        Route("/v1/receipts/{job_id}", _openai_errors(receipts), methods=["GET"]),
     ]
     return Starlette(routes=routes, exception_handlers={HTTPException: http_error, Exception: server_error})
 

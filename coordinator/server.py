@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 import trio
 
 from coordinator.api import ApiConfig, create_app, serve_http
+from coordinator.audit import AuditConfig, Auditor
+from coordinator.receipt_check import ReceiptChecker, ReceiptConfig
 from coordinator.ring_engine import EngineConfig, RingEngine
 from coordinator.swarm import Swarm, SwarmConfig
 from shard.identity import identity_signing_key, load_or_create_identity
@@ -48,6 +50,8 @@ class CoordConfig:
     prefill_chunk_tokens: int = _opt(256, "prefill chunk size; chunks are pipelined through the ring")
     max_concurrent_jobs: int = _opt(8, "requests beyond this get 429")
     node_threads: int = _opt(1, "torch threads per local node")
+    receipts_dir: str | None = _opt(None, "append every job's signed receipt bundle here (default: memory only)")
+    audit_rate: float = _opt(AuditConfig.rate, "probability a (round, stage) is audited by replay; cost in docs/receipts.md")
 
 
 async def serve_coordinator(config: CoordConfig, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -62,14 +66,19 @@ async def serve_coordinator(config: CoordConfig, task_status=trio.TASK_STATUS_IG
     swarm = Swarm(store, identity_signing_key(keypair), SwarmConfig(min_nodes=min_nodes, wire_dtype=WIRE_DTYPE_NAMES[config.wire_dtype]))
     host_name, port = config.http.rsplit(":", 1)
     async with open_host(keypair, config.listen) as host:
+        seed = identity_signing_key(keypair)
+        checker = ReceiptChecker(store, seed, ReceiptConfig(receipts_dir=config.receipts_dir))
+        auditor = Auditor(swarm, store, seed, AuditConfig(rate=config.audit_rate))
+        checker.listeners.append(auditor.submit_nowait)
         engine = RingEngine(swarm, host, tokenizer, EngineConfig(
             prefill_chunk_tokens=config.prefill_chunk_tokens, draft=config.draft, link_latency_ms=config.link_latency_ms,
-            link_upload_mbps=config.link_upload_mbps, link_jitter_ms=config.link_jitter_ms))
+            link_upload_mbps=config.link_upload_mbps, link_jitter_ms=config.link_jitter_ms), receipts=checker)
         host.set_handler(CONTROL_PROTOCOL, swarm.handle_control)
         host.set_handler(RING_PROTOCOL, engine.handle_ring_stream)
         addr = host.addrs[0]
         async with trio.open_nursery() as nursery:
             await nursery.start(swarm.serve_formation)
+            await nursery.start(auditor.serve)
             app = create_app(engine, ApiConfig(host=host_name, port=int(port), max_concurrent_jobs=config.max_concurrent_jobs))
             http_port = await nursery.start(serve_http, app, host_name, int(port))
             for i in range(config.local_nodes):

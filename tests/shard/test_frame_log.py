@@ -1,0 +1,54 @@
+"""FrameLog bounds: audits need whole jobs, and a volunteer's memory must stay bounded.
+
+Guards: eviction drops whole (job, epoch) entries (a partial job cannot be replayed),
+prefers ended jobs over running ones, honours the grace period on a fake clock (no
+sleeps), and keeps the byte count exact so the bound is real.
+"""
+
+from __future__ import annotations
+
+from shard.frame_log import FrameLog, FrameLogConfig
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_frames_kept_in_order_and_last_round_wins():
+    log = FrameLog()
+    log.record("j", 1, 1, b"in1", b"out1")
+    log.record("j", 1, 2, b"in2", b"out2")
+    log.record("j", 1, 2, b"in2b", b"out2b")  # a round re-sent on the same epoch
+    assert [r.round for r in log.frames("j", 1)] == [1, 2, 2]
+    assert log.get("j", 1, 2).input_frame == b"in2b"
+    assert log.get("j", 2, 1) is None and log.frames("k", 1) == []
+    assert log.nbytes == 3 + 4 + 3 + 4 + 4 + 5
+
+
+def test_byte_bound_evicts_ended_jobs_first_and_whole():
+    log = FrameLog(FrameLogConfig(max_bytes=100, max_jobs=10))
+    log.record("running", 1, 1, b"x" * 30, b"y" * 10)
+    log.record("ended", 1, 1, b"x" * 30, b"y" * 10)
+    log.end_job("ended")
+    log.record("new", 1, 1, b"x" * 20, b"y" * 10)  # 110 bytes > 100: one job must go
+    assert log.frames("ended", 1) == []  # the ended one, although "running" is older
+    assert len(log.frames("running", 1)) == 1 and log.nbytes == 70
+
+
+def test_job_count_bound_and_grace_period():
+    clock = Clock()
+    log = FrameLog(FrameLogConfig(max_jobs=2, grace_s=10.0), clock=clock)
+    log.record("a", 1, 1, b"i", b"o")
+    log.record("a", 2, 1, b"i", b"o")  # a second epoch of the same job is its own entry
+    log.end_job("a")
+    clock.now = 9.0
+    assert log.frames("a", 1) and log.frames("a", 2)
+    clock.now = 10.5
+    assert log.frames("a", 1) == [] and log.frames("a", 2) == [] and log.nbytes == 0
+    for job in ("b", "c", "d"):
+        log.record(job, 1, 1, b"i", b"o")
+    assert log.frames("b", 1) == [] and log.frames("d", 1)  # oldest running job dropped at 3 > 2
