@@ -75,9 +75,14 @@ class RingEngine:
         self._jobs: dict[str, trio.MemorySendChannel] = {}
         self._head_streams: dict[int, FramedStream] = {}
         self._send_lock = trio.Lock()
+        self._links: trio.Nursery | None = None  # set by serve(); needed only for link emulation
         self.hop_times: dict[str, float] = {}
         swarm.job_error_handler = self._deliver
         swarm.ring_listeners.append(self._on_ring_change)
+
+    def make_drafter(self) -> Drafter | None:
+        """A fresh drafter for one job (None = plain decoding)."""
+        return NgramDrafter() if self.config.draft == "ngram" else None
 
     # -- Engine interface ----------------------------------------------------------------
     async def open_job(self, prompt_ids: list[int], params: SamplingParams) -> "RingJob":
@@ -86,8 +91,7 @@ class RingEngine:
         job_id = os.urandom(8).hex()
         send, recv = trio.open_memory_channel(256)
         self._jobs[job_id] = send
-        drafter = NgramDrafter() if self.config.draft == "ngram" else None
-        job = RingJob(self, job_id, list(prompt_ids), params, recv, drafter=drafter)
+        job = RingJob(self, job_id, list(prompt_ids), params, recv, drafter=self.make_drafter())
         if self.receipts is not None:
             job.receipts = self.receipts.open_job(job_id, job.nonce, job.prompt_ids)
         return job
@@ -118,19 +122,27 @@ class RingEngine:
             if stream is None:
                 self._head_streams.clear()
                 stream = await self.host.open_stream(ring.head, RING_PROTOCOL)
-                stream = self._emulate(stream)
+                stream = await self._emulate(stream)
                 self._head_streams[ring.epoch] = stream
             await stream.send_frame(encode(msg))
 
-    def _emulate(self, stream):
+    async def serve(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Hold the nursery that pumps emulated links; never returns."""
+        async with trio.open_nursery() as self._links:
+            task_status.started()
+            await trio.sleep_forever()
+
+    async def _emulate(self, stream):
         c = self.config
         if not (c.link_latency_ms or c.link_upload_mbps or c.link_jitter_ms):
             return stream
         from shard.linkemu import EmulatedLink
 
-        return EmulatedLink(stream, one_way_latency_s=c.link_latency_ms / 1e3,
+        link = EmulatedLink(stream, one_way_latency_s=c.link_latency_ms / 1e3,
                             upload_bytes_per_s=c.link_upload_mbps * 1e6 / 8 if c.link_upload_mbps else math.inf,
                             jitter_s=c.link_jitter_ms / 1e3)
+        await self._links.start(link.serve)
+        return link
 
     async def handle_ring_stream(self, stream: FramedStream) -> None:
         """Results from the tail. Frames from any other peer are refused (and logged)."""

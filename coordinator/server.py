@@ -78,6 +78,7 @@ async def serve_coordinator(config: CoordConfig, task_status=trio.TASK_STATUS_IG
         addr = host.addrs[0]
         async with trio.open_nursery() as nursery:
             await nursery.start(swarm.serve_formation)
+            await nursery.start(engine.serve)
             await nursery.start(auditor.serve)
             app = create_app(engine, ApiConfig(host=host_name, port=int(port), max_concurrent_jobs=config.max_concurrent_jobs))
             http_port = await nursery.start(serve_http, app, host_name, int(port))

@@ -108,6 +108,8 @@ class EmulatedLink:
         """Hand `body` to the uplink; return when its last byte has left (not when it arrives)."""
         if self._failure is not None:
             raise self._failure
+        if not self._serving:
+            raise RuntimeError("EmulatedLink.send_frame before serve() started: frames would never be delivered")
         now_s = trio.current_time()
         sent_s = self.uplink.reserve(len(body) + FRAME_PREFIX.size, now_s)
         jitter_s = self._rng.uniform(0.0, self.jitter_s) if self.jitter_s else 0.0

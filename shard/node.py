@@ -125,6 +125,7 @@ class Node:
     signing_seed: bytes | None = None  # the identity's Ed25519 seed; None = do not sign receipts
     frame_log: FrameLog = field(default_factory=FrameLog)
     _out_streams: dict[str, object] = field(default_factory=dict)
+    _links: trio.Nursery | None = None
 
     async def serve(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Register and serve until cancelled. Error handling: a bad frame or failed job is
@@ -146,16 +147,17 @@ class Node:
         log.info("registered with %s (decode %.2f ms/layer, prefill %.3f ms/layer/token)",
                  self.coordinator_id, decode_s * 1e3, prefill_s * 1e3)
         task_status.started()
-        while True:
-            msg = decode(await self.control.recv_frame(self.limits.max_frame_bytes), self.limits)
-            if isinstance(msg, Assignment):
-                await self._assume(msg)
-            elif isinstance(msg, Ping):
-                await self._send_control(Pong(nonce=msg.nonce, sent_ns=msg.sent_ns))
-            elif isinstance(msg, AuditRequest):
-                await self._send_control(self._audit_reply(msg))
-            else:
-                log.warning("ignoring %s on the control stream", type(msg).__name__)
+        async with trio.open_nursery() as self._links:  # pumps of emulated outgoing links
+            while True:
+                msg = decode(await self.control.recv_frame(self.limits.max_frame_bytes), self.limits)
+                if isinstance(msg, Assignment):
+                    await self._assume(msg)
+                elif isinstance(msg, Ping):
+                    await self._send_control(Pong(nonce=msg.nonce, sent_ns=msg.sent_ns))
+                elif isinstance(msg, AuditRequest):
+                    await self._send_control(self._audit_reply(msg))
+                else:
+                    log.warning("ignoring %s on the control stream", type(msg).__name__)
 
     async def _probe_upload(self) -> float:
         """Bytes/s to the coordinator, from echoing a 256 KiB ping (rough; refreshed later)."""
@@ -275,19 +277,23 @@ class Node:
                 except TransportError as exc:
                     log.info("could not dial successor at %s: %s", addr, exc)
             stream = await self.host.open_stream(target, RING_PROTOCOL)
-            stream = self._emulate(stream)
+            stream = await self._emulate(stream)
             self._out_streams[target] = stream
         await stream.send_frame(encode(msg))
 
-    def _emulate(self, stream):
+    async def _emulate(self, stream):
+        """Wrap an outgoing ring edge in the configured link emulation (a transport
+        decorator: nothing else in the node knows about it)."""
         cfg = self.config
         if not (cfg.link_latency_ms or cfg.link_upload_mbps or cfg.link_jitter_ms):
             return stream
         from shard.linkemu import EmulatedLink
 
-        return EmulatedLink(stream, one_way_latency_s=cfg.link_latency_ms / 1e3,
+        link = EmulatedLink(stream, one_way_latency_s=cfg.link_latency_ms / 1e3,
                             upload_bytes_per_s=cfg.link_upload_mbps * 1e6 / 8 if cfg.link_upload_mbps else math.inf,
                             jitter_s=cfg.link_jitter_ms / 1e3)
+        await self._links.start(link.serve)
+        return link
 
 
 async def run_node(config: NodeConfig, task_status=trio.TASK_STATUS_IGNORED) -> None:
