@@ -279,30 +279,32 @@ class RingJob:
         raise JobFailedError(f"job {self.job_id} lost its ring {self.engine.config.max_resumes + 1} times")
 
     async def _round(self, ring: RingState, tree: DraftTree) -> tuple[torch.Tensor, float]:
-        """Feed committed[ring_ctx:-1] as pipelined prefill chunks, then the root and the
-        draft as one verify frame carrying the previous round's commit."""
+        """Feed the committed tokens the ring lacks as pipelined chunks (the last chunk ends
+        with the root when there is no draft), then the root and the draft as one verify
+        frame. The previous round's commit rides in the first frame sent."""
         t0 = time.monotonic()
         root = len(self.committed) - 1
         chunk = self.engine.config.prefill_chunk_tokens
+        prefix_end = root if tree.num_nodes else root + 1
+        src, dst = self.pending_commit
         rounds = []
-        for start in range(self.ring_ctx, root, chunk):
-            ids = self.committed[start:min(start + chunk, root)]
+        for start in range(self.ring_ctx, prefix_end, chunk):
+            ids = self.committed[start:min(start + chunk, prefix_end)]
             rounds.append(await self._send(ring, Forward(
-                job_id=self.job_id, epoch=ring.epoch, round=self.round + 1, nonce=self.nonce, phase="prefill",
-                ctx_len=start, positions=torch.arange(start, start + len(ids)), tokens=torch.tensor(ids),
+                job_id=self.job_id, epoch=ring.epoch, round=self.round + 1, nonce=self.nonce,
+                phase="decode" if len(ids) == 1 and self.traversals else "prefill", ctx_len=start,
+                commit_src=tuple(src), commit_dst=dst,
+                positions=torch.arange(start, start + len(ids)), tokens=torch.tensor(ids),
             )))
-        src, dst = self.pending_commit if not rounds else ((), 0)
-        frame_ids = [self.committed[root], *tree.tokens.tolist()]
-        parents = None
+            src, dst = (), 0
         if tree.num_nodes:
             parents = torch.tensor([-1] + [p + 1 if p >= 0 else 0 for p in tree.parents.tolist()], dtype=torch.int32)
-        positions = torch.cat([torch.tensor([root]), tree.positions(root)]) if tree.num_nodes else torch.tensor([root])
-        rounds.append(await self._send(ring, Forward(
-            job_id=self.job_id, epoch=ring.epoch, round=self.round + 1, nonce=self.nonce,
-            phase="verify" if tree.num_nodes else ("decode" if self.traversals else "prefill"),
-            ctx_len=root, commit_src=tuple(src), commit_dst=dst, positions=positions, tree_parents=parents,
-            tokens=torch.tensor(frame_ids),
-        )))
+            rounds.append(await self._send(ring, Forward(
+                job_id=self.job_id, epoch=ring.epoch, round=self.round + 1, nonce=self.nonce, phase="verify",
+                ctx_len=root, commit_src=tuple(src), commit_dst=dst, tree_parents=parents,
+                positions=torch.cat([torch.tensor([root]), tree.positions(root)]),
+                tokens=torch.tensor([self.committed[root], *tree.tokens.tolist()]),
+            )))
         self.pending_commit = ((), 0)
         last = None
         with trio.fail_after(self.engine.config.frame_timeout_s * len(rounds)):

@@ -109,7 +109,7 @@ async def run_ring(store, *, wire_dtype="f32", rate=0.5, requests=2, tokens=8, c
     out = {"errors": [], "job_ids": [], "outputs": [], "swarm": swarm, "auditor": auditor, "checker": checker}
     with trio.fail_after(50):
         async with open_host(keypair_from_seed(coord_seed), "/ip4/127.0.0.1/tcp/0") as host:
-            engine = RingEngine(swarm, host, _tokenizer(), EngineConfig(frame_timeout_s=10, max_resumes=3,
+            engine = RingEngine(swarm, host, _tokenizer(), EngineConfig(draft="none", frame_timeout_s=10, max_resumes=3,
                                                                         resume_wait_s=5), receipts=checker)
             host.set_handler(CONTROL_PROTOCOL, swarm.handle_control)
             host.set_handler(RING_PROTOCOL, engine.handle_ring_stream)
