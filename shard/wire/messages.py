@@ -35,6 +35,7 @@ COMPUTE_TIMES = ListOf(Float(), max_items=MAX_RECEIPTS)  # one per stage, like r
 FLOATS = frozenset(FLOAT_NAMES)
 INTS = frozenset({"i32", "i64"})
 F32 = frozenset({"f32"})
+ROLE_STAGE = "stage"  # Assignment.role of a ring member; every other role serves no frames
 
 
 def _fail_shape(name: str, expected: object, t: torch.Tensor) -> WireError:
@@ -207,7 +208,10 @@ class Register:
 
 @dataclass(frozen=True, kw_only=True)
 class Assignment:
-    """Coordinator -> node: your place in ring epoch `epoch`, signed by the coordinator."""
+    """Coordinator -> node: your place in ring epoch `epoch`, signed by the coordinator.
+
+    `role` is ROLE_STAGE for ring members; a node given any other role (hot standby,
+    verifier, seeder... named by the coordinator) serves no ring frames that epoch."""
 
     KIND: ClassVar[str] = "assignment"
     epoch: int = spec(EPOCH)
@@ -224,7 +228,9 @@ class Assignment:
     signature: bytes = spec(Bytes(64), default=b"")  # Ed25519 over signing_bytes()
 
     def check(self, limits: Limits) -> None:
-        if self.layer_start >= self.layer_end:
+        # A stage serves at least one layer; other roles (ROLE_STAGE aside) may name the
+        # slice they keep warm or check, or none at all (layer_start == layer_end).
+        if self.layer_start > self.layer_end or (self.role == ROLE_STAGE and self.layer_start == self.layer_end):
             raise WireError("field 'layer_end' must exceed 'layer_start'", self.layer_start, self.layer_end)
 
     def signing_bytes(self) -> bytes:
@@ -251,9 +257,24 @@ class Ready:
 
 @dataclass(frozen=True, kw_only=True)
 class Ping:
-    """Liveness / RTT probe; a non-empty payload makes it a bandwidth probe."""
+    """Liveness / RTT probe. A payload times the sender's upload; `reply_bytes` asks for a
+    Pong carrying that many bytes, which times the sender's download."""
 
     KIND: ClassVar[str] = "ping"
+    nonce: int = spec(Int())
+    sent_ns: int = spec(Int())
+    payload: bytes = spec(Bytes(MAX_PAYLOAD_BYTES), default=b"")
+    reply_bytes: int = spec(Int(0, MAX_PAYLOAD_BYTES), default=0)
+
+    def check(self, limits: Limits) -> None:
+        pass
+
+
+@dataclass(frozen=True, kw_only=True)
+class Pong:
+    """Answer to a Ping: echoes its nonce and sent_ns; payload is `reply_bytes` zero bytes."""
+
+    KIND: ClassVar[str] = "pong"
     nonce: int = spec(Int())
     sent_ns: int = spec(Int())
     payload: bytes = spec(Bytes(MAX_PAYLOAD_BYTES), default=b"")
@@ -263,13 +284,29 @@ class Ping:
 
 
 @dataclass(frozen=True, kw_only=True)
-class Pong:
-    """Answer to a Ping: echoes its nonce and sent_ns."""
+class ProbePeers:
+    """Coordinator -> node (control stream): measure your round trip to each of these peers
+    (peer id -> addresses to dial) and answer with a LinkReport. `bandwidth_bytes` > 0
+    also asks for your upload and download to the coordinator, probed with that many bytes."""
 
-    KIND: ClassVar[str] = "pong"
-    nonce: int = spec(Int())
-    sent_ns: int = spec(Int())
-    payload: bytes = spec(Bytes(MAX_PAYLOAD_BYTES), default=b"")
+    KIND: ClassVar[str] = "probe_peers"
+    peers: dict[str, tuple[str, ...]] = spec(MapOf(PEER_ID, ListOf(NAME, max_items=16)), default_factory=dict)
+    bandwidth_bytes: int = spec(Int(0, MAX_PAYLOAD_BYTES), default=0)
+
+    def check(self, limits: Limits) -> None:
+        pass
+
+
+@dataclass(frozen=True, kw_only=True)
+class LinkReport:
+    """Node -> coordinator: measured round trips in ms (peer id -> ms; peers it could not
+    reach are left out) and, when asked, its upload/download to the coordinator."""
+
+    KIND: ClassVar[str] = "link_report"
+    peer_id: str = spec(PEER_ID)
+    rtt_ms: dict[str, float] = spec(MapOf(PEER_ID, Float()), default_factory=dict)
+    upload_bytes_per_s: float | None = spec(OptionalOf(Float()), default=None)
+    download_bytes_per_s: float | None = spec(OptionalOf(Float()), default=None)
 
     def check(self, limits: Limits) -> None:
         pass
@@ -306,10 +343,11 @@ class AuditReply:
             raise _fail_shape("frame", ["nbytes"], self.frame)
 
 
-Message = Union[Forward, Result, EndJob, JobError, Register, Assignment, Ready, Ping, Pong, AuditRequest, AuditReply]
+Message = Union[Forward, Result, EndJob, JobError, Register, Assignment, Ready, Ping, Pong, ProbePeers, LinkReport,
+                AuditRequest, AuditReply]
 # The allow-list: the only classes a peer's `kind` can name.
 REGISTRY: dict[str, type] = {c.KIND: c for c in (Forward, Result, EndJob, JobError, Register, Assignment, Ready, Ping, Pong,
-                                                 AuditRequest, AuditReply)}
+                                                 ProbePeers, LinkReport, AuditRequest, AuditReply)}
 
 for _cls in REGISTRY.values():
     _clash = {f.name for f in dataclasses.fields(_cls)} & RESERVED_KEYS

@@ -24,7 +24,8 @@ from shard.wire.codec import decode, encode
 from shard.wire.dtypes import BY_NAME, FLOAT_NAMES, FP8_NAMES
 from shard.wire.fp8 import encode_fp8
 from shard.wire.limits import FRAME_PREFIX, Limits
-from shard.wire.messages import REGISTRY, Assignment, EndJob, Forward, JobError, Ping, Pong, Ready, Register, Result
+from shard.wire.messages import (REGISTRY, Assignment, AuditRequest, EndJob, Forward, JobError, LinkReport, Ping, Pong, ProbePeers, Ready,
+                                 Register, Result)
 
 H = 8
 LIMITS = Limits(hidden_size=H, max_tokens_per_frame=32)
@@ -65,6 +66,9 @@ SMALL = {
     "ready": Ready(peer_id="12D3KooWA", epoch=2),
     "ping": Ping(nonce=2**64 - 2**63 - 1, sent_ns=123, payload=b"\x01" * 1000),
     "pong": Pong(nonce=0, sent_ns=0),
+    "probe_peers": ProbePeers(peers={"12D3KooWB": ("/ip4/127.0.0.1/tcp/4002",), "12D3KooWC": ()}, bandwidth_bytes=65536),
+    "audit_request": AuditRequest(job_id="j", epoch=1, round=2, side="output"),
+    "link_report": LinkReport(peer_id="12D3KooWA", rtt_ms={"12D3KooWB": 41.0}, upload_bytes_per_s=2.5e6),
 }
 
 
@@ -134,7 +138,8 @@ def test_small_messages_round_trip(kind):
 
 
 def test_registry_covers_every_kind():
-    assert set(REGISTRY) == set(SMALL) | {"forward", "result"}
+    # AuditReply carries a tensor (compared bitwise elsewhere), like forward and result.
+    assert set(REGISTRY) == set(SMALL) | {"forward", "result", "audit_reply"}
 
 
 def test_writable_body_is_viewed_not_copied_and_odd_offsets_are_realigned():
@@ -243,7 +248,8 @@ def _header_case(mutate, base=None) -> bytes:
 
 
 PINNED = {
-    "unknown kind": (lambda h: h.update(kind="Pickle"), "message kind (limit ['assignment', 'end_job', 'forward', 'job_error', 'ping', 'pong', 'ready', 'register', 'result'], got Pickle)"),
+    "unknown kind": (lambda h: h.update(kind="Pickle"), "message kind (limit ['assignment', 'audit_reply', 'audit_request', 'end_job', 'forward', 'job_error', "
+                     "'link_report', 'ping', 'pong', 'probe_peers', 'ready', 'register', 'result'], got Pickle)"),
     "bool version": (lambda h: h.update(v=True), "protocol version (limit 1, got True)"),
     "future version": (lambda h: h.update(v=2), "protocol version (limit 1, got 2)"),
     "bool for int": (lambda h: h.update(epoch=True), "field 'epoch' type (limit int, got bool)"),
@@ -335,6 +341,11 @@ def test_encode_refuses_what_decode_would_refuse():
         encode(dataclasses.replace(_forward(2), hidden=torch.zeros(2, H, dtype=torch.float64)))
     with pytest.raises(WireError, match="layer_end"):
         encode(dataclasses.replace(SMALL["assignment"], layer_end=0))
+    with pytest.raises(WireError, match="layer_end"):  # a stage with no layers
+        encode(dataclasses.replace(SMALL["assignment"], layer_start=3, layer_end=3))
+    # Off-ring roles may name no slice at all; a stage may not.
+    empty = dataclasses.replace(SMALL["assignment"], role="relay", layer_start=3, layer_end=3)
+    assert decode(encode(empty), Limits()) == empty
     with pytest.raises(TypeError):
         encode({"kind": "ping"})
 
