@@ -2,15 +2,15 @@
 
 Receipts prove consistency, not correct computation: a stage can sign garbage. After a
 job is finished (so no stage can tell an audited frame from any other, and no user token
-waits), `plan_audits` selects each (verified round, stage) with probability `rate`. A
-selected stage is audited on its (job, epoch): the auditor fetches every frame the stage
-logged for that job and epoch up to the last selected round (AuditRequest over the control
-stream), checks each against the digests in that stage's signed receipt (so the stage
-cannot substitute bytes after the fact), and replays the frames in order on a fresh KV
-cache with the slice loaded from the coordinator's own store (in a worker thread). Every
-replayed verified round is compared, not only the selected one: the replay computed them
-anyway. Consecutive plain frames (no tree, no commit, contiguous slots) are replayed as
-one batched forward, so auditing a whole decode costs about one prefill.
+waits), `plan_audits` selects each (job, epoch, stage) with probability `rate`. For a
+selected stage the auditor fetches every frame it logged for that job and epoch
+(AuditRequest over the control stream), checks each against the digests in that stage's
+signed receipt (so the stage cannot substitute bytes after the fact), recomputes them
+with the slice loaded from the coordinator's own store (coordinator.audit_replay: all
+frames, tree and verify frames and commits included, as one tree-masked forward, in a
+worker thread) and compares every verified round. So a selected stage is caught if it
+cheated on any verified frame of the job, and an audit costs about one prefill of the
+job's rows on that slice.
 
 A mismatch, a missing record or a record that does not hash to the receipt yields an
 EvidenceRecord signed by the coordinator and marks the stage faulty in the swarm, which
@@ -26,11 +26,12 @@ import logging
 import random
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import trio
 
+from coordinator.audit_replay import ReplayStats, replay
 from coordinator.receipt_check import FinishedJob
 from coordinator.swarm import Swarm
 from receipts import (NodeKey, Receipt, SpotCheck, Tolerance, compare_outputs, sha256_digest, sign_evidence)
@@ -38,7 +39,6 @@ from shard.activations import from_wire
 from shard.errors import WireError
 from shard.layers import LayerRange
 from shard.stage import Stage
-from shard.stage_worker import StageWorker, WorkerConfig
 from shard.store import ModelStore
 from shard.transport import TransportError
 from shard.wire.codec import decode
@@ -62,14 +62,16 @@ TOLERANCES: dict[str, Tolerance] = {
 
 @dataclass(frozen=True)
 class AuditConfig:
-    # Probability that any one (round, stage) is selected. Cost: a selected stage's frames
-    # of that job, up to the selected round, are replayed batched (≈ one prefill of the
-    # job's context on that slice), so compute ≈ rate × frames per job × prefill/decode
-    # cost ratio of the ring's compute; measured in scripts/bench_receipts_ring.py.
-    rate: float = 0.05
+    # Probability that a (job, epoch, stage) is audited: its every verified frame of the
+    # job recomputed and compared. A stage that cheats on at least one verified frame per
+    # request escapes n requests with probability (1 - rate)^n: 0.75^20 = 0.3% at 0.25.
+    # Cost: rate x (one batched replay of the job's rows / the ring's per-frame compute
+    # of the job); docs/receipts.md gives the measured ratio (scripts/bench_receipts_ring.py).
+    rate: float = 0.25
     reply_timeout_s: float = 30.0
     max_queued_jobs: int = 256  # finished jobs waiting for audit; more are not audited
     max_cached_slices: int = 4  # slices kept loaded for replays
+    max_replay_rows: int = 1024  # rows per replay forward (its attention mask is rows x rows)
 
 
 @dataclass(frozen=True)
@@ -82,25 +84,26 @@ class AuditPlan:
     layers: LayerRange
     is_tail: bool
     wire_dtype: str
-    rounds: tuple[int, ...]  # every round sent on this epoch up to the last selected, in send order
+    rounds: tuple[int, ...]  # every round sent on this epoch up to the last verified, in send order
     receipts: dict[int, Receipt]  # round -> this stage's verified receipt, for those rounds
 
 
 def plan_audits(job: FinishedJob, rate: float, rng: random.Random) -> list[AuditPlan]:
-    """Select each (verified round, stage) with probability `rate`; one plan per selected
-    (epoch, stage). Pure given `rng` (the auditor uses SystemRandom: stages cannot predict it)."""
+    """Select each (epoch, stage) of the job with probability `rate`; a plan covers every
+    round sent on that epoch up to its last verified one. Pure given `rng` (the auditor
+    uses SystemRandom: stages cannot predict it). One draw per (epoch, stage), in order."""
     plans = []
     for epoch, sent in sorted(job.sent_rounds.items()):
         view = job.epochs.get(epoch)
         if view is None:
             continue
-        verified = [r for r in sent if r in job.verified and job.verified[r].epoch == epoch]
+        verified = [i for i, r in enumerate(sent) if r in job.verified and job.verified[r].epoch == epoch]
         for index, (peer, layers) in enumerate(view.ring.stages):
-            picked = [r for r in verified if rng.random() < rate]
-            if not picked:
+            if rng.random() >= rate or not verified:
                 continue
-            upto = sent[: sent.index(max(picked, key=sent.index)) + 1]
-            receipts = {r: job.verified[r].receipts[index] for r in upto if r in job.verified}
+            upto = sent[: verified[-1] + 1]
+            receipts = {r: job.verified[r].receipts[index] for r in upto
+                        if r in job.verified and job.verified[r].epoch == epoch}
             a = view.ring.assignments[index]
             plans.append(AuditPlan(job.job_id, epoch, peer, layers, index == len(view.ring.stages) - 1,
                                    a.wire_dtype, tuple(upto), receipts))
@@ -123,57 +126,6 @@ def _failed_spot(tolerance: Tolerance) -> SpotCheck:
     return SpotCheck(tolerance, 1, 1, float("inf"), float("inf"))
 
 
-def _merge_key(f: Forward) -> tuple:
-    return (f.tokens is None, f.want_aux_layers, None if f.hidden is None else f.hidden.dtype,
-            None if f.aux is None else (f.aux.dtype, f.aux.shape[1]))
-
-
-def _batches(frames: list[Forward]) -> list[list[int]]:
-    """Indices of frames grouped into runs that one forward reproduces: no tree, no
-    commit after the first, each starting where the previous one's slots ended."""
-    runs: list[list[int]] = []
-    for i, f in enumerate(frames):
-        if runs:
-            prev = frames[runs[-1][-1]]
-            plain = f.tree_parents is None and prev.tree_parents is None and not f.commit_src
-            if plain and f.ctx_len == prev.ctx_len + prev.positions.shape[0] and _merge_key(f) == _merge_key(prev):
-                runs[-1].append(i)
-                continue
-        runs.append([i])
-    return runs
-
-
-def _cat(ts: list[torch.Tensor | None]) -> torch.Tensor | None:
-    return None if ts[0] is None else torch.cat(ts)  # type: ignore[arg-type]
-
-
-def replay(stage: Stage, wire_dtype: str, frames: list[Forward]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-    """Recompute every frame in order on a fresh cache; per frame (hidden (T, H), aux
-    (T, k*H) or None) in f32, as this slice sends them after the wire codec."""
-    worker = StageWorker(stage, WorkerConfig(wire_dtype=wire_dtype, is_tail=False,
-                                             max_context_tokens=stage.cfg.max_context_tokens))
-    out: list[tuple[torch.Tensor, torch.Tensor | None]] = []
-    job_id = "audit"
-    for run in _batches(frames):
-        parts = [frames[i] for i in run]
-        first = parts[0]
-        merged = dataclasses.replace(
-            first, job_id=job_id, receipts=(), compute_s=(), phase="prefill" if len(parts) > 1 else first.phase,
-            positions=torch.cat([p.positions for p in parts]), tokens=_cat([p.tokens for p in parts]),
-            hidden=_cat([p.hidden for p in parts]), hidden_scale=_cat([p.hidden_scale for p in parts]),
-            aux=_cat([p.aux for p in parts]), aux_scale=_cat([p.aux_scale for p in parts]))
-        res = worker.process(merged)
-        hidden = from_wire(res.hidden, res.hidden_scale, torch.float32)  # (sum T, H)
-        aux = None if res.aux is None else from_wire(res.aux, res.aux_scale, torch.float32)
-        start = 0
-        for p in parts:
-            t = p.positions.shape[0]
-            out.append((hidden[start:start + t], None if aux is None else aux[start:start + t]))
-            start += t
-    worker.end_job(job_id)
-    return out
-
-
 _SAME_FIELDS = ("job_id", "epoch", "round", "nonce", "phase", "ctx_len", "commit_src", "commit_dst", "want_aux_layers")
 
 
@@ -193,7 +145,8 @@ def _structure_error(inp: Forward, out: Forward | Result, is_tail: bool) -> str 
     return None
 
 
-def check_frames(stage: Stage, plan: AuditPlan, records: dict[int, tuple[bytes, bytes]], limits) -> Finding | None:
+def check_frames(stage: Stage, plan: AuditPlan, records: dict[int, tuple[bytes, bytes]], limits,
+                 max_replay_rows: int = 1024, stats: ReplayStats | None = None) -> Finding | None:
     """Pure over its inputs: verify the logged bytes against the receipts, replay, compare.
     `records`: round -> (input bytes, output bytes) as the stage returned them."""
     tol = TOLERANCES.get(plan.wire_dtype, TOLERANCES["f32"])
@@ -217,7 +170,7 @@ def check_frames(stage: Stage, plan: AuditPlan, records: dict[int, tuple[bytes, 
             return Finding("structure", r, f"logged frames of round {r} are not a Forward and its output",
                            _failed_spot(tol), bytes(32))
         inputs.append(inp), outputs.append(out), rounds.append(r)
-    expected = replay(stage, plan.wire_dtype, inputs)
+    expected = replay(stage, plan.wire_dtype, inputs, max_replay_rows, stats)
     for r, inp, out, (hidden, aux) in zip(rounds, inputs, outputs, expected):
         if r not in plan.receipts:
             continue
@@ -246,7 +199,8 @@ def check_frames(stage: Stage, plan: AuditPlan, records: dict[int, tuple[bytes, 
 class AuditStats:
     audits: int = 0
     frames_compared: int = 0
-    replay_s: float = 0.0
+    replay_s: float = 0.0  # wall time of check_frames (digests, decode, replay, compare)
+    replay: ReplayStats = dataclasses.field(default_factory=ReplayStats)  # forwards and rows replayed
 
 
 class Auditor:
@@ -297,15 +251,11 @@ class Auditor:
                 self._idle.set()
 
     async def audit(self, plan: AuditPlan) -> Finding | None:
-        records: dict[int, tuple[bytes, bytes]] = {}
-        for r in plan.rounds:
-            sides = [await self._fetch(plan, r, side) for side in ("input", "output")]
-            if sides[0] is not None and sides[1] is not None:
-                records[r] = (sides[0], sides[1])
+        records = await self._fetch_all(plan)
         stage = await self._stage(plan.layers)
         started = time.perf_counter()
         finding = await trio.to_thread.run_sync(check_frames, stage, plan, records, self.swarm.control_limits,
-                                                limiter=self._limiter)
+                                                self.config.max_replay_rows, self.stats.replay, limiter=self._limiter)
         self.stats.replay_s += time.perf_counter() - started
         self.stats.audits += 1
         self.stats.frames_compared += len(plan.receipts)
@@ -316,6 +266,29 @@ class Auditor:
             self.evidence.append(record)
             self.swarm.mark_faulty(plan.peer_id, f"audit {finding.check}: job {plan.job_id}, {finding.detail}")
         return finding
+
+    async def _fetch_all(self, plan: AuditPlan) -> dict[int, tuple[bytes, bytes]]:
+        """Both logged frames of every planned round, requested concurrently (a few at a
+        time). Error handling: the first TransportError or TooSlowError is re-raised."""
+        got: dict[tuple[int, str], bytes | None] = {}
+        failed: list[Exception] = []
+        limiter = trio.CapacityLimiter(16)
+
+        async def one(r: int, side: str) -> None:
+            async with limiter:
+                try:
+                    got[r, side] = await self._fetch(plan, r, side)
+                except (TransportError, trio.TooSlowError) as exc:
+                    failed.append(exc)
+
+        async with trio.open_nursery() as nursery:
+            for r in plan.rounds:
+                for side in ("input", "output"):
+                    nursery.start_soon(one, r, side)
+        if failed:
+            raise failed[0]
+        return {r: (got[r, "input"], got[r, "output"]) for r in plan.rounds   # type: ignore[misc]
+                if got.get((r, "input")) is not None and got.get((r, "output")) is not None}
 
     async def _fetch(self, plan: AuditPlan, round: int, side: str) -> bytes | None:
         key = (plan.peer_id, plan.job_id, plan.epoch, round, side)
