@@ -8,13 +8,17 @@ before the stage signs, so each cheater signs its own garbage: no production fla
 caught by audits, evidence is signed, and the next ring leaves the cheater out; honest
 rings on bf16 and fp8 wires raise no false alarm.
 
-Detection maths. At the default rate p = 0.05 per (round, stage), a request of 16 tokens
-has 16 rounds (1 prefill + 15 decode); a stage that cheats from its r-th round on is
-missed by one request only if none of rounds r..16 is selected (an audit replays and
-compares every round up to the selected one): (1-p)^(17-r). Over 20 requests, for the
-latest-starting cheat here (replaying an old output from round 3, its 2nd decode): 0.95^(14*20) < 1e-6,
-so detection is >= 99%. CI runs 2 requests of 8 tokens at p = 0.5 with a seeded RNG:
-(0.5)^(6*2) = 2.4e-4 miss probability, and the seed makes the run deterministic.
+Detection maths. An audit selects each (job, epoch, stage) with probability p (default
+AuditConfig.rate = 0.25, drawn after the job ended, so a stage cannot tell) and then
+recomputes and compares every verified frame that stage served for the job
+(tests/coordinator/test_audit_replay.py pins both halves). Each of the four cheats here
+corrupts at least one verified frame of every request it serves (the latest-starting one,
+replaying an old output, from its 2nd decode frame, so any request of 3+ tokens), so one
+request escapes with probability 1 - p and 20 requests with (1 - p)^20 = 0.75^20 = 3.2e-3:
+detection >= 99.6% within 20 requests, whatever the request length or how few frames are
+corrupted. (p >= 1 - 0.01^(1/20) = 0.206 is the least rate that keeps 99%.) The tests here
+audit at p = 1 so each cheat is caught deterministically in 2 requests of 8 tokens; what
+they check is that the comparison catches every cheat, which is the other factor.
 """
 
 from __future__ import annotations
@@ -98,7 +102,7 @@ class CheatingNode(Node):
             worker.stage.forward = self.cheat(worker.stage, worker.stage.forward)
 
 
-async def run_ring(store, *, wire_dtype="f32", rate=0.5, requests=2, tokens=8, cheat=None, other_store=None,
+async def run_ring(store, *, wire_dtype="f32", rate=1.0, requests=2, tokens=8, cheat=None, other_store=None,
                    unsigned=False, receipts_dir=None, seed=0):
     """Start the ring, serve `requests` greedy requests, wait for audits; return what happened."""
     coord_seed = os.urandom(32)
