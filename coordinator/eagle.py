@@ -1,0 +1,323 @@
+"""The EAGLE-3 draft head and the drafter that runs it on the coordinator.
+
+The head is one Llama-style decoder layer. At position p it reads a *pair*: the feature
+of position p-1 (the fused outputs of three target layers, or the head's own output when
+drafting further ahead) and the embedding of the token at p; its output is the feature
+of position p, and its LM head over a reduced draft vocabulary predicts the token at
+p+1. `d2t` maps draft ids back to the target's.
+
+The drafter keeps the head's KV cache for the committed context (every pair whose
+feature and token are both committed, the whole prompt included); drafting writes the
+tree's pairs after it and never advances the committed length, so speculative K/V is
+overwritten by the next observe.
+
+This module does not know the ring, the wire, acceptance, or how features reach it: the
+engine hands `observe` committed tokens with their aux rows. Training lives in
+scripts/train_eagle.py, which composes the same `pair_qkv` / `pair_out` functions.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import pathlib
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+
+from coordinator.draft_tree import ChildSampling, DraftTree, Expansion, grow_best_first
+from coordinator.drafting import DraftBudget
+from shard.arch import ModelConfig
+from shard.rope import RotaryTable, apply_rotary
+from shard.stage import rms_norm
+
+WEIGHTS_FILE = "eagle3.safetensors"
+MANIFEST_FILE = "manifest.json"
+HEADS_DIR = pathlib.Path(__file__).resolve().parent / "heads"
+
+
+class EagleHeadError(Exception):
+    """A head directory is missing, inconsistent, or does not belong to the target
+    (path, what, expected, actual)."""
+
+    def __init__(self, path: object, what: str, expected: object, actual: object) -> None:
+        self.path, self.what, self.expected, self.actual = path, what, expected, actual
+        super().__init__(f"{path}: {what}: expected {expected}, got {actual}")
+
+
+@dataclass(frozen=True)
+class EagleConfig:
+    """Shapes of the head; rope, eps and the token embedding come from the target."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    draft_vocab_size: int
+    aux_layers: tuple[int, ...]
+
+    @classmethod
+    def for_target(cls, target: ModelConfig, aux_layers: Sequence[int], draft_vocab_size: int) -> EagleConfig:
+        return cls(target.hidden_size, target.intermediate_size, target.num_heads, target.num_kv_heads,
+                   target.head_dim, draft_vocab_size, tuple(int(x) for x in aux_layers))
+
+    def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
+        h, d = self.hidden_size, self.head_dim
+        qkv = (self.num_heads + 2 * self.num_kv_heads) * d
+        return {
+            "fc.weight": (h, len(self.aux_layers) * h),  # fuses low, mid, high features
+            "input_norm.weight": (h,),  # on the token embedding
+            "hidden_norm.weight": (h,),  # on the feature
+            "wqkv.weight": (qkv, 2 * h),  # q, k, v from [embedding, feature]
+            "wo.weight": (h, self.num_heads * d),
+            "post_norm.weight": (h,),
+            "w_gate_up.weight": (2 * self.intermediate_size, h),
+            "w_down.weight": (h, self.intermediate_size),
+            "norm.weight": (h,),
+            "lm_head.weight": (self.draft_vocab_size, h),
+        }
+
+
+def init_weights(config: EagleConfig, target_embedding: torch.Tensor, target_norm: torch.Tensor,
+                 d2t: torch.Tensor, generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
+    """Fresh weights: norms at the target's final norm or 1, the LM head at the target's
+    (tied) rows of the draft vocabulary, matrices small normal."""
+    w = {}
+    for name, shape in config.tensor_shapes().items():
+        if len(shape) == 1:
+            w[name] = target_norm.clone().float() if name == "norm.weight" else torch.ones(shape)
+        else:
+            w[name] = torch.randn(shape, generator=generator) * 0.02
+    w["lm_head.weight"] = target_embedding[d2t].clone().float()
+    return w
+
+
+# -- the layer, as functions of a weight dict (autograd-friendly; training uses them) -------
+
+
+def fuse(w: dict[str, torch.Tensor], aux: torch.Tensor) -> torch.Tensor:
+    """aux (..., k*H) target-layer outputs -> feature (..., H)."""
+    return F.linear(aux, w["fc.weight"])
+
+
+def pair_qkv(w, cfg: EagleConfig, eps: float, feat: torch.Tensor, emb: torch.Tensor,
+             cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """feat, emb (..., T, H); cos/sin (T, D) -> q (..., Hq, T, D), k and v (..., Hkv, T, D)."""
+    d, hq, hkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+    x = torch.cat([rms_norm(emb, w["input_norm.weight"], eps), rms_norm(feat, w["hidden_norm.weight"], eps)], -1)  # (..., T, 2H)
+    q, k, v = F.linear(x, w["wqkv.weight"]).split([hq * d, hkv * d, hkv * d], dim=-1)
+    lead, t = x.shape[:-2], x.shape[-2]
+    q = apply_rotary(q.reshape(*lead, t, hq, d).transpose(-2, -3), cos, sin)  # (..., Hq, T, D)
+    k = apply_rotary(k.reshape(*lead, t, hkv, d).transpose(-2, -3), cos, sin)  # (..., Hkv, T, D)
+    v = v.reshape(*lead, t, hkv, d).transpose(-2, -3)  # (..., Hkv, T, D)
+    return q, k, v
+
+
+def pair_out(w, eps: float, feat: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+    """feat (..., T, H), attention output (..., Hq, T, D) -> the pair's output feature (..., T, H).
+    The residual stream starts at the feature, not the embedding (EAGLE-3)."""
+    t = attn.shape[-2]
+    h = feat + F.linear(attn.transpose(-2, -3).reshape(*attn.shape[:-3], t, -1), w["wo.weight"])
+    gate, up = F.linear(rms_norm(h, w["post_norm.weight"], eps), w["w_gate_up.weight"]).chunk(2, dim=-1)
+    return h + F.linear(F.silu(gate) * up, w["w_down.weight"])
+
+
+def draft_logits(w, eps: float, g: torch.Tensor) -> torch.Tensor:
+    """Output feature (..., H) -> logits over the draft vocabulary (..., Vd)."""
+    return F.linear(rms_norm(g, w["norm.weight"], eps), w["lm_head.weight"])
+
+
+# -- the head at inference --------------------------------------------------------------------
+
+
+class EagleHead:
+    """Weights, the target's frozen embedding and rope, and one KV cache of pairs."""
+
+    def __init__(self, config: EagleConfig, target: ModelConfig, weights: dict[str, torch.Tensor],
+                 d2t: torch.Tensor, embedding: torch.Tensor) -> None:
+        shapes = config.tensor_shapes()
+        for name, shape in shapes.items():
+            got = tuple(weights[name].shape) if name in weights else None
+            if got != shape:
+                raise EagleHeadError("weights", name, shape, got)
+        if d2t.shape != (config.draft_vocab_size,) or int(d2t.max()) >= target.vocab_size or int(d2t.min()) < 0:
+            raise EagleHeadError("weights", "d2t", f"({config.draft_vocab_size},) ids < {target.vocab_size}",
+                                 tuple(d2t.shape))
+        self.config, self.target = config, target
+        self.w = {name: weights[name].float() for name in shapes}
+        self.d2t = d2t.long()
+        self.embedding = embedding.float()
+        self.eps = target.rms_norm_eps
+        self.rotary = RotaryTable(target, torch.float32)
+        self.k_cache = torch.zeros(config.num_kv_heads, 0, config.head_dim)  # (Hkv, S, D)
+        self.v_cache = self.k_cache
+
+    @classmethod
+    def load(cls, path: str | pathlib.Path, target: ModelConfig, embedding: torch.Tensor,
+             target_digest: str | None = None) -> EagleHead:
+        """Load a head directory, checking the weights' sha256 against its manifest and,
+        given `target_digest`, that the head was trained for that target model.
+
+        Error handling: EagleHeadError names the file and the mismatch."""
+        from safetensors.torch import load_file
+
+        root = pathlib.Path(path)
+        try:
+            manifest = json.loads((root / MANIFEST_FILE).read_text())
+        except (FileNotFoundError, json.JSONDecodeError) as exc:
+            raise EagleHeadError(root / MANIFEST_FILE, "manifest", "a JSON manifest", type(exc).__name__) from None
+        weights_path = root / WEIGHTS_FILE
+        digest = hashlib.sha256(weights_path.read_bytes()).hexdigest() if weights_path.exists() else None
+        if digest != manifest.get("sha256"):
+            raise EagleHeadError(weights_path, "sha256", manifest.get("sha256"), digest)
+        if target_digest is not None and manifest.get("target_digest") != target_digest:
+            raise EagleHeadError(root / MANIFEST_FILE, "target model digest", target_digest, manifest.get("target_digest"))
+        c = manifest["config"]
+        config = EagleConfig(**{**c, "aux_layers": tuple(c["aux_layers"])})
+        tensors = load_file(str(weights_path))
+        return cls(config, target, tensors, tensors["d2t"], embedding)
+
+    # Cached forward: pairs at `positions` write K/V at slots [at, at + T) and attend to
+    # slots [0, at + T) under `visible` (T, at + T) bool (None: all committed plus causal).
+    @torch.inference_mode()
+    def forward(self, feat: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, at: int,
+                visible: torch.Tensor | None = None) -> torch.Tensor:
+        """feat (T, H), tokens (T,) target ids -> output features (T, H)."""
+        t = tokens.shape[0]
+        cos, sin = self.rotary.lookup(positions)  # (T, D) each
+        q, k, v = pair_qkv(self.w, self.config, self.eps, feat, F.embedding(tokens, self.embedding), cos, sin)
+        self._reserve(at + t)
+        self.k_cache[:, at:at + t] = k
+        self.v_cache[:, at:at + t] = v
+        if visible is None:
+            visible = torch.ones(t, at + t, dtype=torch.bool).tril(diagonal=at)
+        attn = F.scaled_dot_product_attention(q, self.k_cache[:, :at + t], self.v_cache[:, :at + t],
+                                              attn_mask=visible, enable_gqa=True)  # (Hq, T, D)
+        return pair_out(self.w, self.eps, feat, attn)
+
+    def logits(self, g: torch.Tensor) -> torch.Tensor:
+        return draft_logits(self.w, self.eps, g)
+
+    def _reserve(self, slots: int) -> None:
+        have = self.k_cache.shape[1]
+        if slots > have:
+            grow = torch.zeros(self.config.num_kv_heads, max(slots, 2 * have, 256) - have, self.config.head_dim)
+            self.k_cache = torch.cat([self.k_cache, grow], dim=1)
+            self.v_cache = torch.cat([self.v_cache, grow.clone()], dim=1)
+
+
+def save_head(path: str | pathlib.Path, config: EagleConfig, weights: dict[str, torch.Tensor], d2t: torch.Tensor,
+              *, target_digest: str, extra: dict | None = None, dtype: torch.dtype = torch.float16) -> None:
+    """Write eagle3.safetensors (weights in `dtype`, d2t int64) and manifest.json with its sha256."""
+    from safetensors.torch import save_file
+
+    root = pathlib.Path(path)
+    root.mkdir(parents=True, exist_ok=True)
+    tensors = {name: weights[name].detach().to(dtype).contiguous() for name in config.tensor_shapes()}
+    tensors["d2t"] = d2t.long().contiguous()
+    tmp = root / (WEIGHTS_FILE + ".tmp")
+    save_file(tensors, str(tmp))
+    tmp.replace(root / WEIGHTS_FILE)
+    manifest = {"format": "shard-eagle3", "config": asdict(config), "target_digest": target_digest,
+                "dtype": str(dtype).removeprefix("torch."),
+                "sha256": hashlib.sha256((root / WEIGHTS_FILE).read_bytes()).hexdigest(), **(extra or {})}
+    (root / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+
+
+# -- the drafter ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EagleDraftConfig:
+    """top_k: children offered per expanded node (best-first keeps the likeliest)."""
+
+    top_k: int = 8
+
+
+class EagleDrafter:
+    """Per-request EAGLE drafter: `observe` committed tokens with their aux rows, then
+    `propose` below the root (the last committed token, whose features the ring has not
+    computed yet)."""
+
+    def __init__(self, head: EagleHead, config: EagleDraftConfig = EagleDraftConfig()) -> None:
+        self.head, self.config = head, config
+        self._tokens: list[int] = []  # observed (committed, feature-known) tokens
+        self._last_feat: torch.Tensor | None = None  # (H,) fused feature of _tokens[-1]
+        self._committed_pairs = 0  # KV slots holding committed pairs; slot j = position j + 1
+
+    @property
+    def aux_layers(self) -> tuple[int, ...]:
+        return self.head.config.aux_layers
+
+    def observe(self, tokens: Sequence[int], aux: torch.Tensor) -> None:
+        """Commit tokens and their aux rows (len(tokens), k*H), in order after those
+        already observed. Every pair whose feature and token are now both known enters
+        the head's KV cache (the prompt's in one chunk at prefill)."""
+        n = len(tokens)
+        width = len(self.aux_layers) * self.head.config.hidden_size
+        if aux.shape != (n, width):
+            raise ValueError(f"observe needs aux of shape ({n}, {width}), got {tuple(aux.shape)}")
+        if n == 0:
+            return
+        with torch.inference_mode():
+            feats = fuse(self.head.w, aux.float())  # (n, H)
+        # Pairs (feature j, token j+1) for j = s-1 .. s+n-2, where s indexes tokens[0];
+        # the first pair needs the previous round's last feature.
+        pair_feats = feats[:-1] if self._last_feat is None else torch.cat([self._last_feat[None], feats[:-1]])
+        pair_tokens = list(tokens[1:]) if self._last_feat is None else list(tokens)
+        at = self._committed_pairs
+        if pair_tokens:
+            positions = torch.arange(at + 1, at + 1 + len(pair_tokens))
+            self.head.forward(pair_feats, torch.tensor(pair_tokens), positions, at)
+            self._committed_pairs = at + len(pair_tokens)
+        self._tokens.extend(int(x) for x in tokens)
+        self._last_feat = feats[-1]
+
+    def in_sync(self, context_ids: Sequence[int]) -> bool:
+        """Whether `context_ids` is the observed tokens plus one root (O(1) check)."""
+        seen = len(self._tokens)
+        return seen > 0 and len(context_ids) == seen + 1 and int(context_ids[seen - 1]) == self._tokens[-1]
+
+    def propose(self, context_ids: Sequence[int], budget: DraftBudget) -> DraftTree:
+        if not self.in_sync(context_ids) or budget.max_nodes == 0 or budget.max_depth == 0:
+            return DraftTree.empty(source="eagle:0")
+        head = self.head
+        chain = budget.max_nodes <= budget.max_depth
+        k = 1 if chain else self.config.top_k  # a chain follows the head's argmax
+        root, root_pos, base = int(context_ids[-1]), len(context_ids) - 1, self._committed_pairs
+        # path tokens -> (output feature, KV slot, visible slots); siblings' tokens differ,
+        # so a path names one node. Speculative slots start at `base` and are never committed.
+        nodes: dict[tuple[int, ...], tuple[torch.Tensor, int, torch.Tensor]] = {}
+        vocab = head.target.vocab_size
+
+        def expand(_node: int, path: list[int]) -> Expansion:
+            key = tuple(path)
+            if key:
+                feat, parent_slot_vis = nodes[key[:-1]][0], nodes[key[:-1]][2]
+                token = key[-1]
+            else:
+                feat, parent_slot_vis, token = self._last_feat, torch.ones(base, dtype=torch.bool), root
+            slot = base + len(nodes)
+            vis = torch.zeros(slot + 1, dtype=torch.bool)
+            vis[:parent_slot_vis.shape[0]] = parent_slot_vis
+            vis[slot] = True
+            g = head.forward(feat[None], torch.tensor([token]), torch.tensor([root_pos + len(key)]), slot, vis[None])
+            nodes[key] = (g[0], slot, vis)
+            with torch.inference_mode():
+                logp = torch.log_softmax(head.logits(g[0]).float(), dim=-1)  # (Vd,)
+                top = torch.topk(logp, k)
+                probs = torch.zeros(vocab)
+                probs[head.d2t] = logp.exp()
+            return Expansion(head.d2t[top.indices].tolist(), top.values.tolist(), probs)
+
+        return grow_best_first(expand, budget.max_nodes, budget.max_depth, ChildSampling.GREEDY,
+                               source="eagle:chain" if chain else "eagle:tree")
+
+
+def shipped_head_dir(model_name: str) -> pathlib.Path | None:
+    """The head shipped in the package for a target model name, if any."""
+    path = HEADS_DIR / model_name
+    return path if (path / MANIFEST_FILE).exists() else None

@@ -1,0 +1,265 @@
+"""Fit and evaluate the EAGLE-3 head on captured shards (the training half of train_eagle.py).
+
+Training-time test (EAGLE-3): the head is unrolled `ttt_steps` times over every sequence
+at once. Index i holds the pair at position i+1 (feature of i, token i+1) and is trained
+to predict the target's greedy token after position i+1. Step 1 reads the target's fused
+features; step s reads the step s-1 output one index to the left, and its query at i
+sees exactly what drafting at depth s-1 below a root at i-s+1 sees: the step-1 keys up to
+that root, then the step-r key at index i-s+r for r = 2..s.
+
+It does not know how shards were generated; it reads them and writes the head.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+import random
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+
+from coordinator.draft_tree import DraftTree
+from coordinator.drafting import DraftBudget
+from coordinator.eagle import (EagleConfig, EagleDrafter, EagleDraftConfig, EagleHead, draft_logits, fuse, init_weights,
+                               pair_out, pair_qkv, save_head)
+from shard.rope import RotaryTable
+
+
+@dataclass(frozen=True)
+class FitConfig:
+    aux_layers: tuple[int, ...] = (2, 15, 27)
+    draft_vocab: int = 8192
+    ttt_steps: int = 3
+    lr: float = 1e-3
+    warmup_steps: int = 20
+    tokens_per_batch: int = 2048
+    max_seq_tokens: int = 512
+    train_lm_head: bool = False  # the LM head starts at the target's tied rows
+    eval_every_s: float = 600.0
+    seed: int = 0
+
+
+def ttt_forward(w, cfg: EagleConfig, eps: float, rotary: RotaryTable, embedding: torch.Tensor,
+                ids: torch.Tensor, feats: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    """ids (B, T), feats (B, T, k*H) -> per step, draft logits (B, T-1, Vd) at indices 0..T-2."""
+    hq, hkv, t = cfg.num_heads, cfg.num_kv_heads, ids.shape[1] - 1
+    feat = fuse(w, feats[:, :-1].float())  # (B, T', H): feature of position i at index i
+    emb = F.embedding(ids[:, 1:], embedding)  # (B, T', H): token at position i+1
+    cos, sin = rotary.lookup(torch.arange(1, t + 1))  # (T', D)
+    idx = torch.arange(t)
+    keys, values, out = [], [], []
+    for s in range(1, steps + 1):
+        q, k, v = pair_qkv(w, cfg, eps, feat, emb, cos, sin)  # (B, Hq, T', D), (B, Hkv, T', D) x2
+        keys.append(k.repeat_interleave(hq // hkv, dim=1))  # (B, Hq, T', D)
+        values.append(v.repeat_interleave(hq // hkv, dim=1))
+        scale = q.shape[-1] ** -0.5
+        first = (q @ keys[0].transpose(-1, -2)) * scale  # (B, Hq, T', T')
+        first = first.masked_fill(idx[None, :] > idx[:, None] - (s - 1), float("-inf"))
+        # Step r's key for query i sits at i - (s - r): shift it right by s - r.
+        shifted_k = [_shift(keys[r - 1], s - r) for r in range(2, s + 1)]
+        shifted_v = [_shift(values[r - 1], s - r) for r in range(2, s + 1)]
+        diag = [((q * kr).sum(-1) * scale)[..., None] for kr in shifted_k]  # (B, Hq, T', 1) each
+        probs = torch.softmax(torch.cat([first, *diag], dim=-1), dim=-1).nan_to_num(0.0)
+        attn = probs[..., :t] @ values[0]  # (B, Hq, T', D)
+        for j, vr in enumerate(shifted_v):
+            attn = attn + probs[..., t + j, None] * vr
+        g = pair_out(w, eps, feat, attn)  # (B, T', H)
+        out.append(draft_logits(w, eps, g))
+        feat = _shift(g, 1, dim=1)  # the next step's feature at i is this step's output at i-1
+    return out
+
+
+def _shift(x: torch.Tensor, n: int, dim: int = 2) -> torch.Tensor:
+    """Move entries n places towards higher indices along `dim`, zero-filling the start."""
+    if n == 0:
+        return x
+    pad = torch.zeros_like(x.narrow(dim, 0, n))
+    return torch.cat([pad, x.narrow(dim, 0, x.shape[dim] - n)], dim=dim)
+
+
+def make_batches(seqs: list[dict], cfg: FitConfig, rng: random.Random) -> list[list[dict]]:
+    """Length-bucketed batches of about tokens_per_batch positions (right padding)."""
+    order = sorted(range(len(seqs)), key=lambda i: (len(seqs[i]["ids"]), rng.random()))
+    batches, cur = [], []
+    for i in order:
+        cur.append(seqs[i])
+        if len(cur) * min(len(cur[-1]["ids"]), cfg.max_seq_tokens) >= cfg.tokens_per_batch:
+            batches.append(cur)
+            cur = []
+    if cur:
+        batches.append(cur)
+    rng.shuffle(batches)
+    return batches
+
+
+def collate(batch: list[dict], t2d: torch.Tensor, max_len: int):
+    """-> ids (B, T), feats (B, T, k*H), draft labels (B, T-1) with -1 where ignored."""
+    t = min(max(len(s["ids"]) for s in batch), max_len)
+    ids = torch.zeros(len(batch), t, dtype=torch.long)
+    feats = torch.zeros(len(batch), t, batch[0]["feats"].shape[-1], dtype=torch.float16)
+    labels = torch.full((len(batch), t - 1), -1, dtype=torch.long)
+    for b, s in enumerate(batch):
+        n = min(len(s["ids"]), t)
+        ids[b, :n] = s["ids"][:n].long()
+        feats[b, :n] = s["feats"][:n]
+        labels[b, :n - 1] = t2d[s["labels"][1:n].long()]  # target's next token after position i+1
+    return ids, feats, labels
+
+
+def step_losses(logits: list[torch.Tensor], labels: torch.Tensor) -> tuple[torch.Tensor, list[float]]:
+    total, accs = 0.0, []
+    for s, lg in enumerate(logits):
+        lab = labels.clone()
+        lab[:, :s] = -1  # step s+1 at index i needs a root at i - s >= 0
+        total = total + F.cross_entropy(lg.reshape(-1, lg.shape[-1]), lab.reshape(-1), ignore_index=-1) * 0.8 ** s
+        keep = lab >= 0
+        accs.append(float((lg.argmax(-1)[keep] == lab[keep]).float().mean()) if keep.any() else 0.0)
+    return total, accs
+
+
+def draft_vocabulary(seqs: list[dict], size: int, vocab: int) -> tuple[torch.Tensor, float]:
+    """The `size` most frequent target labels (ascending ids) and the share of labels they cover."""
+    counts = torch.zeros(vocab, dtype=torch.long)
+    for s in seqs:
+        counts += torch.bincount(s["labels"].long(), minlength=vocab)
+    top = torch.topk(counts, size).indices
+    return top.sort().values, float(counts[top].sum()) / max(int(counts.sum()), 1)
+
+
+@torch.no_grad()
+def evaluate_steps(w, cfg, eps, rotary, embedding, d2t, seqs, fit: FitConfig) -> list[float]:
+    """Top-1 accuracy per TTT step on held-out sequences, against the target's greedy
+    token (labels outside the draft vocabulary count as misses)."""
+    identity = torch.arange(embedding.shape[0])
+    hits, totals = [0] * fit.ttt_steps, [0] * fit.ttt_steps
+    for s in seqs:
+        ids, feats, labels = collate([s], identity, fit.max_seq_tokens)  # labels in target ids
+        for j, lg in enumerate(ttt_forward(w, cfg, eps, rotary, embedding, ids, feats, fit.ttt_steps)):
+            pred = d2t[lg.argmax(-1)][0, j:]  # (T'-j,) target ids
+            hits[j] += int((pred == labels[0, j:]).sum())
+            totals[j] += labels.shape[1] - j
+    return [h / max(n, 1) for h, n in zip(hits, totals)]
+
+
+def accepted_length(tree: DraftTree, continuation: list[int]) -> int:
+    """Draft tokens greedy verification accepts when the target continues with `continuation`."""
+    node, n = -1, 0
+    while n < len(continuation):
+        kids = [c for c in tree.children(node) if int(tree.tokens[c]) == continuation[n]]
+        if not kids:
+            break
+        node, n = kids[0], n + 1
+    return n
+
+
+def simulate_tau(head: EagleHead, seqs: list[dict], answer_starts: list[int], budgets: dict[str, DraftBudget],
+                 stride: int = 6) -> dict[str, float]:
+    """Tokens per traversal (accepted + bonus) of each budget, drafting at every
+    `stride`-th answer position of greedy held-out sequences, whose continuation is the
+    target's greedy one."""
+    sums = {name: 0 for name in budgets}
+    rounds = 0
+    for seq, start in zip(seqs, answer_starts):
+        ids = seq["ids"].tolist()
+        drafter = EagleDrafter(head, EagleDraftConfig())
+        seen = 0
+        for root in range(max(start, 1), len(ids) - 1, stride):
+            drafter.observe(ids[seen:root], seq["feats"][seen:root].float())
+            seen = root
+            for name, budget in budgets.items():
+                tree = drafter.propose(ids[:root + 1], budget)
+                sums[name] += 1 + accepted_length(tree, ids[root + 1:])
+            rounds += 1
+    return {name: total / max(rounds, 1) for name, total in sums.items()} | {"rounds": rounds}
+
+
+def answer_start(ids: torch.Tensor, marker: list[int]) -> int:
+    """Index after the last occurrence of the assistant header `marker` (0 if absent)."""
+    seq, m = ids.tolist(), len(marker)
+    for i in range(len(seq) - m, -1, -1):
+        if seq[i:i + m] == marker:
+            return i + m
+    return 0
+
+
+def fit(store, work: pathlib.Path, out: pathlib.Path, deadline_s: float, fit_cfg: FitConfig, *,
+        started_s: float, argv: list[str]) -> None:
+    """Train until the deadline, evaluating and writing the head every eval_every_s and at the end."""
+    from scripts.train_eagle import load_shards
+    from transformers import AutoTokenizer
+
+    rng = random.Random(fit_cfg.seed)
+    train_seqs, held = load_shards(work / "data")
+    target = store.config
+    embedding = store.load_embedding()
+    norm, lm_head = store.load_head()
+    tied_head = lm_head if lm_head is not None else embedding
+    d2t, coverage = draft_vocabulary(train_seqs, fit_cfg.draft_vocab, target.vocab_size)
+    t2d = torch.full((target.vocab_size,), -1, dtype=torch.long)
+    t2d[d2t] = torch.arange(len(d2t))
+    cfg = EagleConfig.for_target(target, fit_cfg.aux_layers, fit_cfg.draft_vocab)
+    gen = torch.Generator().manual_seed(fit_cfg.seed)
+    w = init_weights(cfg, tied_head, norm, d2t, gen)
+    trainable = {n: p.requires_grad_() for n, p in w.items() if n != "lm_head.weight" or fit_cfg.train_lm_head}
+    opt = torch.optim.AdamW(trainable.values(), lr=fit_cfg.lr, weight_decay=0.0, betas=(0.9, 0.95))
+    rotary = RotaryTable(target, torch.float32)
+    tok = AutoTokenizer.from_pretrained(store.tokenizer_dir)
+    marker = tok("<|im_start|>assistant\n", add_special_tokens=False).input_ids
+    held_greedy = held[:24]
+    starts = [answer_start(s["ids"], marker) for s in held_greedy]
+    n_train = sum(len(s["ids"]) for s in train_seqs)
+    print(f"[fit] {len(train_seqs)} train seqs ({n_train} positions), {len(held)} held out; "
+          f"draft vocab {len(d2t)} covers {coverage:.3f} of labels", flush=True)
+    t0 = time.monotonic()
+    step, epoch, last_eval = 0, 0, t0
+    budget_s = max(deadline_s - t0, 1.0)
+    log: list[dict] = []
+
+    def checkpoint(final: bool) -> None:
+        accs = evaluate_steps(w, cfg, target.rms_norm_eps, rotary, embedding, d2t, held, fit_cfg)
+        head = EagleHead(cfg, target, {n: p.detach().half().float() for n, p in w.items()}, d2t, embedding)
+        tau = simulate_tau(head, held_greedy, starts, {
+            "chain4": DraftBudget.chain(4), "chain6": DraftBudget.chain(6),
+            "tree16_d5": DraftBudget(16, 5), "tree32_d6": DraftBudget(32, 6), "tree64_d8": DraftBudget(64, 8)})
+        record = {"step": step, "epoch": epoch, "train_s": round(time.monotonic() - t0, 1),
+                  "heldout_top1_per_step": [round(a, 4) for a in accs], "sim_tau": tau}
+        log.append(record)
+        print(f"[fit] eval {json.dumps(record)}", flush=True)
+        save_head(out, cfg, w, d2t, target_digest=store.digest, extra={
+            "target_model": store.manifest.name,
+            "recipe": asdict(fit_cfg) | {"argv": argv},
+            "data": {"train_sequences": len(train_seqs), "train_positions": n_train,
+                     "heldout_sequences": len(held), "draft_vocab_label_coverage": round(coverage, 4)},
+            "training": {"steps": step, "epochs": epoch, "final": final,
+                         "wall_s_total": round(time.monotonic() - started_s, 1)},
+            "offline_eval": record})
+
+    while True:
+        for batch in make_batches(train_seqs, fit_cfg, rng):
+            now = time.monotonic()
+            if now >= deadline_s:
+                checkpoint(final=True)
+                return
+            if now - last_eval >= fit_cfg.eval_every_s:
+                checkpoint(final=False)
+                last_eval = time.monotonic()
+            frac = min((now - t0) / budget_s, 1.0)
+            lr = fit_cfg.lr * min(1.0, (step + 1) / fit_cfg.warmup_steps) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+            for group in opt.param_groups:
+                group["lr"] = lr
+            ids, feats, labels = collate(batch, t2d, fit_cfg.max_seq_tokens)
+            logits = ttt_forward(w, cfg, target.rms_norm_eps, rotary, embedding, ids, feats, fit_cfg.ttt_steps)
+            loss, accs = step_losses(logits, labels)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(trainable.values(), 1.0)
+            opt.step()
+            step += 1
+            if step % 10 == 0:
+                print(f"[fit] step {step} epoch {epoch} loss {float(loss):.3f} acc {[round(a, 3) for a in accs]} "
+                      f"lr {lr:.2e} {time.monotonic() - t0:.0f} s", flush=True)
+        epoch += 1

@@ -1,0 +1,147 @@
+"""The self-distillation prompt set of the EAGLE head: templates x topics, written here.
+
+Six kinds of request, like the benchmark set (open writing, QA, math, code,
+summarisation of a passage, retrieval-style quoting), but with other topics and
+passages, so `scripts/spec_prompts.py` stays held out. Deterministic for a seed. It does
+not know the tokenizer, the model, or how answers are generated.
+"""
+
+from __future__ import annotations
+
+import random
+
+TOPICS = (
+    "volcanoes", "the history of the bicycle", "photosynthesis", "coral reefs", "the printing press",
+    "black holes", "sourdough bread", "the Roman aqueducts", "honey and beekeeping", "glaciers",
+    "the invention of the telephone", "rainforests", "chess", "the water cycle", "electric cars",
+    "the Silk Road", "migrating birds", "the human heart", "solar panels", "ancient Egypt",
+    "jazz music", "earthquakes", "vaccines", "the Moon landing", "recycling plastic",
+    "octopuses", "the Great Wall of China", "coffee", "tides", "the internet",
+    "dinosaurs", "wind turbines", "the immune system", "origami", "deserts",
+    "the Olympic Games", "submarines", "mushrooms", "the French Revolution", "rainbows",
+    "penguins", "3D printing", "the stock market", "tea ceremonies", "lightning",
+    "libraries", "the Amazon river", "robots in factories", "sleep", "maps and cartography",
+)
+
+OPEN_WRITING = (
+    "Write a short story about {topic}.",
+    "Write a poem about {topic}.",
+    "Write a blog post introduction about {topic}.",
+    "Write a letter to a friend describing a day spent learning about {topic}.",
+    "Describe {topic} as if you were a tour guide.",
+    "Write a short speech for a school assembly about {topic}.",
+)
+
+QA = (
+    "What is {topic}? Explain it simply.",
+    "Give me five interesting facts about {topic}.",
+    "Why is {topic} important? Answer in a paragraph.",
+    "Explain {topic} to a ten-year-old.",
+    "What are the main advantages and disadvantages of {topic}?",
+    "How has {topic} changed over time?",
+)
+
+CODE_TASKS = (
+    "reverses a list without using built-in reverse functions",
+    "counts how many vowels are in a string",
+    "checks whether a number is prime",
+    "returns the largest element of a list",
+    "merges two sorted lists into one sorted list",
+    "computes the factorial of n recursively",
+    "removes duplicates from a list while keeping the order",
+    "converts a temperature from Celsius to Fahrenheit",
+    "counts the words in a sentence",
+    "finds the second smallest number in a list",
+    "checks whether two strings are anagrams",
+    "computes the sum of the digits of an integer",
+)
+CODE = (
+    "Write a Python function that {task}.",
+    "Write a Python function that {task}, and explain how it works.",
+    "Write a JavaScript function that {task}.",
+    "Write a Python function with a docstring that {task}, and show an example call.",
+)
+
+PASSAGES = (
+    "The town of Ellery sits where two rivers meet. In 1820 a mill was built on the east bank, "
+    "and within thirty years the town had a school, two churches and a weekly market. When the "
+    "railway arrived in 1868 the mill closed, because flour from larger mills could now be brought "
+    "in cheaply. The building stood empty until 1921, when it was turned into a library. Today the "
+    "library holds forty thousand books and a small museum about the history of the mill.",
+    "Tardigrades are tiny animals, usually less than a millimetre long, that live in moss, soil and "
+    "the sea. They can survive being dried out for years by entering a state called cryptobiosis, "
+    "in which their metabolism almost stops. In experiments they have survived extreme cold, high "
+    "pressure and even the vacuum of space. When water returns, they rehydrate and walk away within "
+    "hours. Scientists study them to learn how cells can be protected from damage.",
+    "The first public electric street lights in the city were switched on in 1882. They were arc "
+    "lamps, very bright but noisy and expensive to run, so only the main square had them at first. "
+    "Over the next twenty years incandescent bulbs replaced the arc lamps, and the lighting spread "
+    "to the side streets. Shopkeepers found that customers stayed out later, and the evening market "
+    "became the busiest time of the week. By 1910 almost every street had electric light.",
+    "Maria trained for the marathon for six months. She ran four times a week, slowly increasing "
+    "the distance of her long Sunday run from ten to thirty kilometres. Two weeks before the race "
+    "she injured her ankle and had to rest. On race day she started slowly, walked through every "
+    "water station and finished in four hours and twelve minutes, twenty minutes slower than her "
+    "goal but, as she said afterwards, the happiest finish of her life.",
+    "Compost is made when microorganisms break down plant material such as leaves, grass and "
+    "vegetable scraps. A good compost heap needs a mix of green material, which is rich in "
+    "nitrogen, and brown material, which is rich in carbon. It also needs air and moisture: a heap "
+    "that is too wet smells bad, and one that is too dry stops working. Turning the heap every few "
+    "weeks speeds up the process, and finished compost is dark, crumbly and smells like soil.",
+    "The observatory was built on the mountain in 1957 because the air there is dry and still. Its "
+    "main telescope has a mirror two metres across. In the 1970s astronomers used it to measure "
+    "the speed of distant galaxies, and in 1994 it recorded the impact of a comet on Jupiter. Light "
+    "from the growing town below now makes some observations difficult, so the town has agreed to "
+    "use shielded street lamps that point their light downwards.",
+)
+SUMMARISE = (
+    "Summarise the following passage in two sentences.\n\n{passage}",
+    "Summarise this text in one paragraph.\n\n{passage}",
+    "Give three bullet points that summarise the passage below.\n\n{passage}",
+    "What is the main idea of this passage?\n\n{passage}",
+)
+QUOTE = (
+    "Quote the first two sentences of the passage below exactly.\n\n{passage}",
+    "Copy the last sentence of this passage word for word.\n\n{passage}",
+    "Find the sentence that mentions a year and quote it exactly.\n\n{passage}",
+    "Repeat the passage below, then give it a title.\n\n{passage}",
+)
+
+MATH = (
+    "A shop sells pencils for {a} cents each. How much do {b} pencils cost? Show your working.",
+    "Solve for x: {a}x + {b} = {c}. Explain each step.",
+    "A car travels {a} km in {b} hours. What is its average speed?",
+    "What is {a} multiplied by {b}? Explain how you calculated it.",
+    "Sara has {c} apples. She gives {a} to her friend and buys {b} more. How many apples does she have now?",
+    "A rectangle is {a} cm long and {b} cm wide. What are its area and perimeter?",
+    "What is {a} percent of {c}? Show the steps.",
+)
+
+
+def build_prompts(seed: int = 0) -> list[tuple[str, str]]:
+    """(category, user prompt) pairs, shuffled deterministically: every template x topic
+    for open writing and QA, every template x task for code, every template x passage
+    for summarisation and quoting, and seeded numbers for math."""
+    rng = random.Random(seed)
+    out: list[tuple[str, str]] = []
+    for topic in TOPICS:
+        out.append(("open_writing", rng.choice(OPEN_WRITING).format(topic=topic)))
+        out.append(("qa", rng.choice(QA).format(topic=topic)))
+        out.append(("qa", rng.choice(QA).format(topic=topic)))
+    for task in CODE_TASKS:
+        for template in CODE:
+            out.append(("code", template.format(task=task)))
+    for passage in PASSAGES:
+        for template in SUMMARISE:
+            out.append(("summarisation", template.format(passage=passage)))
+        for template in QUOTE:
+            out.append(("quoting", template.format(passage=passage)))
+    for _ in range(60):
+        a, b = rng.randint(2, 60), rng.randint(2, 30)
+        out.append(("math", rng.choice(MATH).format(a=a, b=b, c=a * rng.randint(2, 9) + b)))
+    rng.shuffle(out)
+    return out
+
+
+def messages(prompt: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": prompt}]

@@ -1,0 +1,183 @@
+"""Train the EAGLE-3 draft head of a model by self-distillation, on CPU, with no downloads.
+
+    python scripts/train_eagle.py --out coordinator/heads/smollm2-135m [--minutes 45]
+
+1. data: the target answers our own prompts (scripts/eagle_prompts.py) with its chat
+   template (batched transformers generate, mostly greedy, a quarter at temperature
+   0.7); forward hooks capture, at every fed position, the outputs of the three aux
+   layers and the target's greedy next token (the distillation label). Shards are
+   safetensors under --work-dir and are reused by a later run.
+2. train: one EAGLE-3 decoder layer (coordinator/eagle.py) with a training-time-test
+   loss unrolled --ttt-steps steps: step 1 sees the target's fused features, step s > 1
+   the head's own outputs of step s-1, with the attention pattern drafting uses.
+3. evaluate on held-out prompts: top-1 accuracy per step and simulated tokens per
+   traversal of chains and trees against the target's greedy continuation, then write the
+   head (f16) and its manifest. A checkpoint is written at every evaluation, so a run cut
+   short still leaves a head.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import pathlib
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from scripts.eagle_prompts import build_prompts, messages  # noqa: E402
+from shard.store import open_or_prepare  # noqa: E402
+
+
+def load_target(store):
+    """The store's weights as a transformers Llama model (for batched generation)."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**json.loads((store.root / "config.json").read_text()))
+    model = LlamaForCausalLM(config)
+    state = {"model.embed_tokens.weight": store.load_embedding(), "model.norm.weight": store.load_head()[0]}
+    for layer, tensors in store.load_layers(range_all(store)).items():
+        state.update({f"model.layers.{layer}.{name}": t for name, t in tensors.items()})
+    lm_head = store.load_head()[1]
+    state["lm_head.weight"] = lm_head if lm_head is not None else state["model.embed_tokens.weight"]
+    model.load_state_dict(state, strict=True)
+    tokenizer = AutoTokenizer.from_pretrained(store.tokenizer_dir)
+    tokenizer.padding_side = "left"
+    return model.eval(), tokenizer
+
+
+def range_all(store):
+    from shard.layers import LayerRange
+
+    return LayerRange(0, store.num_layers)
+
+
+# -- 1. data ------------------------------------------------------------------------------
+
+
+@torch.inference_mode()
+def generate_shards(model, tokenizer, aux_layers, work_dir: pathlib.Path, deadline_s: float, *,
+                    batch: int, max_new_tokens: int, seed: int) -> None:
+    """Answer prompt batches until the deadline, one shard per batch. Each shard holds,
+    concatenated over its sequences: ids (N,), feats (N, k*H) f16 of the aux layers at
+    each fed position, labels (N,) the target's argmax there, offsets (S+1,), heldout (S,)."""
+    from safetensors.torch import save_file
+
+    work_dir.mkdir(parents=True, exist_ok=True)
+    prompts = build_prompts(seed)
+    # Every tenth prompt is held out for evaluation; those are answered greedily, so
+    # their continuations are what greedy verification would accept.
+    heldout = [i % 10 == 0 for i in range(len(prompts))]
+    sampled = [not h and i % 4 == 1 for i, h in enumerate(heldout)]
+    batches = [order[k:k + batch] for group in (False, True)
+               for order in [[i for i in range(len(prompts)) if sampled[i] == group]]
+               for k in range(0, len(order), batch)]
+    # Interleave greedy and sampled batches so a run cut short keeps both kinds.
+    batches.sort(key=lambda b: (b[0] % 7, b[0]))
+    eos = tokenizer.eos_token_id
+    layers = model.model.layers
+    for n, idx in enumerate(batches):
+        path = work_dir / f"shard_{n:04d}.safetensors"
+        if path.exists():
+            continue
+        if time.monotonic() > deadline_s:
+            print(f"[data] deadline reached after {n} of {len(batches)} batches", flush=True)
+            return
+        t0 = time.monotonic()
+        texts = [tokenizer.apply_chat_template(messages(prompts[i][1]), tokenize=False, add_generation_prompt=True)
+                 for i in idx]
+        enc = tokenizer(texts, return_tensors="pt", padding=True)
+        captured: dict[int, list[torch.Tensor]] = {layer: [] for layer in (*aux_layers, -1)}
+        hooks = [layers[layer].register_forward_hook(_capture(captured[layer])) for layer in aux_layers]
+        hooks.append(model.model.norm.register_forward_hook(_capture(captured[-1])))
+        try:
+            sampling = dict(do_sample=True, temperature=0.7, top_p=1.0, top_k=0) if sampled[idx[0]] else dict(do_sample=False)
+            out = model.generate(**enc, max_new_tokens=max_new_tokens, pad_token_id=eos, **sampling)
+        finally:
+            for h in hooks:
+                h.remove()
+        feats = torch.cat([torch.cat(captured[layer], dim=1) for layer in aux_layers], dim=-1)  # (B, T, k*H)
+        final = torch.cat(captured[-1], dim=1)  # (B, T, H) after the final norm
+        labels = torch.argmax(final @ model.lm_head.weight.T, dim=-1)  # (B, T)
+        pad = enc.input_ids.shape[1]
+        ids_l, feats_l, labels_l, offsets, held = [], [], [], [0], []
+        for row, i in enumerate(idx):
+            start = pad - int(enc.attention_mask[row].sum())  # left padding
+            gen = out[row, pad:].tolist()
+            stop = gen.index(eos) if eos in gen else len(gen)
+            end = min(pad + stop, feats.shape[1])  # fed positions: prompt + answer up to (not incl.) EOS
+            ids_l.append(out[row, start:end])
+            feats_l.append(feats[row, start:end].to(torch.float16))
+            labels_l.append(labels[row, start:end])
+            offsets.append(offsets[-1] + end - start)
+            held.append(int(heldout[i]))
+        save_file({"ids": torch.cat(ids_l).to(torch.int32), "feats": torch.cat(feats_l).contiguous(),
+                   "labels": torch.cat(labels_l).to(torch.int32), "offsets": torch.tensor(offsets),
+                   "heldout": torch.tensor(held)}, str(path),
+                  metadata={"categories": json.dumps([prompts[i][0] for i in idx]),
+                            "sampled": str(sampled[idx[0]]), "aux_layers": json.dumps(list(aux_layers))})
+        print(f"[data] shard {n}: {len(idx)} prompts, {offsets[-1]} positions, {time.monotonic() - t0:.0f} s", flush=True)
+
+
+def _capture(sink: list[torch.Tensor]):
+    def hook(module, args, output):
+        sink.append((output[0] if isinstance(output, tuple) else output).detach().float())
+    return hook
+
+
+def load_shards(work_dir: pathlib.Path) -> tuple[list[dict], list[dict]]:
+    """(train, heldout) sequences, each {"ids", "feats", "labels"} tensors."""
+    from safetensors.torch import load_file
+
+    train_seqs, held_seqs = [], []
+    for path in sorted(work_dir.glob("shard_*.safetensors")):
+        t = load_file(str(path))
+        off = t["offsets"].tolist()
+        for s in range(len(off) - 1):
+            seq = {k: t[k][off[s]:off[s + 1]] for k in ("ids", "feats", "labels")}
+            (held_seqs if int(t["heldout"][s]) else train_seqs).append(seq)
+    return train_seqs, held_seqs
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default="coordinator/heads/smollm2-135m", help="head directory to write")
+    ap.add_argument("--model", default="smollm2-135m", help="target model (store name or local path)")
+    ap.add_argument("--minutes", type=float, default=45.0, help="wall-clock budget for data + training")
+    ap.add_argument("--data-share", type=float, default=0.4, help="fraction of the budget spent generating data")
+    ap.add_argument("--work-dir", default="/tmp/eagle_work", help="data shards and checkpoints (reused)")
+    ap.add_argument("--phase", choices=("all", "data", "train"), default="all")
+    ap.add_argument("--aux-layers", default="2,15,27", help="low, middle, high target layers")
+    ap.add_argument("--batch", type=int, default=24, help="prompts per generate batch")
+    ap.add_argument("--max-new-tokens", type=int, default=160)
+    ap.add_argument("--draft-vocab", type=int, default=8192)
+    ap.add_argument("--ttt-steps", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    t_start = time.monotonic()
+    deadline_s = t_start + args.minutes * 60
+    work = pathlib.Path(args.work_dir)
+    aux_layers = tuple(int(x) for x in args.aux_layers.split(","))
+    store = open_or_prepare(args.model, progress=False)
+    if args.phase in ("all", "data"):
+        model, tokenizer = load_target(store)
+        generate_shards(model, tokenizer, aux_layers, work / "data", t_start + args.minutes * 60 * args.data_share,
+                        batch=args.batch, max_new_tokens=args.max_new_tokens, seed=args.seed)
+        del model
+    if args.phase in ("all", "train"):
+        from scripts.eagle_fit import FitConfig, fit
+
+        fit(store, work, pathlib.Path(args.out), deadline_s, FitConfig(
+            aux_layers=aux_layers, draft_vocab=args.draft_vocab, ttt_steps=args.ttt_steps, seed=args.seed),
+            started_s=t_start, argv=sys.argv[1:] if argv is None else argv)
+
+
+if __name__ == "__main__":
+    main()
