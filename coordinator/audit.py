@@ -171,22 +171,30 @@ def check_frames(stage: Stage, plan: AuditPlan, records: dict[int, tuple[bytes, 
                            _failed_spot(tol), bytes(32))
         inputs.append(inp), outputs.append(out), rounds.append(r)
     expected = replay(stage, plan.wire_dtype, inputs, max_replay_rows, stats)
-    for r, inp, out, (hidden, aux) in zip(rounds, inputs, outputs, expected):
+    for r, inp, out, replayed in zip(rounds, inputs, outputs, expected):
         if r not in plan.receipts:
             continue
         problem = _structure_error(inp, out, plan.is_tail)
         if problem is not None:
             return Finding("structure", r, problem, _failed_spot(tol), bytes(32))
-        if plan.is_tail and inp.phase == "prefill":
-            hidden = hidden[-1:]  # the tail returns the last prompt row only
-        claimed = from_wire(out.hidden, out.hidden_scale, torch.float32)
-        pairs = [("hidden", hidden, claimed)]
+        if replayed is None:
+            continue  # no row of this frame was kept (see audit_replay.plan_replay)
+        keep, hidden, aux = replayed  # (K,), (K, H), (K, k*H) or None
+        t = inp.positions.shape[0]
+        trimmed = plan.is_tail and inp.phase == "prefill"  # the tail returns the last prompt row only
+        claims = [("hidden", hidden, from_wire(out.hidden, out.hidden_scale, torch.float32), 1 if trimmed else t)]
         if aux is not None or out.aux is not None:
-            pairs.append(("aux", aux, None if out.aux is None else from_wire(out.aux, out.aux_scale, torch.float32)))
-        for name, e, a in pairs:
-            if e is None or a is None or e.shape != a.shape:
+            claims.append(("aux", aux, None if out.aux is None else from_wire(out.aux, out.aux_scale, torch.float32), t))
+        for name, e, a, rows in claims:
+            if e is None or a is None or a.shape != (rows, e.shape[1]):
                 return Finding("structure", r, f"'{name}' shape {None if a is None else list(a.shape)}, "
-                               f"recomputed {None if e is None else list(e.shape)}", _failed_spot(tol), bytes(32))
+                               f"recomputed {None if e is None else [rows, e.shape[1]]}", _failed_spot(tol), bytes(32))
+            if rows == t:
+                a = a[keep]
+            else:
+                e = e[keep == t - 1]
+            if e.shape[0] == 0:
+                continue  # the tail's one row was not kept: nothing of this frame was read
             spot = compare_outputs(e.reshape(-1).numpy(), a.reshape(-1).numpy(), tol)
             if not spot.passed:
                 return Finding("output_mismatch", r, f"round {r} '{name}': {spot.num_outliers}/{spot.num_elements} "

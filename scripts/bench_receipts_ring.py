@@ -1,19 +1,32 @@
-"""Cost of receipts and audits on a real in-process ring (3 libp2p nodes on loopback).
+"""Cost of receipts and audits on real in-process rings (libp2p on loopback), side by side.
 
-Runs the same greedy requests on two rings side by side in one process: receipts off
-(nodes do not sign, the coordinator checks nothing) and receipts on with audits at the
-given rate. Prints and writes (--json) ring tok/s for both, stage compute per frame, and
-audit replay seconds against the ring's compute (sum of every stage's compute_s).
+Two rings run in one process, each a coordinator (swarm + engine) and 3 nodes over the
+same model: "off" (nodes do not sign or log frames, the coordinator checks nothing) and
+"on" (every frame signed and logged, every round's chain checked, bundles signed). Requests
+alternate between them, for each drafter, in ABBA order (the order flips every
+repetition, so drift in the machine's load falls on both sides), and each figure is the
+median over repetitions of a paired on/off ratio, with its spread (min, max).
 
-    python scripts/bench_receipts_ring.py --json OUT [--model smollm2-135m] [--requests 4] [--tokens 24]
+Measured directly as well, since the ring's tok/s on a loaded machine is noisy:
+- receipts' share of stage time: seconds in the stage's signer per frame (canonical bytes,
+  frame log, SHA-256, Ed25519, encoding) over the stage's compute_s for the same frames;
+- the coordinator's checking per round (chain verify, digests, bundle) over the ring's
+  compute for the round.
+Audits are timed after all requests (so they do not compete with them for the CPU): every
+(job, stage) of the "on" ring is audited (rate 1), giving the replay's cost as a fraction
+of the ring compute it checks; the expected cost at rate p is p times that.
+
+    python scripts/bench_receipts_ring.py --json OUT [--reps 6] [--tokens 48] [--wire-dtype f32]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -22,6 +35,7 @@ import trio
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import shard.node  # noqa: E402
 from coordinator.audit import AuditConfig, Auditor  # noqa: E402
 from coordinator.engine import encode_chat  # noqa: E402
 from coordinator.receipt_check import ReceiptChecker  # noqa: E402
@@ -33,7 +47,31 @@ from shard.node import CONTROL_PROTOCOL, RING_PROTOCOL, Node, NodeConfig  # noqa
 from shard.store import open_or_prepare  # noqa: E402
 from shard.transport import open_host  # noqa: E402
 
-PROMPT = "Explain in two sentences why the sky is blue."
+PROMPT = "List the days of the week, then the months of the year, one per line."
+DRAFTERS = ("none", "ngram")
+STAGES = 3
+
+# Seconds each stage spent in its receipt signer, summed over all rings (the bench's
+# instrumentation, installed by wrapping the node's signer factory).
+SIGN_S = {"s": 0.0, "frames": 0}
+
+
+def _timed_make_signer(make):
+    def make_timed(*args, **kw):
+        sign = make(*args, **kw)
+
+        def timed(received, sent):
+            t0 = time.perf_counter()
+            try:
+                return sign(received, sent)
+            finally:
+                SIGN_S["s"] += time.perf_counter() - t0
+                SIGN_S["frames"] += 1
+        return timed
+    return make_timed
+
+
+shard.node.make_signer = _timed_make_signer(shard.node.make_signer)
 
 
 async def _host(seed, task_status=trio.TASK_STATUS_IGNORED):
@@ -42,82 +80,185 @@ async def _host(seed, task_status=trio.TASK_STATUS_IGNORED):
         await trio.sleep_forever()
 
 
-async def run(store, tokenizer, *, receipts: bool, rate: float, requests: int, tokens: int, wire_dtype: str) -> dict:
-    seed = os.urandom(32)
-    swarm = Swarm(store, seed, SwarmConfig(min_nodes=3, wire_dtype=wire_dtype))
-    checker = ReceiptChecker(store, seed) if receipts else None
-    auditor = Auditor(swarm, store, seed, AuditConfig(rate=rate))
-    if checker is not None:
-        checker.listeners.append(auditor.submit_nowait)
-    compute = {"s": 0.0, "frames": 0}
-    async with open_host(keypair_from_seed(seed), "/ip4/127.0.0.1/tcp/0") as host:
-        engine = RingEngine(swarm, host, tokenizer, EngineConfig(), receipts=checker)
-        deliver = engine._deliver
+class Ring:
+    """One coordinator + STAGES nodes; counts the ring's compute and the coordinator's checking."""
 
-        def counting(msg):  # the ring's compute: every stage's compute_s on every Result
-            compute["s"] += sum(getattr(msg, "compute_s", ()))
-            compute["frames"] += len(getattr(msg, "compute_s", ()))
+    def __init__(self, store, tokenizer, receipts: bool, wire_dtype: str) -> None:
+        self.store, self.tokenizer, self.receipts, self.wire_dtype = store, tokenizer, receipts, wire_dtype
+        self.compute = {"s": 0.0, "frames": 0}  # sum of stage compute_s over Results
+        self.check_s = 0.0
+        self.finished: list = []  # FinishedJob, audited after the timed runs
+
+    async def start(self, nursery) -> None:
+        seed = os.urandom(32)
+        self.swarm = Swarm(self.store, seed, SwarmConfig(min_nodes=STAGES, wire_dtype=self.wire_dtype))
+        self.checker = ReceiptChecker(self.store, seed) if self.receipts else None
+        self.auditor = Auditor(self.swarm, self.store, seed, AuditConfig(rate=1.0))
+        if self.checker is not None:
+            self.checker.listeners.append(self.finished.append)
+            open_job = self.checker.open_job
+
+            def timed_open_job(*args):  # time what the engine calls per round and per job
+                jr = open_job(*args)
+                for name in ("sent", "check", "finish"):
+                    setattr(jr, name, self._timed(getattr(jr, name)))
+                return jr
+
+            self.checker.open_job = timed_open_job
+        host = await nursery.start(_host, seed)
+        self.engine = RingEngine(self.swarm, host, self.tokenizer, EngineConfig(), receipts=self.checker)
+        deliver = self.engine._deliver
+
+        def counting(msg):
+            self.compute["s"] += sum(getattr(msg, "compute_s", ()))
+            self.compute["frames"] += len(getattr(msg, "compute_s", ()))
             deliver(msg)
 
-        engine._deliver = counting
-        host.set_handler(CONTROL_PROTOCOL, swarm.handle_control)
-        host.set_handler(RING_PROTOCOL, engine.handle_ring_stream)
-        async with trio.open_nursery() as nursery:
-            await nursery.start(swarm.serve_formation)
-            await nursery.start(auditor.serve)
-            for _ in range(3):
-                s = os.urandom(32)
-                node_host = await nursery.start(_host, s)
-                node = Node(NodeConfig(coordinator=host.addrs[0], receipts=receipts), node_host, store, signing_seed=s)
-                await nursery.start(node.serve)
-            await swarm.wait_ring()
-            ids = encode_chat(tokenizer, [{"role": "user", "content": PROMPT}])
-            generated, started = 0, time.perf_counter()
-            for _ in range(requests):
-                job = await engine.open_job(ids, SamplingParams(temperature=0.0))
-                async for block in job.next_tokens():
-                    generated += len(block)
-                    if generated % tokens == 0:
-                        break
-                await job.aclose()
-            elapsed = time.perf_counter() - started
-            await auditor.wait_idle()
-            nursery.cancel_scope.cancel()
-    return {"receipts": receipts, "tok_per_s": generated / elapsed, "generated": generated, "elapsed_s": elapsed,
-            "ring_compute_s": compute["s"], "stage_frames": compute["frames"],
-            "stage_ms_per_frame": 1e3 * compute["s"] / max(compute["frames"], 1),
-            "audits": auditor.stats.audits, "audit_frames_compared": auditor.stats.frames_compared,
-            "audit_replay_s": auditor.stats.replay_s, "audit_over_ring_compute": auditor.stats.replay_s / max(compute["s"], 1e-9),
-            "evidence": len(auditor.evidence)}
+        self.engine._deliver = counting
+        host.set_handler(CONTROL_PROTOCOL, self.swarm.handle_control)
+        host.set_handler(RING_PROTOCOL, self.engine.handle_ring_stream)
+        await nursery.start(self.swarm.serve_formation)
+        await nursery.start(self.auditor.serve)
+        for _ in range(STAGES):
+            s = os.urandom(32)
+            node_host = await nursery.start(_host, s)
+            node = Node(NodeConfig(coordinator=host.addrs[0], receipts=self.receipts), node_host, self.store,
+                        signing_seed=s)
+            await nursery.start(node.serve)
+        while self.swarm.ring is None or len(self.swarm.ring.stages) < STAGES:
+            await self.swarm.wait_ring()
+            await trio.sleep(0.01)
+
+    def _timed(self, fn):
+        def timed(*args, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kw)
+            finally:
+                self.check_s += time.perf_counter() - t0
+        return timed
+
+    async def request(self, ids: list[int], drafter: str, tokens: int) -> dict:
+        """One greedy request; its tok/s and the compute, signing and checking it caused."""
+        self.engine.config = dataclasses.replace(self.engine.config, draft=drafter)
+        c0, f0, k0, s0, n0 = self.compute["s"], self.compute["frames"], self.check_s, SIGN_S["s"], SIGN_S["frames"]
+        started, got = time.perf_counter(), 0
+        job = await self.engine.open_job(ids, SamplingParams(temperature=0.0))
+        async for block in job.next_tokens():
+            got += len(block)
+            if got >= tokens:
+                break
+        elapsed = time.perf_counter() - started
+        stats = job.stats()
+        await job.aclose()
+        return {"tokens": got, "elapsed_s": elapsed, "tok_per_s": got / elapsed, "traversals": stats["traversals"],
+                "compute_s": self.compute["s"] - c0, "stage_frames": self.compute["frames"] - f0,
+                "check_s": self.check_s - k0, "sign_s": SIGN_S["s"] - s0, "signed_frames": SIGN_S["frames"] - n0}
+
+
+def _spread(xs: list[float]) -> dict:
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
+
+
+async def bench(store, tokenizer, args) -> dict:
+    ids = encode_chat(tokenizer, [{"role": "user", "content": PROMPT}])
+    runs: dict[str, dict[str, list[dict]]] = {d: {"off": [], "on": []} for d in DRAFTERS}
+    audits: dict[str, dict] = {}
+    async with trio.open_nursery() as nursery:
+        rings = {"off": Ring(store, tokenizer, False, args.wire_dtype), "on": Ring(store, tokenizer, True, args.wire_dtype)}
+        for ring in rings.values():
+            await ring.start(nursery)
+        for drafter in DRAFTERS:  # warm-up: first requests pay allocator and cache growth
+            for ring in rings.values():
+                await ring.request(ids, drafter, args.tokens)
+        rings["on"].finished.clear()
+        jobs = {d: [] for d in DRAFTERS}
+        for rep in range(args.reps):
+            for drafter in DRAFTERS:
+                for side in ("off", "on") if rep % 2 == 0 else ("on", "off"):
+                    runs[drafter][side].append(await rings[side].request(ids, drafter, args.tokens))
+                    if side == "on":
+                        jobs[drafter].append(rings["on"].finished[-1])
+        on = rings["on"]
+        for drafter in DRAFTERS:  # every (job, stage) of the timed "on" requests, after them
+            before = dataclasses.replace(on.auditor.stats, replay=dataclasses.replace(on.auditor.stats.replay))
+            for job in jobs[drafter]:
+                on.auditor.submit_nowait(job)
+            await on.auditor.wait_idle()
+            st = on.auditor.stats
+            audits[drafter] = {"audits": st.audits - before.audits,
+                               "frames_compared": st.frames_compared - before.frames_compared,
+                               "replay_forwards": st.replay.forwards - before.replay.forwards,
+                               "replay_rows": st.replay.rows - before.replay.rows,
+                               "replay_s": st.replay_s - before.replay_s, "evidence": len(on.auditor.evidence)}
+        nursery.cancel_scope.cancel()
+    out: dict = {}
+    for drafter in DRAFTERS:
+        off_runs, on_runs = runs[drafter]["off"], runs[drafter]["on"]
+        ring_compute_on = sum(r["compute_s"] for r in on_runs)
+        a = audits[drafter]
+        a["over_ring_compute_at_rate_1"] = a["replay_s"] / ring_compute_on
+        a["over_ring_compute_at_rate"] = {str(args.rate): args.rate * a["over_ring_compute_at_rate_1"]}
+        out[drafter] = {
+            "tok_per_s": {"off": _spread([r["tok_per_s"] for r in off_runs]),
+                          "on": _spread([r["tok_per_s"] for r in on_runs])},
+            "tok_per_s_on_over_off": _spread([b["tok_per_s"] / a_["tok_per_s"] for a_, b in zip(off_runs, on_runs)]),
+            "stage_ms_per_frame": {s: _spread([1e3 * r["compute_s"] / r["stage_frames"] for r in rs])
+                                   for s, rs in (("off", off_runs), ("on", on_runs))},
+            "sign_over_stage_compute": _spread([r["sign_s"] / r["compute_s"] for r in on_runs]),
+            "sign_ms_per_frame": _spread([1e3 * r["sign_s"] / r["signed_frames"] for r in on_runs]),
+            "check_over_ring_compute": _spread([r["check_s"] / r["compute_s"] for r in on_runs]),
+            "check_ms_per_traversal": _spread([1e3 * r["check_s"] / r["traversals"] for r in on_runs]),
+            "tokens_per_traversal": _spread([r["tokens"] / r["traversals"] for r in on_runs]),
+            "audit": a, "runs": runs[drafter]}
+    return out
+
+
+def _git_rev() -> str:
+    here = os.path.dirname(os.path.abspath(__file__))
+    got = subprocess.run(["git", "-C", here, "describe", "--always", "--dirty"], capture_output=True, text=True)
+    return got.stdout.strip() or "unknown"
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", required=True)
     p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--requests", type=int, default=4)
-    p.add_argument("--tokens", type=int, default=24)
-    p.add_argument("--rate", type=float, default=AuditConfig.rate)
+    p.add_argument("--reps", type=int, default=6, help="ABBA repetitions per drafter")
+    p.add_argument("--tokens", type=int, default=48, help="tokens per request")
+    p.add_argument("--rate", type=float, default=AuditConfig.rate, help="audit rate the expected cost is given at")
     p.add_argument("--wire-dtype", default="f32")
+    p.add_argument("--git-rev", default=None, help="revision to report (default: git describe of this checkout)")
     args = p.parse_args()
     from transformers import AutoTokenizer
+    import torch
 
     store = open_or_prepare(args.model, progress=False)
     tokenizer = AutoTokenizer.from_pretrained(str(store.tokenizer_dir))
-    kw = dict(rate=args.rate, requests=args.requests, tokens=args.tokens, wire_dtype=args.wire_dtype)
-    off = trio.run(lambda: run(store, tokenizer, receipts=False, **kw))
-    on = trio.run(lambda: run(store, tokenizer, receipts=True, **kw))
-    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    conditions = {"model": store.manifest.name, "stages": 3, "requests": args.requests, "tokens_per_request": args.tokens,
-                  "prompt": PROMPT, "wire_dtype": args.wire_dtype, "audit_rate": args.rate, "link": "loopback, no emulation",
-                  "drafter": "engine default", "git": rev, "python": platform.python_version(), "machine": platform.machine(),
-                  "omp_threads": os.environ.get("OMP_NUM_THREADS", "default"), "cpus": os.cpu_count()}
-    result = {"conditions": conditions, "off": off, "on": on,
-              "tok_per_s_cost": 1 - on["tok_per_s"] / off["tok_per_s"],
-              "stage_time_cost": on["stage_ms_per_frame"] / off["stage_ms_per_frame"] - 1}
-    print(json.dumps(result, indent=2))
+    load_before = os.getloadavg()
+    started = time.time()
+    results = trio.run(bench, store, tokenizer, args)
+    conditions = {
+        "model": store.manifest.name, "stages": STAGES, "rings": "off and on side by side in one process",
+        "link": "loopback, no emulation", "wire_dtype": args.wire_dtype, "drafters": list(DRAFTERS),
+        "prompt": PROMPT, "tokens_per_request": args.tokens, "reps_per_drafter_and_side": args.reps,
+        "order": "ABBA per drafter after one warm-up request each", "audit_rate_default": AuditConfig.rate,
+        "git": args.git_rev or _git_rev(), "python": platform.python_version(), "torch": torch.__version__,
+        "machine": platform.machine(), "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+        "omp_threads": os.environ.get("OMP_NUM_THREADS", "default"),
+        "loadavg_1_5_15_before": load_before, "loadavg_1_5_15_after": os.getloadavg(),
+        "wall_s": time.time() - started,
+    }
+    result = {"conditions": conditions, **results}
     with open(args.json, "w") as f:
         json.dump(result, f, indent=2)
+    brief = {"conditions": conditions}
+    for d in DRAFTERS:
+        r = results[d]
+        brief[d] = {k: r[k] for k in ("tok_per_s", "tok_per_s_on_over_off", "stage_ms_per_frame", "sign_over_stage_compute",
+                                      "sign_ms_per_frame", "check_over_ring_compute", "check_ms_per_traversal",
+                                      "tokens_per_traversal", "audit")}
+    print(json.dumps(brief, indent=2))
     return 0
 
 

@@ -76,21 +76,26 @@ def stages(tiny_llama_store):
 @pytest.mark.parametrize("which", ["head", "middle"])
 @pytest.mark.parametrize("max_rows", [1024, 4])
 def test_tree_replay_equals_frame_by_frame(stages, which, max_rows):
-    """Guards the one-forward replay: every frame's recomputed rows (rejected draft nodes
-    included) equal what the stage sent, in one forward, or in several segments re-based
-    on the committed context when rows are capped."""
+    """Guards the one-forward replay: every row that a token or later K/V depends on
+    equals what the stage sent, in one forward, or in several segments re-based on the
+    committed context when rows are capped; rejected draft nodes (nothing read them) are
+    the only rows left out."""
     stage = stages[which]
     frames = engine_like_frames(which == "head", stage.cfg.hidden_size)
     segments = plan_replay(frames, max_rows)
     assert segments is not None
-    groups = [(0, 1, 2, 3, 4, 5)] if max_rows == 1024 else [(0,), (1,), (2,), (3, 4), (5,)]
+    groups = [(0, 1, 2, 3, 4, 5)] if max_rows == 1024 else [(0,), (1,), (2,), (3, 4, 5)]
     assert [s.frames for s in segments] == groups
+    # Tree frame: root and accepted nodes 2, 4; chain draft: root and node 1 (slot 13 is
+    # rewritten by the next frame); the last frame keeps everything.
+    kept = [(0, 1, 2, 3, 4), (0, 1, 2), (0, 2, 4), (0, 1), (0,), (0,)]
+    assert [k for s in segments for k in s.keep] == kept
     stats = ReplayStats()
     got = replay(stage, "f32", frames, max_rows, stats)
-    assert stats.forwards == len(segments) and stats.rows == sum(f.positions.shape[0] for f in frames)
-    for i, (want, (hidden, aux)) in enumerate(zip(stage_outputs(stage, frames, "f32"), got)):
-        assert aux is None
-        torch.testing.assert_close(hidden, want, atol=2e-5, rtol=1e-4, msg=f"frame {i}")
+    assert stats.forwards == len(segments) and stats.rows == sum(map(len, kept))
+    for i, (want, (keep, hidden, aux)) in enumerate(zip(stage_outputs(stage, frames, "f32"), got)):
+        assert keep.tolist() == list(kept[i]) and aux is None
+        torch.testing.assert_close(hidden, want[keep], atol=2e-5, rtol=1e-4, msg=f"frame {i}")
 
 
 def test_tree_replay_on_fp8_wire_matches_within_one_step(stages):
@@ -98,8 +103,8 @@ def test_tree_replay_on_fp8_wire_matches_within_one_step(stages):
     stage = stages["middle"]
     frames = engine_like_frames(False, stage.cfg.hidden_size)
     got = replay(stage, "f8_e4m3fn", frames)
-    for want, (hidden, _) in zip(stage_outputs(stage, frames, "f8_e4m3fn"), got):
-        close = torch.isclose(hidden, want, atol=1e-3, rtol=0.13)  # one e4m3 step
+    for want, (keep, hidden, _) in zip(stage_outputs(stage, frames, "f8_e4m3fn"), got):
+        close = torch.isclose(hidden, want[keep], atol=1e-3, rtol=0.13)  # one e4m3 step
         assert close.float().mean() > 0.999
 
 
@@ -114,7 +119,8 @@ def test_context_that_is_not_one_root_path_falls_back_to_frame_by_frame(stages):
     assert plan_replay(frames, 1024) is None
     assert plan_replay(frames[:2], 1024) is not None  # a rewritten tail alone is still a tree
     got = replay(stage, "f32", frames)
-    for want, (hidden, _) in zip(stage_outputs(stage, frames, "f32"), got):
+    for want, (keep, hidden, _) in zip(stage_outputs(stage, frames, "f32"), got):
+        assert keep.tolist() == list(range(want.shape[0]))
         torch.testing.assert_close(hidden, want, atol=2e-5, rtol=1e-4)
 
 
