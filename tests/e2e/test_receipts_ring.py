@@ -103,7 +103,7 @@ class CheatingNode(Node):
 
 
 async def run_ring(store, *, wire_dtype="f32", rate=1.0, requests=2, tokens=8, cheat=None, other_store=None,
-                   unsigned=False, receipts_dir=None, seed=0):
+                   unsigned=False, receipts_dir=None, seed=0, draft="none"):
     """Start the ring, serve `requests` greedy requests, wait for audits; return what happened."""
     coord_seed = os.urandom(32)
     swarm = Swarm(store, coord_seed, SwarmConfig(min_nodes=2, wire_dtype=wire_dtype, ready_timeout_s=30))
@@ -113,7 +113,7 @@ async def run_ring(store, *, wire_dtype="f32", rate=1.0, requests=2, tokens=8, c
     out = {"errors": [], "job_ids": [], "outputs": [], "swarm": swarm, "auditor": auditor, "checker": checker}
     with trio.fail_after(50):
         async with open_host(keypair_from_seed(coord_seed), "/ip4/127.0.0.1/tcp/0") as host:
-            engine = RingEngine(swarm, host, _tokenizer(), EngineConfig(draft="none", frame_timeout_s=10, max_resumes=3,
+            engine = RingEngine(swarm, host, _tokenizer(), EngineConfig(draft=draft, frame_timeout_s=10, max_resumes=3,
                                                                         resume_wait_s=5), receipts=checker)
             host.set_handler(CONTROL_PROTOCOL, swarm.handle_control)
             host.set_handler(RING_PROTOCOL, engine.handle_ring_stream)
@@ -220,10 +220,12 @@ def check_caught(out):
     assert cheater not in {p for p, _ in out["final_ring"].stages}
 
 
-@pytest.mark.parametrize("wire_dtype", ["bf16", "f8_e4m3fn"])
-def test_no_false_alarm_on_quantised_wires(tiny_llama_store, wire_dtype):
+@pytest.mark.parametrize("wire_dtype,draft", [("bf16", "none"), ("f8_e4m3fn", "none"), ("bf16", "ngram")])
+def test_no_false_alarm_on_quantised_wires(tiny_llama_store, wire_dtype, draft):
     """Guards the tolerance calibration: replaying on the coordinator batches frames
-    differently from the stage, and the wire codec must not turn that into a mismatch."""
-    out = trio.run(lambda: run_ring(tiny_llama_store, wire_dtype=wire_dtype, rate=1.0, requests=2))
+    differently from the stage (all of an epoch's frames, draft trees and commits
+    included, as one tree-masked forward), and the wire codec must not turn that into a
+    mismatch."""
+    out = trio.run(lambda: run_ring(tiny_llama_store, wire_dtype=wire_dtype, rate=1.0, requests=2, draft=draft))
     assert out["errors"] == [] and out["auditor"].evidence == [] and out["swarm"].faulty == {}
-    assert out["auditor"].stats.frames_compared >= 2 * 3 * 8
+    assert out["auditor"].stats.frames_compared >= 2 * 3 * (8 if draft == "none" else 2)
