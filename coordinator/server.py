@@ -51,7 +51,7 @@ class CoordConfig:
     max_concurrent_jobs: int = _opt(8, "requests beyond this get 429")
     node_threads: int = _opt(1, "torch threads per local node")
     receipts_dir: str | None = _opt(None, "append every job's signed receipt bundle here (default: memory only)")
-    audit_rate: float = _opt(AuditConfig.rate, "probability a (round, stage) is audited by replay; cost in docs/receipts.md")
+    audit_rate: float = _opt(AuditConfig.rate, "probability a (job, stage) is audited by replay; cost in docs/receipts.md")
 
 
 async def serve_coordinator(config: CoordConfig, task_status=trio.TASK_STATUS_IGNORED) -> None:
