@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
-import statistics
 import subprocess
 import sys
 import time
@@ -26,14 +26,18 @@ from shard.stage import OutputHead, Stage
 from shard.store import prepare
 
 
-def median_s(fn, reps: int) -> float:
-    fn()  # warm-up
-    times = []
+def paired_s(fn_a, fn_b, reps: int) -> tuple[float, float]:
+    """Best-of-`reps` seconds for a and b, run alternately (a, b, a, b, ...) so both see
+    the same machine load; on a shared machine other processes only ever add time, so
+    the minimum is the estimate least disturbed by them."""
+    fn_a(), fn_b()  # warm-up
+    a, b = [], []
     for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        for fn, out in ((fn_a, a), (fn_b, b)):
+            t0 = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t0)
+    return min(a), min(b)
 
 
 def build_transformers(store):
@@ -62,7 +66,9 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--json", default=None, help="write results here")
     ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads for both sides (local ring nodes use 1)")
     args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     store = prepare(args.model, progress=False).store
     cfg = store.config
@@ -101,7 +107,7 @@ def main(argv=None) -> int:
             h, _ = ours.forward(job, frame[0], ctx_len=ctx, positions=pos)
             head.logits(h)
 
-        add(f"{name}, ctx {ctx}", median_s(run_hf, args.reps), median_s(run_ours, args.reps), t)
+        add(f"{name}, ctx {ctx}", *paired_s(run_hf, run_ours, args.reps), t)
 
     prompt = ids[:, :512]
 
@@ -113,13 +119,12 @@ def main(argv=None) -> int:
         h, _ = ours.forward(job, prompt[0], ctx_len=0, positions=torch.arange(512))
         head.logits(h[-1:])
 
-    add("prefill 512 tokens", median_s(prefill_hf, max(3, args.reps // 3)), median_s(prefill_ours, max(3, args.reps // 3)), 512)
+    add("prefill 512 tokens", *paired_s(prefill_hf, prefill_ours, max(3, args.reps // 3)), 512)
     # transformers computes logits for all 512 positions; ours the last only (as a ring
     # does). Report that row's logits cost separately so the comparison is readable.
 
     third = LayerRange(0, cfg.num_layers // 3)
-    load_full = median_s(lambda: build_ours(store, full), 3)
-    load_third = median_s(lambda: build_ours(store, third), 3)
+    load_full, load_third = paired_s(lambda: build_ours(store, full), lambda: build_ours(store, third), 3)
     print(f"load all {len(full)} layers {load_full:.3f} s, {len(third)} layers {load_third:.3f} s, ratio {load_third / load_full:.2f}")
 
     from shard.wire import dtypes as wire_dtypes
@@ -132,6 +137,7 @@ def main(argv=None) -> int:
             "model": args.model, "manifest_digest": store.digest, "dtype": "float32", "device": "cpu",
             "torch_threads": torch.get_num_threads(), "torch": torch.__version__, "python": platform.python_version(),
             "machine": platform.machine(), "context_tokens": ctx, "reps": args.reps,
+            "timing": "best of reps, the two sides run alternately", "load_average": os.getloadavg(),
             "git_revision": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
             "note": "prefill row: transformers computes logits for every position, shard for the last only",
         },
