@@ -30,6 +30,7 @@ from coordinator.draft_tree import DraftTree
 from coordinator.drafting import DraftBudget, Drafter, NgramDrafter
 from coordinator.sampling import SamplingParams, make_generator, probs
 from coordinator.swarm import RingState, Swarm
+from coordinator.topology import Traversal
 from shard.activations import from_wire
 from shard.errors import WireError
 from shard.stage import OutputHead
@@ -80,9 +81,10 @@ class RingEngine:
         swarm.job_error_handler = self._deliver
         swarm.ring_listeners.append(self._on_ring_change)
 
-    def make_drafter(self) -> Drafter | None:
-        """A fresh drafter for one job (None = plain decoding)."""
-        return NgramDrafter() if self.config.draft == "ngram" else None
+    def make_drafters(self) -> list[Drafter]:
+        """Fresh drafters for one job; several means the router picks per round (hybrid),
+        none means plain decoding."""
+        return [NgramDrafter()] if self.config.draft == "ngram" else []
 
     # -- Engine interface ----------------------------------------------------------------
     async def open_job(self, prompt_ids: list[int], params: SamplingParams) -> "RingJob":
@@ -91,7 +93,7 @@ class RingEngine:
         job_id = os.urandom(8).hex()
         send, recv = trio.open_memory_channel(256)
         self._jobs[job_id] = send
-        job = RingJob(self, job_id, list(prompt_ids), params, recv, drafter=self.make_drafter())
+        job = RingJob(self, job_id, list(prompt_ids), params, recv, drafters=self.make_drafters())
         if self.receipts is not None:
             job.receipts = self.receipts.open_job(job_id, job.nonce, job.prompt_ids)
         return job
@@ -113,7 +115,7 @@ class RingEngine:
                 })
         return {"ready": ring is not None, "model": self.model_id, "epoch": ring.epoch if ring else None,
                 "members": members, "registered_nodes": len(self.swarm.members), "active_jobs": len(self._jobs),
-                "wire_dtype": self.swarm.config.wire_dtype}
+                "wire_dtype": self.swarm.config.wire_dtype, "topology": self.swarm.topology_info()}
 
     # -- frames ----------------------------------------------------------------------------
     async def send(self, ring: RingState, msg: Forward | EndJob) -> None:
@@ -209,11 +211,19 @@ class RingJob:
     started_s: float = field(default_factory=time.monotonic)
     ttft_s: float | None = None
     closed: bool = False
-    drafter: Drafter | None = None
+    drafters: list[Drafter] = field(default_factory=list)
     adapt: adapt.AdaptState = field(default_factory=adapt.AdaptState)
     pending_commit: tuple[tuple[int, ...], int] = ((), 0)  # (slots to gather, first destination)
     drafted: dict[str, int] = field(default_factory=dict)  # rounds per drafter
     receipts: JobReceipts | None = None
+
+    @property
+    def aux_layers(self) -> tuple[int, ...]:
+        """Target layers whose outputs the drafters read (EAGLE); stages attach them."""
+        layers: list[int] = []
+        for d in self.drafters:
+            layers += [layer for layer in getattr(d, "aux_layers", ()) if layer not in layers]
+        return tuple(layers)
 
     async def next_tokens(self) -> AsyncIterator[list[int]]:
         """One verify round per traversal: the unfed root (last committed token) plus a
@@ -224,7 +234,7 @@ class RingJob:
         limit = self.engine.max_context_tokens
         while len(self.committed) < limit:
             tree, draft_s = self._draft(limit)
-            rows, traversal_s = await self._verify(tree)
+            rows, traversal_s, fed, tree_aux = await self._verify(tree)
             if self.params.greedy:
                 acc = accept_greedy(tree, rows)
             else:
@@ -236,6 +246,7 @@ class RingJob:
             self.pending_commit = (src, root_slot + 1) if src != list(range(root_slot + 1, root_slot + 1 + len(src))) else ((), 0)
             self.ring_ctx = root_slot + 1 + len(acc.nodes)
             tokens = list(acc.tokens)[: limit - len(self.committed)]
+            self._observe(fed, tree, acc, tree_aux, root_slot)
             self.committed += tokens
             if self.ttft_s is None:
                 self.ttft_s = time.monotonic() - self.started_s
@@ -247,17 +258,41 @@ class RingJob:
             yield tokens
 
     def _draft(self, limit: int) -> tuple[DraftTree, float]:
-        """The next round's draft, sized by the adaptive planner and the context left."""
-        if self.drafter is None or self.traversals == 0:
+        """The next round's draft: each drafter proposes within the shape the adaptive
+        planner picks for it, and the router keeps the draft likely to commit the most
+        tokens per second of ring time (the hybrid mode when there are several)."""
+        if not self.drafters or self.traversals == 0:
             return DraftTree.empty(), 0.0
-        t0 = time.perf_counter()
-        shape = adapt.plan(self.adapt)
         room = limit - len(self.committed) - 1
-        budget = DraftBudget(max(0, min(shape.nodes, room)), max(0, min(shape.depth, room)))
-        tree = self.drafter.propose(self.committed, budget) if budget.max_nodes else DraftTree.empty()
-        return tree, time.perf_counter() - t0
+        candidates = []
+        for drafter in self.drafters:
+            t0 = time.perf_counter()
+            shape = adapt.plan(self.adapt, source=getattr(drafter, "name", adapt.ALL_SOURCES))
+            budget = DraftBudget(max(0, min(shape.nodes, room)), max(0, min(shape.depth, room)))
+            tree = drafter.propose(self.committed, budget) if budget.max_nodes else DraftTree.empty()
+            if tree.num_nodes:
+                candidates.append(adapt.DraftCandidate(tree, time.perf_counter() - t0))
+        if not candidates:
+            return DraftTree.empty(), 0.0
+        best = candidates[adapt.route(candidates, self.adapt)] if len(candidates) > 1 else candidates[0]
+        return best.tree, sum(c.draft_s for c in candidates)
 
-    async def _verify(self, tree: DraftTree) -> tuple[torch.Tensor, float]:
+    def _observe(self, fed, tree: DraftTree, acc, tree_aux, root_slot: int) -> None:
+        """Hand drafters that read the target's features (EAGLE) the aux rows of every
+        token this round committed: prefill chunks whole, then the root and accepted path."""
+        sinks = [d for d in self.drafters if getattr(d, "aux_layers", ())]
+        if not sinks:
+            return
+        for start, ids, aux in fed:
+            for d in sinks:
+                d.observe(start, ids, aux)
+        if tree_aux is not None:
+            rows = [0] + [1 + n for n in acc.nodes]
+            ids = [self.committed[root_slot]] + [int(tree.tokens[n]) for n in acc.nodes]
+            for d in sinks:
+                d.observe(root_slot, ids, tree_aux[rows])
+
+    async def _verify(self, tree: DraftTree) -> tuple[torch.Tensor, float, list, torch.Tensor | None]:
         """Target logits (M+1, V) for the root and each draft node, resuming on a new ring
         (re-prefilling the committed context) when the ring changed or a stage failed."""
         for attempt in range(self.engine.config.max_resumes + 1):
@@ -278,44 +313,58 @@ class RingJob:
                     await self.engine.swarm.wait_change(ring.epoch, self.engine.config.resume_wait_s)
         raise JobFailedError(f"job {self.job_id} lost its ring {self.engine.config.max_resumes + 1} times")
 
-    async def _round(self, ring: RingState, tree: DraftTree) -> tuple[torch.Tensor, float]:
+    async def _round(self, ring: RingState, tree: DraftTree) -> tuple[torch.Tensor, float, list, torch.Tensor | None]:
         """Feed the committed tokens the ring lacks as pipelined chunks (the last chunk ends
         with the root when there is no draft), then the root and the draft as one verify
         frame. The previous round's commit rides in the first frame sent."""
         t0 = time.monotonic()
+        start_ctx = self.ring_ctx
         root = len(self.committed) - 1
         chunk = self.engine.config.prefill_chunk_tokens
         prefix_end = root if tree.num_nodes else root + 1
         src, dst = self.pending_commit
-        rounds = []
+        rounds: list[int] = []
+        chunks: dict[int, tuple[int, list[int]]] = {}  # round -> (first position, token ids)
         for start in range(self.ring_ctx, prefix_end, chunk):
             ids = self.committed[start:min(start + chunk, prefix_end)]
             rounds.append(await self._send(ring, Forward(
                 job_id=self.job_id, epoch=ring.epoch, round=self.round + 1, nonce=self.nonce,
                 phase="decode" if len(ids) == 1 and self.traversals else "prefill", ctx_len=start,
-                commit_src=tuple(src), commit_dst=dst,
+                commit_src=tuple(src), commit_dst=dst, want_aux_layers=self.aux_layers,
                 positions=torch.arange(start, start + len(ids)), tokens=torch.tensor(ids),
             )))
+            chunks[rounds[-1]] = (start, ids)
             src, dst = (), 0
         if tree.num_nodes:
             parents = torch.tensor([-1] + [p + 1 if p >= 0 else 0 for p in tree.parents.tolist()], dtype=torch.int32)
             rounds.append(await self._send(ring, Forward(
                 job_id=self.job_id, epoch=ring.epoch, round=self.round + 1, nonce=self.nonce, phase="verify",
-                ctx_len=root, commit_src=tuple(src), commit_dst=dst, tree_parents=parents,
+                ctx_len=root, commit_src=tuple(src), commit_dst=dst, tree_parents=parents, want_aux_layers=self.aux_layers,
                 positions=torch.cat([torch.tensor([root]), tree.positions(root)]),
                 tokens=torch.tensor([self.committed[root], *tree.tokens.tolist()]),
             )))
         self.pending_commit = ((), 0)
         last = None
+        fed, tree_aux = [], None  # aux rows of committed chunks; of the verify frame
         with trio.fail_after(self.engine.config.frame_timeout_s * len(rounds)):
             for expected in rounds:
                 last = await self._receive(ring.epoch, expected)
                 if self.receipts is not None:
                     self.receipts.check(ring, last)  # fail closed: ReceiptRejected ends the job
+                if self.aux_layers and last.aux is not None:
+                    aux = from_wire(last.aux, last.aux_scale, torch.float32)  # (T, k*H)
+                    if expected in chunks:
+                        fed.append((*chunks[expected], aux))
+                    else:
+                        tree_aux = aux
         traversal_s = time.monotonic() - t0
+        self.engine.swarm.record_traversal(Traversal(
+            ring.epoch, prefill=prefix_end - start_ctx > 1, frames=len(rounds),
+            tokens=max(0, prefix_end - start_ctx) + (tree.num_nodes + 1 if tree.num_nodes else 0),
+            traversal_s=traversal_s, compute_s=tuple(last.compute_s)))
         self.traversals += 1
         logits = await trio.to_thread.run_sync(self.engine.logits, last)
-        return logits[-(tree.num_nodes + 1):], traversal_s
+        return logits[-(tree.num_nodes + 1):], traversal_s, fed, tree_aux
 
     async def _send(self, ring: RingState, fwd: Forward) -> int:
         self.round += 1

@@ -73,20 +73,21 @@ def test_every_drafter_reproduces_plain_greedy(tiny_llama_store):
         async with open_local_ring(tiny_llama_store, 3, engine=EngineConfig(draft="none")) as engine:
             plain = {tuple(p): await generate(engine, p) for p in PROMPTS}
             drafters = {
-                "ngram": lambda: NgramDrafter(),
-                "noisy-chain": lambda: NoisyOracleDrafter(plain, tree=False, seed=1),
-                "noisy-tree": lambda: NoisyOracleDrafter(plain, tree=True, seed=2),
+                "ngram": lambda: [NgramDrafter()],
+                "noisy-chain": lambda: [NoisyOracleDrafter(plain, tree=False, seed=1)],
+                "noisy-tree": lambda: [NoisyOracleDrafter(plain, tree=True, seed=2)],
+                "hybrid-noisy": lambda: [NgramDrafter(), NoisyOracleDrafter(plain, tree=True, seed=4)],
             }
             stats = {}
             for name, make in drafters.items():
-                engine.make_drafter = make
+                engine.make_drafters = make
                 for p in PROMPTS:
                     got = await generate(engine, p)
                     assert got == plain[tuple(p)], (name, p)
                 stats[name] = True
             return stats
 
-    assert trio.run(main) == {"ngram": True, "noisy-chain": True, "noisy-tree": True}
+    assert trio.run(main) == {"ngram": True, "noisy-chain": True, "noisy-tree": True, "hybrid-noisy": True}
 
 
 def test_speculation_commits_several_tokens_per_traversal(tiny_llama_store):
@@ -97,7 +98,7 @@ def test_speculation_commits_several_tokens_per_traversal(tiny_llama_store):
         async with open_local_ring(tiny_llama_store, 2, engine=EngineConfig(draft="none", link_latency_ms=20),
                                    node_config={"link_latency_ms": 20}) as engine:
             plain = {tuple(PROMPTS[0]): await generate(engine, PROMPTS[0])}
-            engine.make_drafter = lambda: NoisyOracleDrafter(plain, tree=True, seed=3)
+            engine.make_drafters = lambda: [NoisyOracleDrafter(plain, tree=True, seed=3)]
             job = await engine.open_job(PROMPTS[0], SamplingParams(temperature=0.0))
             n = 0
             async with aclosing(job.next_tokens()) as blocks:
