@@ -14,7 +14,8 @@ Measured directly as well, since the ring's tok/s on a loaded machine is noisy:
   compute for the round.
 Audits are timed after all requests (so they do not compete with them for the CPU): every
 (job, stage) of the "on" ring is audited (rate 1), giving the replay's cost as a fraction
-of the ring compute it checks; the expected cost at rate p is p times that.
+of the ring compute it checks; the expected cost at rate p is p times that. The same jobs
+are audited again replaying one frame per forward, to show what batching saves.
 
     python scripts/bench_receipts_ring.py --json OUT [--reps 6] [--tokens 48] [--wire-dtype f32]
 """
@@ -180,25 +181,31 @@ async def bench(store, tokenizer, args) -> dict:
                     if side == "on":
                         jobs[drafter].append(rings["on"].finished[-1])
         on = rings["on"]
+        batched = on.auditor.config
         for drafter in DRAFTERS:  # every (job, stage) of the timed "on" requests, after them
-            before = dataclasses.replace(on.auditor.stats, replay=dataclasses.replace(on.auditor.stats.replay))
-            for job in jobs[drafter]:
-                on.auditor.submit_nowait(job)
-            await on.auditor.wait_idle()
-            st = on.auditor.stats
-            audits[drafter] = {"audits": st.audits - before.audits,
-                               "frames_compared": st.frames_compared - before.frames_compared,
-                               "replay_forwards": st.replay.forwards - before.replay.forwards,
-                               "replay_rows": st.replay.rows - before.replay.rows,
-                               "replay_s": st.replay_s - before.replay_s, "evidence": len(on.auditor.evidence)}
+            for mode, rows in (("tree", batched.max_replay_rows), ("frame_by_frame", 1)):
+                # max_replay_rows=1: one forward per frame (as the stage ran them), for comparison
+                on.auditor.config = dataclasses.replace(batched, max_replay_rows=rows)
+                before = dataclasses.replace(on.auditor.stats, replay=dataclasses.replace(on.auditor.stats.replay))
+                for job in jobs[drafter]:
+                    on.auditor.submit_nowait(job)
+                await on.auditor.wait_idle()
+                st = on.auditor.stats
+                audits.setdefault(drafter, {})[mode] = {
+                    "audits": st.audits - before.audits, "frames_compared": st.frames_compared - before.frames_compared,
+                    "replay_forwards": st.replay.forwards - before.replay.forwards,
+                    "replay_rows": st.replay.rows - before.replay.rows,
+                    "replay_s": st.replay_s - before.replay_s, "evidence": len(on.auditor.evidence)}
+        on.auditor.config = batched
         nursery.cancel_scope.cancel()
     out: dict = {}
     for drafter in DRAFTERS:
         off_runs, on_runs = runs[drafter]["off"], runs[drafter]["on"]
         ring_compute_on = sum(r["compute_s"] for r in on_runs)
         a = audits[drafter]
-        a["over_ring_compute_at_rate_1"] = a["replay_s"] / ring_compute_on
-        a["over_ring_compute_at_rate"] = {str(args.rate): args.rate * a["over_ring_compute_at_rate_1"]}
+        for mode in a.values():
+            mode["over_ring_compute_at_rate_1"] = mode["replay_s"] / ring_compute_on
+            mode["over_ring_compute_at_rate"] = {str(args.rate): args.rate * mode["over_ring_compute_at_rate_1"]}
         out[drafter] = {
             "tok_per_s": {"off": _spread([r["tok_per_s"] for r in off_runs]),
                           "on": _spread([r["tok_per_s"] for r in on_runs])},
