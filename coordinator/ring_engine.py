@@ -28,6 +28,7 @@ from coordinator import adapt
 from coordinator.accept import accept_greedy, accept_sampling
 from coordinator.draft_tree import DraftTree
 from coordinator.drafting import DraftBudget, Drafter, NgramDrafter
+from coordinator.eagle import EagleDrafter, EagleHead, shipped_head_dir
 from coordinator.sampling import SamplingParams, make_generator, probs
 from coordinator.swarm import RingState, Swarm
 from coordinator.topology import Traversal
@@ -51,7 +52,8 @@ class EngineConfig:
     link_latency_ms: float = 0.0  # emulated one-way latency on the coordinator -> head edge
     link_upload_mbps: float = 0.0
     link_jitter_ms: float = 0.0
-    draft: str = "ngram"  # none | ngram
+    draft: str = "hybrid"  # none | ngram | eagle | hybrid (n-gram and EAGLE, routed per round)
+    eagle_head: str | None = None  # head directory; default: the one shipped for the model
 
 
 class RingChanged(Exception):
@@ -74,6 +76,7 @@ class RingEngine:
         norm, lm_head = store.load_head()
         self.head = OutputHead(self.cfg, norm, lm_head if lm_head is not None else store.load_embedding())
         self._jobs: dict[str, trio.MemorySendChannel] = {}
+        self.eagle_head = self._load_eagle(store)
         self._head_streams: dict[int, FramedStream] = {}
         self._send_lock = trio.Lock()
         self._links: trio.Nursery | None = None  # set by serve(); needed only for link emulation
@@ -84,7 +87,25 @@ class RingEngine:
     def make_drafters(self) -> list[Drafter]:
         """Fresh drafters for one job; several means the router picks per round (hybrid),
         none means plain decoding."""
-        return [NgramDrafter()] if self.config.draft == "ngram" else []
+        mode = self.config.draft
+        drafters: list[Drafter] = []
+        if mode in ("ngram", "hybrid"):
+            drafters.append(NgramDrafter())
+        if mode in ("eagle", "hybrid") and self.eagle_head is not None:
+            drafters.append(EagleDrafter(self.eagle_head))
+        return drafters
+
+    def _load_eagle(self, store) -> EagleHead | None:
+        """The EAGLE head for this model: --eagle-head PATH, else the one shipped for it."""
+        if self.config.draft not in ("eagle", "hybrid"):
+            return None
+        path = self.config.eagle_head or shipped_head_dir(store.manifest.name)
+        if path is None:
+            if self.config.draft == "eagle":
+                raise NotReadyError(f"--draft eagle needs a head: none is shipped for {store.manifest.name}; pass --eagle-head")
+            log.info("no EAGLE head for %s: hybrid drafting uses n-gram only", store.manifest.name)
+            return None
+        return EagleHead.load(path, self.cfg, store.load_embedding(), target_digest=store.digest)
 
     # -- Engine interface ----------------------------------------------------------------
     async def open_job(self, prompt_ids: list[int], params: SamplingParams) -> "RingJob":
@@ -283,14 +304,16 @@ class RingJob:
         sinks = [d for d in self.drafters if getattr(d, "aux_layers", ())]
         if not sinks:
             return
-        for start, ids, aux in fed:
-            for d in sinks:
-                d.observe(start, ids, aux)
+        batches = list(fed)
         if tree_aux is not None:
             rows = [0] + [1 + n for n in acc.nodes]
-            ids = [self.committed[root_slot]] + [int(tree.tokens[n]) for n in acc.nodes]
+            batches.append((root_slot, [self.committed[root_slot]] + [int(tree.tokens[n]) for n in acc.nodes], tree_aux[rows]))
+        for start, ids, aux in batches:
             for d in sinks:
-                d.observe(root_slot, ids, tree_aux[rows])
+                # After a resume the ring re-prefills tokens a drafter already saw: skip those.
+                skip = d.observed_tokens - start
+                if skip < len(ids):
+                    d.observe(ids[max(skip, 0):], aux[max(skip, 0):])
 
     async def _verify(self, tree: DraftTree) -> tuple[torch.Tensor, float, list, torch.Tensor | None]:
         """Target logits (M+1, V) for the root and each draft node, resuming on a new ring

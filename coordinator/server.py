@@ -46,7 +46,9 @@ class CoordConfig:
     link_latency_ms: float = _opt(0.0, "emulated one-way latency on every ring edge")
     link_upload_mbps: float = _opt(0.0, "emulated uplink of every ring sender in Mbit/s (0 = unlimited)")
     link_jitter_ms: float = _opt(0.0, "emulated jitter on every ring edge")
-    draft: str = _opt("ngram", "speculative drafter", choices=("none", "ngram"))
+    draft: str = _opt("hybrid", "speculative drafter (hybrid = n-gram and the EAGLE head, routed per round)",
+                      choices=("none", "ngram", "eagle", "hybrid"))
+    eagle_head: str | None = _opt(None, "EAGLE head directory (default: the head shipped for the model)")
     prefill_chunk_tokens: int = _opt(256, "prefill chunk size; chunks are pipelined through the ring")
     max_concurrent_jobs: int = _opt(8, "requests beyond this get 429")
     node_threads: int = _opt(1, "torch threads per local node")
@@ -71,7 +73,7 @@ async def serve_coordinator(config: CoordConfig, task_status=trio.TASK_STATUS_IG
         auditor = Auditor(swarm, store, seed, AuditConfig(rate=config.audit_rate))
         checker.listeners.append(auditor.submit_nowait)
         engine = RingEngine(swarm, host, tokenizer, EngineConfig(
-            prefill_chunk_tokens=config.prefill_chunk_tokens, draft=config.draft, link_latency_ms=config.link_latency_ms,
+            prefill_chunk_tokens=config.prefill_chunk_tokens, draft=config.draft, eagle_head=config.eagle_head, link_latency_ms=config.link_latency_ms,
             link_upload_mbps=config.link_upload_mbps, link_jitter_ms=config.link_jitter_ms), receipts=checker)
         host.set_handler(CONTROL_PROTOCOL, swarm.handle_control)
         host.set_handler(RING_PROTOCOL, engine.handle_ring_stream)
