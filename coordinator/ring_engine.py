@@ -54,6 +54,7 @@ class EngineConfig:
     link_jitter_ms: float = 0.0
     draft: str = "hybrid"  # none | ngram | eagle | hybrid (n-gram and EAGLE, routed per round)
     eagle_head: str | None = None  # head directory; default: the one shipped for the model
+    pipeline: bool = True  # send the next round before this one is verified (when likely to pay)
 
 
 class RingChanged(Exception):
@@ -215,6 +216,19 @@ class RingEngine:
         return self.head.logits(from_wire(result.hidden, result.hidden_scale, torch.float32))
 
 
+@dataclass(frozen=True)
+class Ahead:
+    """A round sent before the one it builds on was verified (pipelined speculation)."""
+
+    round: int
+    epoch: int
+    tree: DraftTree  # its draft chain, below `root`
+    root: int  # slot (= position) of its root token
+    root_token: int  # the bonus token it assumed the previous round would commit
+    sent_s: float
+    draft_s: float
+
+
 @dataclass
 class RingJob:
     engine: RingEngine
@@ -236,6 +250,8 @@ class RingJob:
     adapt: adapt.AdaptState = field(default_factory=adapt.AdaptState)
     pending_commit: tuple[tuple[int, ...], int] = ((), 0)  # (slots to gather, first destination)
     drafted: dict[str, int] = field(default_factory=dict)  # rounds per drafter
+    ahead: Ahead | None = None  # a pipelined round in flight
+    pipelined: int = 0  # traversals whose round was sent ahead and turned out valid
     receipts: JobReceipts | None = None
 
     @property
@@ -254,8 +270,14 @@ class RingJob:
         generator = make_generator(self.params.seed)
         limit = self.engine.max_context_tokens
         while len(self.committed) < limit:
-            tree, draft_s = self._draft(limit)
-            rows, traversal_s, fed, tree_aux = await self._verify(tree)
+            ahead, self.ahead = self.ahead, None
+            got = await self._collect_ahead(ahead, limit) if ahead is not None and self._still_valid(ahead) else None
+            if got is not None:
+                tree, draft_s = ahead.tree, ahead.draft_s
+                rows, traversal_s, fed, tree_aux = got
+            else:
+                tree, draft_s = self._draft(limit)
+                rows, traversal_s, fed, tree_aux = await self._verify(tree, limit)
             if self.params.greedy:
                 acc = accept_greedy(tree, rows)
             else:
@@ -315,7 +337,7 @@ class RingJob:
                 if skip < len(ids):
                     d.observe(ids[max(skip, 0):], aux[max(skip, 0):])
 
-    async def _verify(self, tree: DraftTree) -> tuple[torch.Tensor, float, list, torch.Tensor | None]:
+    async def _verify(self, tree: DraftTree, limit: int) -> tuple[torch.Tensor, float, list, torch.Tensor | None]:
         """Target logits (M+1, V) for the root and each draft node, resuming on a new ring
         (re-prefilling the committed context) when the ring changed or a stage failed."""
         for attempt in range(self.engine.config.max_resumes + 1):
@@ -326,17 +348,17 @@ class RingJob:
                     log.info("job %s resumes on ring epoch %d (re-prefill %d tokens)", self.job_id, ring.epoch, len(self.committed))
                 self.ring_epoch, self.ring_ctx, self.pending_commit = ring.epoch, 0, ((), 0)
             try:
-                return await self._round(ring, tree)
+                return await self._round(ring, tree, limit)
             except (RingChanged, JobFailedError, TransportError, trio.TooSlowError) as exc:
                 # Whatever happened, the ring may no longer hold this job's K/V: start over
                 # from the committed tokens on whichever ring is current next time round.
                 log.warning("job %s: round failed on ring epoch %d (%s); resuming", self.job_id, ring.epoch, exc)
-                self.ring_epoch, self.ring_ctx, self.pending_commit = -1, 0, ((), 0)
+                self.ring_epoch, self.ring_ctx, self.pending_commit, self.ahead = -1, 0, ((), 0), None
                 if not isinstance(exc, RingChanged):
                     await self.engine.swarm.wait_change(ring.epoch, self.engine.config.resume_wait_s)
         raise JobFailedError(f"job {self.job_id} lost its ring {self.engine.config.max_resumes + 1} times")
 
-    async def _round(self, ring: RingState, tree: DraftTree) -> tuple[torch.Tensor, float, list, torch.Tensor | None]:
+    async def _round(self, ring: RingState, tree: DraftTree, limit: int) -> tuple[torch.Tensor, float, list, torch.Tensor | None]:
         """Feed the committed tokens the ring lacks as pipelined chunks (the last chunk ends
         with the root when there is no draft), then the root and the draft as one verify
         frame. The previous round's commit rides in the first frame sent."""
@@ -366,6 +388,7 @@ class RingJob:
                 positions=torch.cat([torch.tensor([root]), tree.positions(root)]),
                 tokens=torch.tensor([self.committed[root], *tree.tokens.tolist()]),
             )))
+            await self._send_ahead(ring, tree, root, limit)
         self.pending_commit = ((), 0)
         last = None
         fed, tree_aux = [], None  # aux rows of committed chunks; of the verify frame
@@ -388,6 +411,61 @@ class RingJob:
         self.traversals += 1
         logits = await trio.to_thread.run_sync(self.engine.logits, last)
         return logits[-(tree.num_nodes + 1):], traversal_s, fed, tree_aux
+
+    async def _send_ahead(self, ring: RingState, base: DraftTree, base_root: int, limit: int) -> None:
+        """Pipelined rounds: while a chain is in the ring, draft the next round on the
+        assumption that the whole chain is accepted and the bonus token is what the
+        drafter predicts, and send it at once. If the assumption fails, its result is
+        simply ignored and the next frame overwrites its K/V slots (lossless either way).
+        Only drafters that need no target features can draft that far ahead (n-gram)."""
+        if not self.engine.config.pipeline or not base.num_nodes or not base.is_chain:
+            return
+        drafter = next((d for d in self.drafters if not getattr(d, "aux_layers", ())), None)
+        if drafter is None or adapt.plan(self.adapt, source=base.source).pipeline_depth < 2:
+            return
+        t0 = time.perf_counter()
+        assumed = [*self.committed, *base.tokens.tolist()]
+        k = min(base.num_nodes, limit - len(assumed) - 2)
+        guess = drafter.propose(assumed, DraftBudget.chain(k + 1)) if k > 0 else DraftTree.empty()
+        if guess.num_nodes < 2 or not guess.is_chain:
+            return
+        root_token, drafts = int(guess.tokens[0]), guess.tokens[1:].tolist()
+        tree = DraftTree.chain(drafts, source=guess.source)
+        root = base_root + 1 + base.num_nodes
+        round_id = await self._send(ring, Forward(
+            job_id=self.job_id, epoch=ring.epoch, round=self.round + 1, nonce=self.nonce, phase="verify",
+            ctx_len=root, positions=torch.cat([torch.tensor([root]), tree.positions(root)]),
+            tree_parents=torch.arange(-1, tree.num_nodes, dtype=torch.int32),
+            tokens=torch.tensor([root_token, *drafts]),
+        ))
+        self.ahead = Ahead(round_id, ring.epoch, tree, root, root_token, time.monotonic(), time.perf_counter() - t0)
+
+    def _still_valid(self, ahead: "Ahead") -> bool:
+        """The in-flight round was built on exactly the context now committed."""
+        return (ahead.epoch == self.ring_epoch and ahead.root == len(self.committed) - 1 == self.ring_ctx
+                and self.committed[-1] == ahead.root_token and not self.pending_commit[0])
+
+    async def _collect_ahead(self, ahead: "Ahead", limit: int):
+        """Receive an in-flight round's result (None if the ring changed meanwhile: the
+        caller then drafts afresh). Keeps the pipeline full by sending the next one first."""
+        ring = self.engine.swarm.ring
+        if ring is None or ring.epoch != ahead.epoch:
+            return None
+        try:
+            await self._send_ahead(ring, ahead.tree, ahead.root, limit)
+            with trio.fail_after(self.engine.config.frame_timeout_s):
+                result = await self._receive(ring.epoch, ahead.round)
+                if self.receipts is not None:
+                    self.receipts.check(ring, result)
+        except (RingChanged, JobFailedError, TransportError, trio.TooSlowError) as exc:
+            log.warning("job %s: pipelined round failed (%s); resuming", self.job_id, exc)
+            self.ring_epoch, self.ring_ctx, self.pending_commit, self.ahead = -1, 0, ((), 0), None
+            return None
+        self.traversals += 1
+        self.pipelined += 1
+        logits = await trio.to_thread.run_sync(self.engine.logits, result)
+        aux = from_wire(result.aux, result.aux_scale, torch.float32) if self.aux_layers and result.aux is not None else None
+        return logits[-(ahead.tree.num_nodes + 1):], time.monotonic() - ahead.sent_s, [], aux
 
     async def _send(self, ring: RingState, fwd: Forward) -> int:
         self.round += 1
@@ -417,6 +495,7 @@ class RingJob:
         return {"traversals": self.traversals, "tokens_per_traversal": generated / self.traversals if self.traversals else 0.0,
                 "ring_epoch": self.ring_epoch, "ttft_s": self.ttft_s, "resumes": self.resumes,
                 "drafter": self.engine.config.draft, "draft_rounds": dict(self.drafted),
+                "pipelined_rounds": self.pipelined,
                 "job_id": self.job_id}
 
     async def aclose(self) -> None:

@@ -1,19 +1,24 @@
 """A volunteer node: register with the coordinator, take an assignment, serve ring frames.
 
-The I/O half of a stage (trio + libp2p). It measures what it can do, registers, loads
-only the slice its signed assignment names, accepts ring frames only from the peer that
-the current epoch names as its predecessor (identity from the Noise handshake), runs
-each frame in a worker thread so the network never waits on a forward, and ships the
-output to its successor (or straight back to the coordinator when it is the tail).
+The I/O half of a stage (trio + libp2p). It measures what it can do (compute, and its
+round trip, upload and download to the coordinator; later the round trips to the peers
+the coordinator names), registers, loads only the slice its signed assignment names,
+accepts ring frames only from the peer that the current epoch names as its predecessor
+(identity from the Noise handshake), runs each frame in a worker thread so the network
+never waits on a forward, and ships the output to its successor (or straight back to the
+coordinator when it is the tail). Every stream it sends on passes the configured link
+emulation, so probes measure the same emulated links that ring frames cross.
 It does not choose rings, schedule requests or look inside activations.
 """
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import logging
 import math
-import os
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import torch
@@ -25,6 +30,7 @@ from libp2p.peer.id import ID
 from shard.errors import ShardError, WireError
 from shard.frame_log import FrameLog
 from shard.layers import LayerRange
+from shard.linkprobe import PROBE_PROTOCOL, measure_rtt, serve_probe
 from shard.receipt_signer import make_signer
 from shard.stage import Stage
 from shard.stage_worker import StageWorker, WorkerConfig
@@ -32,8 +38,8 @@ from shard.store import ModelStore, open_or_prepare
 from shard.transport import FramedStream, Host, TransportError
 from shard.wire.codec import decode, encode
 from shard.wire.limits import Limits
-from shard.wire.messages import (Assignment, AuditReply, AuditRequest, EndJob, Forward, JobError, Ping, Pong, Ready,
-                                 Register, Result)
+from shard.wire.messages import (ROLE_STAGE, Assignment, AuditReply, AuditRequest, EndJob, Forward, JobError, LinkReport,
+                                 Ping, Pong, ProbePeers, Ready, Register, Result)
 
 log = logging.getLogger("shard.node")
 
@@ -58,6 +64,8 @@ class NodeConfig:
     link_latency_ms: float = 0.0  # emulated one-way latency on this node's outgoing ring edge
     link_upload_mbps: float = 0.0  # emulated uplink; 0 = unlimited
     link_jitter_ms: float = 0.0
+    probe_bytes: int = 256 << 10  # payload timing upload and download to the coordinator
+    probe_timeout_s: float = 30.0  # one link probe; a peer that does not answer is left unmeasured
     # Sign a receipt per frame and log frames for audits. Off only to measure their cost:
     # a coordinator that checks receipts fails every job through a node that does not sign.
     receipts: bool = True
@@ -126,49 +134,149 @@ class Node:
     frame_log: FrameLog = field(default_factory=FrameLog)
     _out_streams: dict[str, object] = field(default_factory=dict)
     _links: trio.Nursery | None = None
+    _pong_waiters: dict[int, trio.Event] = field(default_factory=dict)
+    _nonces: itertools.count = field(default_factory=lambda: itertools.count(1))
+    _warm: Stage | None = None  # a slice kept loaded for an off-ring role (e.g. hot standby)
 
     async def serve(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        """Register and serve until cancelled. Error handling: a bad frame or failed job is
-        reported and logged, never fatal; losing the coordinator's control stream is fatal.
-        Resource handling: all tasks live in this call's nursery."""
+        """Register and serve until cancelled. Error handling: a bad frame, failed job or
+        failed probe is reported and logged, never fatal; losing the coordinator's control
+        stream is fatal. Resource handling: all tasks live in this call's nursery."""
         cfg = self.config
         self.limits = Limits.for_model(self.store.config, max_tokens_per_frame=2048)
         dtype = DTYPES[cfg.dtype]
         decode_s, prefill_s = await trio.to_thread.run_sync(measure_compute, self.store, dtype, cfg.device)
         self.coordinator_id = await self.host.connect(cfg.coordinator)
         self.host.set_handler(RING_PROTOCOL, self._on_ring_stream)
-        self.control = await self.host.open_stream(self.coordinator_id, CONTROL_PROTOCOL)
-        upload = await self._probe_upload()
-        await self._send_control(Register(
-            peer_id=self.host.peer_id, model=cfg.model, manifest_digest=self.store.digest, device=cfg.device,
-            memory_bytes=cfg.max_memory_bytes, decode_s_per_layer=decode_s, prefill_s_per_layer_token=prefill_s,
-            upload_bytes_per_s=upload, download_bytes_per_s=upload, rtt_ms={}, listen_addrs=tuple(self.host.addrs),
-        ))
-        log.info("registered with %s (decode %.2f ms/layer, prefill %.3f ms/layer/token)",
-                 self.coordinator_id, decode_s * 1e3, prefill_s * 1e3)
-        task_status.started()
-        async with trio.open_nursery() as self._links:  # pumps of emulated outgoing links
-            while True:
-                msg = decode(await self.control.recv_frame(self.limits.max_frame_bytes), self.limits)
-                if isinstance(msg, Assignment):
-                    await self._assume(msg)
-                elif isinstance(msg, Ping):
-                    await self._send_control(Pong(nonce=msg.nonce, sent_ns=msg.sent_ns))
-                elif isinstance(msg, AuditRequest):
-                    await self._send_control(self._audit_reply(msg))
-                else:
-                    log.warning("ignoring %s on the control stream", type(msg).__name__)
+        self.host.set_handler(PROBE_PROTOCOL, self._on_probe_stream)
+        control = await self.host.open_stream(self.coordinator_id, CONTROL_PROTOCOL)
+        try:
+            await self._serve_registered(control, decode_s, prefill_s, task_status)
+        finally:
+            # Leaving (cancelled or failed) closes the control stream: the coordinator
+            # re-forms at once instead of waiting for a ring frame to time out.
+            with trio.CancelScope(shield=True), trio.move_on_after(1.0):
+                await control.aclose()
 
-    async def _probe_upload(self) -> float:
-        """Bytes/s to the coordinator, from echoing a 256 KiB ping (rough; refreshed later)."""
-        payload = os.urandom(256 << 10)
-        t0 = time.perf_counter_ns()
-        await self._send_control(Ping(nonce=1, sent_ns=t0, payload=payload))
-        reply = decode(await self.control.recv_frame(self.limits.max_frame_bytes), self.limits)
-        elapsed = max((time.perf_counter_ns() - t0) / 1e9, 1e-6)
-        if not isinstance(reply, Pong):
-            raise ShardError(f"coordinator answered a ping with {type(reply).__name__}")
-        return 2 * len(payload) / elapsed
+    async def _serve_registered(self, control: FramedStream, decode_s: float, prefill_s: float, task_status) -> None:
+        cfg = self.config
+        async with trio.open_nursery() as self._links:  # control reader, probes, emulated-link pumps
+            self.control = await self._emulate(control)
+            self._links.start_soon(self._serve_control)
+            rtt_s, upload, download = await self._probe_coordinator(cfg.probe_bytes)
+            await self._send_control(Register(
+                peer_id=self.host.peer_id, model=cfg.model, manifest_digest=self.store.digest, device=cfg.device,
+                memory_bytes=cfg.max_memory_bytes, decode_s_per_layer=decode_s, prefill_s_per_layer_token=prefill_s,
+                upload_bytes_per_s=upload, download_bytes_per_s=download, rtt_ms={self.coordinator_id: rtt_s * 1e3},
+                listen_addrs=tuple(self.host.addrs),
+            ))
+            log.info("registered with %s (decode %.2f ms/layer, prefill %.3f ms/layer/token, rtt %.1f ms, "
+                     "up %.1f / down %.1f Mbit/s)", self.coordinator_id, decode_s * 1e3, prefill_s * 1e3, rtt_s * 1e3,
+                     upload * 8e-6, download * 8e-6)
+            task_status.started()
+
+    async def _serve_control(self) -> None:
+        while True:
+            msg = decode(await self.control.recv_frame(self.limits.max_frame_bytes), self.limits)
+            if isinstance(msg, Assignment):
+                await self._assume(msg)
+            elif isinstance(msg, Pong):
+                waiter = self._pong_waiters.pop(msg.nonce, None)
+                if waiter is not None:
+                    waiter.set()
+            elif isinstance(msg, Ping):
+                await self._send_control(Pong(nonce=msg.nonce, sent_ns=msg.sent_ns, payload=bytes(msg.reply_bytes)))
+            elif isinstance(msg, ProbePeers):
+                self._links.start_soon(self._report_links, msg)
+            elif isinstance(msg, AuditRequest):
+                await self._send_control(self._audit_reply(msg))
+            else:
+                log.warning("ignoring %s on the control stream", type(msg).__name__)
+
+    # -- link probes -----------------------------------------------------------------------
+    async def _ping_coordinator(self, payload_bytes: int, reply_bytes: int) -> float:
+        """Seconds from handing a Ping to the (emulated) uplink to its Pong's arrival."""
+        nonce = next(self._nonces)
+        arrived = self._pong_waiters[nonce] = trio.Event()
+        start_s = trio.current_time()
+        try:
+            with trio.fail_after(self.config.probe_timeout_s):
+                await self._send_control(Ping(nonce=nonce, sent_ns=time.time_ns(), payload=bytes(payload_bytes),
+                                              reply_bytes=reply_bytes))
+                await arrived.wait()
+        finally:
+            self._pong_waiters.pop(nonce, None)
+        return trio.current_time() - start_s
+
+    async def _probe_coordinator(self, nbytes: int) -> tuple[float, float, float]:
+        """(round trip s, upload bytes/s, download bytes/s) to the coordinator. A sized Ping
+        costs one round trip plus its serialisation on our uplink; a sized Pong, one round
+        trip plus its serialisation on the way down. The quickest of three empty pings is
+        the round trip subtracted (other traffic only ever adds time)."""
+        rtt_s = min([await self._ping_coordinator(0, 0) for _ in range(3)])
+        up_s = await self._ping_coordinator(nbytes, 0)
+        down_s = await self._ping_coordinator(0, nbytes)
+        # Loopback noise can leave a sized ping no slower than an empty one: 0.1 ms floor.
+        return rtt_s, nbytes / max(up_s - rtt_s, 1e-4), nbytes / max(down_s - rtt_s, 1e-4)
+
+    async def _report_links(self, req: ProbePeers) -> None:
+        """Measure what the coordinator asked for and send a LinkReport (never raises)."""
+        rtt_ms: dict[str, float] = {}
+        upload = download = None
+        try:
+            for peer, addrs in sorted(req.peers.items()):
+                rtt_s = await self._rtt_to_peer(peer, addrs)
+                if rtt_s is not None:
+                    rtt_ms[peer] = rtt_s * 1e3
+            if req.bandwidth_bytes:
+                rtt_s, upload, download = await self._probe_coordinator(req.bandwidth_bytes)
+                rtt_ms[self.coordinator_id] = rtt_s * 1e3
+            await self._send_control(LinkReport(peer_id=self.host.peer_id, rtt_ms=rtt_ms, upload_bytes_per_s=upload,
+                                                download_bytes_per_s=download))
+        except (TransportError, WireError, trio.TooSlowError) as exc:
+            log.warning("link report failed: %s", exc)
+
+    async def _rtt_to_peer(self, peer: str, addrs: tuple[str, ...]) -> float | None:
+        """Quickest of three echoes over our emulated uplink and the peer's; None if unreachable."""
+        try:
+            with trio.fail_after(self.config.probe_timeout_s):
+                for addr in addrs:
+                    try:
+                        await self.host.connect(addr)
+                        break
+                    except TransportError as exc:
+                        log.info("could not dial %s at %s: %s", peer, addr, exc)
+                async with self._open_link(await self.host.open_stream(peer, PROBE_PROTOCOL)) as link:
+                    return (await measure_rtt(link, 3)).min_s
+        except (TransportError, WireError, trio.TooSlowError) as exc:
+            log.info("no round trip to %s: %s", peer, exc)
+            return None
+
+    async def _on_probe_stream(self, stream: FramedStream) -> None:
+        """Echo a peer's probes; the echoes cross our own emulated uplink, as ring frames would."""
+        async with self._open_link(stream) as link:
+            await serve_probe(link)
+
+    @contextlib.asynccontextmanager
+    async def _open_link(self, stream: FramedStream) -> AsyncIterator:
+        """`stream` behind this node's link emulation (if any) for the block; closed after."""
+        cfg = self.config
+        if not (cfg.link_latency_ms or cfg.link_upload_mbps or cfg.link_jitter_ms):
+            try:
+                yield stream
+            finally:
+                await stream.aclose()
+            return
+        from shard.linkemu import open_emulated_link
+
+        async with open_emulated_link(stream, **self._emulation()) as link:
+            yield link
+
+    def _emulation(self) -> dict:
+        cfg = self.config
+        return dict(one_way_latency_s=cfg.link_latency_ms / 1e3,
+                    upload_bytes_per_s=cfg.link_upload_mbps * 1e6 / 8 if cfg.link_upload_mbps else math.inf,
+                    jitter_s=cfg.link_jitter_ms / 1e3)
 
     def _audit_reply(self, req: AuditRequest) -> AuditReply:
         """The logged canonical bytes of one side of one frame (None if not kept)."""
@@ -187,10 +295,22 @@ class Node:
             raise ShardError(f"assignment names model digest {a.manifest_digest[:12]}, this node holds {self.store.digest[:12]}")
         r = LayerRange(a.layer_start, a.layer_end)
         old = self.state
-        if old is not None and LayerRange(old.assignment.layer_start, old.assignment.layer_end) == r:
+        if old is not None and old.worker.stage.layers == r:
             stage = old.worker.stage  # same slice: keep the weights, drop the caches
-        else:
+        elif self._warm is not None and self._warm.layers == r:
+            stage = self._warm  # kept warm for exactly this (hot standby)
+        elif len(r):
             stage = await trio.to_thread.run_sync(self._load_stage, r)
+        else:
+            stage = None
+        if a.role != ROLE_STAGE:
+            # Off the ring: refuse every ring frame this epoch, keep the named slice warm.
+            self.state, self._warm = None, stage
+            self._out_streams.clear()
+            log.info("epoch %d: off the ring as %s, keeping layers %s warm", a.epoch, a.role, r)
+            await self._send_control(Ready(peer_id=self.host.peer_id, epoch=a.epoch))
+            return
+        self._warm = None
         signer = None
         if self.config.receipts and self.signing_seed is not None:
             signer = make_signer(self.signing_seed, self.store, a, self.frame_log)
@@ -282,16 +402,14 @@ class Node:
         await stream.send_frame(encode(msg))
 
     async def _emulate(self, stream):
-        """Wrap an outgoing ring edge in the configured link emulation (a transport
-        decorator: nothing else in the node knows about it)."""
+        """Wrap an outgoing edge (ring successor, control stream) in the configured link
+        emulation (a transport decorator: nothing else in the node knows about it)."""
         cfg = self.config
         if not (cfg.link_latency_ms or cfg.link_upload_mbps or cfg.link_jitter_ms):
             return stream
         from shard.linkemu import EmulatedLink
 
-        link = EmulatedLink(stream, one_way_latency_s=cfg.link_latency_ms / 1e3,
-                            upload_bytes_per_s=cfg.link_upload_mbps * 1e6 / 8 if cfg.link_upload_mbps else math.inf,
-                            jitter_s=cfg.link_jitter_ms / 1e3)
+        link = EmulatedLink(stream, **self._emulation())
         await self._links.start(link.serve)
         return link
 

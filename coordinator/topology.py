@@ -1,0 +1,213 @@
+"""Ring inputs from the registry, and the plan's predictions held against measured rounds.
+
+Pure: registrations, probe reports and the model store's size facts in; `ring` records
+(Network, ModelSpec, Workload) out; measured traversals in, predicted-vs-measured
+summaries out. Knows nothing of streams, of how probes ran, of how a ring is chosen
+(ring.select_ring) or of which nodes are registered right now (the swarm).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import math
+import statistics
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ring import LatencyMatrix, ModelSpec, Network, NodeInfo, PeerId, Plan, Workload, evaluate
+from shard.layers import LayerRange
+from shard.store import ModelStore
+from shard.wire.dtypes import wire_bytes_per_token
+from shard.wire.messages import Register
+
+
+@dataclass(frozen=True)
+class TopologyConfig:
+    """The request a ring is chosen for, and the coordinator's own link facts."""
+
+    prompt_tokens: int = 512  # typical prompt the ring is optimised for
+    output_tokens: int = 128
+    prefill_chunk_tokens: int = 256  # keep equal to EngineConfig.prefill_chunk_tokens
+    round_tokens: int = 5  # positions per decode traversal (root + draft)
+    expected_tokens_per_traversal: float = 2.0  # committed per traversal with drafting
+    kv_bytes_per_value: int = 4  # nodes keep K/V in their compute dtype (float32 by default)
+    coordinator_upload_bytes_per_s: float = 12.5e6  # 100 Mbit/s; it sends token ids only
+    # Emulated one-way latency of the coordinator's own sends (EngineConfig.link_latency_ms).
+    # Pongs on control streams do not pass through it, so it is added to nodes' reports.
+    coordinator_link_latency_s: float = 0.0
+    unknown_latency_s: float = 0.150  # a link nobody measured (ring.LatencyMatrix)
+    one_per_subnet: bool = True
+
+    def workload(self) -> Workload:
+        return Workload(self.prompt_tokens, self.output_tokens, self.prefill_chunk_tokens, self.round_tokens,
+                        self.expected_tokens_per_traversal)
+
+
+def model_spec(store: ModelStore, wire_dtype: str, kv_bytes_per_value: int = 4) -> ModelSpec:
+    """The store's size facts: mean bytes per layer on disk, K+V per token per layer, and one
+    token's hidden state on the wire in `wire_dtype`."""
+    cfg, n = store.config, store.num_layers
+    return ModelSpec(
+        name=store.manifest.name,
+        num_layers=n,
+        bytes_per_layer=max(1, store.layer_bytes(LayerRange(0, n)) // n),
+        kv_bytes_per_token_layer=2 * cfg.num_kv_heads * cfg.head_dim * kv_bytes_per_value,  # K and V
+        activation_bytes_per_token=wire_bytes_per_token(cfg.hidden_size, wire_dtype),
+    )
+
+
+def subnet_of(peer_id: str, listen_addrs: Sequence[str]) -> str:
+    """The network a node shares an uplink (and a fate) with: the /24 (IPv4) or /48 (IPv6)
+    of its first public listen address. Loopback and private addresses say nothing about
+    which home a node is in, so such a node counts as its own subnet."""
+    for addr in listen_addrs:
+        parts = addr.split("/")
+        if len(parts) < 3 or parts[1] not in ("ip4", "ip6"):
+            continue
+        try:
+            ip = ipaddress.ip_address(parts[2])
+        except ValueError:
+            continue
+        if ip.is_global:
+            prefix = 24 if ip.version == 4 else 48
+            return str(ipaddress.ip_network(f"{ip}/{prefix}", strict=False))
+    return f"peer:{peer_id}"
+
+
+def node_info(reg: Register, held: LayerRange | None = None) -> NodeInfo:
+    """A registration as the cost model sees it. Decode speed is measured for one token,
+    prefill per token of a 128-token chunk (shard.node.measure_compute)."""
+    return NodeInfo(
+        peer=PeerId(reg.peer_id),
+        memory_bytes=reg.memory_bytes,
+        decode_s_per_layer_token=reg.decode_s_per_layer,
+        prefill_s_per_layer_token=reg.prefill_s_per_layer_token,
+        upload_bytes_per_s=max(reg.upload_bytes_per_s, 1.0),
+        download_bytes_per_s=max(reg.download_bytes_per_s, 1.0),
+        subnet=subnet_of(reg.peer_id, reg.listen_addrs),
+        held=held,
+    )
+
+
+def record_rtts(links: Mapping[tuple[str, str], float], reporter: str, rtt_ms: Mapping[str, float],
+                coordinator: str, coordinator_link_latency_s: float = 0.0) -> dict[tuple[str, str], float]:
+    """One-way latencies (src, dst) -> s after `reporter` measured these round trips.
+
+    A round trip cannot tell the two directions apart, so each gets half. That is exact for
+    what the cost model adds up: a ring is a cycle, and with every echo sent back over the
+    echoing side's own (emulated or real) path, the halves of a cycle's round trips sum to
+    the cycle's one-way latencies.
+    """
+    out = dict(links)
+    for peer, ms in rtt_ms.items():
+        if peer == reporter or not (ms >= 0 and math.isfinite(ms)):
+            continue
+        rtt_s = ms / 1e3 + (coordinator_link_latency_s if peer == coordinator else 0.0)
+        out[(reporter, peer)] = out[(peer, reporter)] = rtt_s / 2
+    return out
+
+
+def forget_peer(links: Mapping[tuple[str, str], float], peer: str) -> dict[tuple[str, str], float]:
+    return {k: v for k, v in links.items() if peer not in k}
+
+
+def build_network(coordinator: str, registrations: Mapping[str, Register], links: Mapping[tuple[str, str], float],
+                  held: Mapping[str, LayerRange], config: TopologyConfig) -> Network:
+    """The pool as ring sees it: every registered node, the links measured among them and
+    to the coordinator (others estimated by ring.LatencyMatrix), and what each holds."""
+    nodes = tuple(node_info(reg, held.get(peer)) for peer, reg in sorted(registrations.items()))
+    present = set(registrations) | {coordinator}
+    measured = {(PeerId(a), PeerId(b)): s for (a, b), s in links.items() if a in present and b in present}
+    return Network(PeerId(coordinator), nodes, LatencyMatrix(measured, config.unknown_latency_s),
+                   config.coordinator_upload_bytes_per_s)
+
+
+# -- predictions against measurements ---------------------------------------------------------
+
+@dataclass(frozen=True)
+class Traversal:
+    """One round as the engine measured it: sent frames out, the tail's result back."""
+
+    epoch: int
+    prefill: bool  # the round fed prompt (or re-prefill) chunks, not only a decode frame
+    frames: int
+    tokens: int  # positions sent over all frames
+    traversal_s: float
+    compute_s: tuple[float, ...]  # per stage, in ring order, for the round's last frame
+
+
+@dataclass(frozen=True)
+class Predicted:
+    traversal_s: float
+    compute_s: tuple[float, ...]  # per stage, for the round's last frame
+
+
+def predict(plan: Plan, network: Network, model: ModelSpec, config: TopologyConfig, t: Traversal) -> Predicted:
+    """What the cost model says this round should have cost on the plan's ring: a prefill
+    round is a chunked prompt of `tokens` (its TTFT), a decode round one step of `tokens`."""
+    if t.prefill:
+        chunk = max(1, math.ceil(t.tokens / max(t.frames, 1)))
+        work = Workload(t.tokens, 1, chunk, 1, 1.0)
+        p = evaluate(plan.stages, network, model, work)
+        return Predicted(p.ttft_s, tuple(s.chunk_compute_s for s in p.timings))
+    work = Workload(1, 2, 1, t.tokens, 1.0)
+    p = evaluate(plan.stages, network, model, work)
+    return Predicted(p.decode_step_s, tuple(s.round_compute_s for s in p.timings))
+
+
+@dataclass
+class TraversalLog:
+    """Recent rounds of the current ring with their predictions (a bounded window)."""
+
+    window: int = 256
+    samples: deque[tuple[Traversal, Predicted]] = field(default_factory=deque)
+
+    def add(self, t: Traversal, p: Predicted) -> None:
+        self.samples.append((t, p))
+        while len(self.samples) > self.window:
+            self.samples.popleft()
+
+    def clear(self) -> None:
+        self.samples.clear()
+
+    def summary(self) -> dict[str, Any]:
+        """Medians per kind of round: measured vs predicted traversal and per-stage compute
+        (of the last frame), and for decode rounds transport (traversal minus compute: every
+        hop's latency and serialisation together, since frames carry no per-hop timestamps)."""
+        out: dict[str, Any] = {}
+        for kind, prefill in (("prefill", True), ("decode", False)):
+            rows = [(t, p) for t, p in self.samples if t.prefill == prefill]
+            if not rows:
+                continue
+            stages = min(len(t.compute_s) for t, _ in rows)
+            med = statistics.median
+            out[kind] = {
+                "rounds": len(rows),
+                "tokens_median": med(t.tokens for t, _ in rows),
+                "measured_traversal_s": med(t.traversal_s for t, _ in rows),
+                "predicted_traversal_s": med(p.traversal_s for _, p in rows),
+                "measured_stage_compute_s": [med(t.compute_s[i] for t, _ in rows) for i in range(stages)],
+                "predicted_stage_compute_s": [med(p.compute_s[i] for _, p in rows) for i in range(stages)],
+            }
+            if not prefill:
+                out[kind]["measured_transport_s"] = med(t.traversal_s - sum(t.compute_s) for t, _ in rows)
+                out[kind]["predicted_transport_s"] = med(p.traversal_s - sum(p.compute_s) for _, p in rows)
+        return out
+
+
+def plan_info(plan: Plan) -> dict[str, Any]:
+    """A plan as JSON: the ring, its predictions and its per-hop breakdown."""
+    return {
+        "stages": [{"peer_id": s.peer, "layers": [s.layers.start, s.layers.end]} for s in plan.stages],
+        "predicted": {"ttft_s": plan.ttft_s, "decode_step_s": plan.decode_step_s, "total_s": plan.total_s,
+                      "bottleneck_s": plan.bottleneck_s},
+        "hops": [{"src": h.src, "dst": h.dst, "latency_s": h.latency_s, "latency_estimated": h.latency_estimated,
+                  "chunk_send_s": h.chunk_send_s, "round_send_s": h.round_send_s} for h in plan.hops],
+        "stage_timings": [{"peer_id": t.peer, "chunk_compute_s": t.chunk_compute_s, "round_compute_s": t.round_compute_s}
+                          for t in plan.timings],
+        "moves": [{"peer_id": m.peer, "layers": [m.layers.start, m.layers.end], "missing_layers": m.missing_layers,
+                   "bytes": m.bytes, "seconds": m.seconds, "source": m.source} for m in plan.moves],
+        "move_s": plan.move_s,
+    }
