@@ -6,20 +6,22 @@ engine with receipts checked, N real Nodes, each a libp2p host on loopback with 
 key and link emulation), all in one trio run, and attaches a `FrameProbe`: it timestamps
 every frame where it enters and leaves each stage and the coordinator, and counts the
 bytes on every ring edge. The probe wraps bound methods of the engine and the nodes
-(`send`, `_deliver`, `logits`, `_handle`, `_send_ring`, `_emulate`); it changes no
+(`send`, `_deliver`, `logits`, `_handle`, `_send_ring`, hosts' `open_stream`); it changes no
 behaviour, only observes. It does not know what a benchmark measures or reports.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import platform
 import statistics
 import subprocess
+import sys
 import time
 from collections import defaultdict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -28,6 +30,7 @@ import trio
 from coordinator.receipt_check import ReceiptChecker
 from coordinator.ring_engine import EngineConfig, RingEngine
 from coordinator.swarm import Swarm, SwarmConfig
+from coordinator.topology import TopologyConfig, model_spec
 from shard.identity import keypair_from_seed
 from shard.node import CONTROL_PROTOCOL, RING_PROTOCOL, Node, NodeConfig
 from shard.transport import open_host
@@ -57,12 +60,24 @@ class LinkSpec:
 class _CountingStream:
     """A frame endpoint that counts what it sends; everything else goes to the inner one."""
 
-    def __init__(self, inner, sizes: list[int]) -> None:
+    def __init__(self, inner, sizes: Callable[[], list[int]]) -> None:
         self._inner, self._sizes = inner, sizes
 
     async def send_frame(self, body: bytes) -> None:
-        self._sizes.append(len(body) + 4)  # + the u32 length prefix
+        self._sizes().append(len(body) + 4)  # + the u32 length prefix
         await self._inner.send_frame(body)
+
+
+def _count_ring_streams(host, sizes: Callable[[], list[int]]) -> None:
+    """Count the bytes of every ring-protocol stream `host` opens (control streams and
+    probes are not ring traffic). Below link emulation, so each frame counts once."""
+    open_stream = host.open_stream
+
+    async def counted(peer: str, protocol_id: str):
+        stream = await open_stream(peer, protocol_id)
+        return _CountingStream(stream, sizes) if protocol_id == RING_PROTOCOL else stream
+
+    host.open_stream = counted
 
     def __getattr__(self, name):
         return getattr(self._inner, name)
@@ -110,7 +125,7 @@ class FrameProbe:
 
 
 def _instrument_engine(engine: RingEngine, probe: FrameProbe) -> None:
-    send, deliver, logits, emulate = engine.send, engine._deliver, engine.logits, engine._emulate
+    send, deliver, logits = engine.send, engine._deliver, engine.logits
 
     async def timed_send(ring, msg):
         if isinstance(msg, Forward):
@@ -132,31 +147,27 @@ def _instrument_engine(engine: RingEngine, probe: FrameProbe) -> None:
         probe.logits_s.append(time.perf_counter() - t0)
         return out
 
-    async def counted_emulate(stream):
-        return _CountingStream(await emulate(stream), probe.edge_sizes(0))
-
-    engine.send, engine._deliver, engine.logits, engine._emulate = timed_send, timed_deliver, timed_logits, counted_emulate
+    engine.send, engine._deliver, engine.logits = timed_send, timed_deliver, timed_logits
+    _count_ring_streams(engine.host, lambda: probe.edge_sizes(0))
     engine.swarm.job_error_handler = timed_deliver
 
 
-def _instrument_node(node: Node, probe: FrameProbe, index_of: dict[str, int]) -> None:
-    handle, send_ring, emulate = node._handle, node._send_ring, node._emulate
+def _instrument_node(node: Node, probe: FrameProbe, index_of: Callable[[str], int]) -> None:
+    handle, send_ring = node._handle, node._send_ring
     peer = node.host.peer_id
 
     async def timed_handle(state, msg):
         if isinstance(msg, Forward):
-            probe.stage_in_s[(msg.job_id, msg.round)][index_of[peer]] = time.perf_counter()
+            probe.stage_in_s[(msg.job_id, msg.round)][index_of(peer)] = time.perf_counter()
         await handle(state, msg)
 
     async def timed_send_ring(state, msg):
         if isinstance(msg, (Forward, Result)):
-            probe.stage_out_s[(msg.job_id, msg.round)][index_of[peer]] = time.perf_counter()
+            probe.stage_out_s[(msg.job_id, msg.round)][index_of(peer)] = time.perf_counter()
         await send_ring(state, msg)
 
-    async def counted_emulate(stream):
-        return _CountingStream(await emulate(stream), probe.edge_sizes(index_of[peer] + 1))
-
-    node._handle, node._send_ring, node._emulate = timed_handle, timed_send_ring, counted_emulate
+    node._handle, node._send_ring = timed_handle, timed_send_ring
+    _count_ring_streams(node.host, lambda: probe.edge_sizes(index_of(peer) + 1))
 
 
 @dataclass
@@ -171,9 +182,23 @@ class BenchRing:
     def set_prefill_chunk(self, tokens: int) -> None:
         """The engine reads its config per round; a frozen replacement changes the chunk
         size for the next job without re-forming the ring."""
-        import dataclasses
-
         self.engine.config = dataclasses.replace(self.engine.config, prefill_chunk_tokens=tokens)
+
+
+def topology_for_stages(store, wire_dtype: str, stages: int, link: LinkSpec) -> TopologyConfig:
+    """A planner workload under which `stages` equal nodes must all be stages.
+
+    The coordinator chooses the ring (ring.select_ring) and, on loopback, rightly prefers
+    fewer hops. A benchmark of an N-stage ring wants N: a long planned context makes the
+    KV cache of each layer large enough that a node's memory holds at most ceil(L / N)
+    layers in the planner's eyes (the nodes' real KV budget is untouched)."""
+    base = TopologyConfig(coordinator_link_latency_s=link.one_way_latency_ms / 1e3)
+    spec = model_spec(store, wire_dtype, base.kv_bytes_per_value)
+    cap_layers = -(-store.num_layers // stages)
+    # bytes_per_layer + kv * context <= memory / cap, and > memory / (cap + 1) because
+    # memory / (cap * (cap + 1)) is far above one token's K/V.
+    context = (NodeConfig.max_memory_bytes // cap_layers - spec.bytes_per_layer) // spec.kv_bytes_per_token_layer
+    return dataclasses.replace(base, prompt_tokens=context - base.output_tokens)
 
 
 @contextlib.asynccontextmanager
@@ -181,12 +206,12 @@ async def open_bench_ring(store, tokenizer, stages: int, link: LinkSpec, wire_dt
                           engine_config: EngineConfig = EngineConfig()) -> AsyncIterator[BenchRing]:
     """An instrumented ring of `stages` real nodes; receipts signed by every stage and
     checked by the coordinator (as `shard-coord serve` does; audits off)."""
-    import dataclasses
-
     engine_config = dataclasses.replace(engine_config, link_latency_ms=link.one_way_latency_ms,
                                         link_upload_mbps=link.upload_mbps)
     seed = os.urandom(32)
-    swarm = Swarm(store, seed, SwarmConfig(min_nodes=stages, wire_dtype=WIRE_DTYPES.get(wire_dtype, wire_dtype)))
+    wire = WIRE_DTYPES.get(wire_dtype, wire_dtype)
+    swarm = Swarm(store, seed, SwarmConfig(min_nodes=stages, wire_dtype=wire,
+                                           topology=topology_for_stages(store, wire, stages, link)))
     probe = FrameProbe(stages)
     async with contextlib.AsyncExitStack() as stack:
         host = await stack.enter_async_context(open_host(keypair_from_seed(seed)))
@@ -196,7 +221,12 @@ async def open_bench_ring(store, tokenizer, stages: int, link: LinkSpec, wire_dt
         host.set_handler(RING_PROTOCOL, engine.handle_ring_stream)
         seeds = [os.urandom(32) for _ in range(stages)]
         node_hosts = [await stack.enter_async_context(open_host(keypair_from_seed(s))) for s in seeds]
-        index_of: dict[str, int] = {}
+
+        def index_of(peer: str) -> int:
+            """Position of `peer` in the current ring (it may re-form, e.g. after link probes)."""
+            ring = swarm.ring
+            order = [p for p, _ in ring.stages] if ring is not None else []
+            return order.index(peer) if peer in order else -1
         async with trio.open_nursery() as nursery:
             await nursery.start(swarm.serve_formation)
             await nursery.start(engine.serve)
@@ -208,9 +238,15 @@ async def open_bench_ring(store, tokenizer, stages: int, link: LinkSpec, wire_dt
                 nursery.start_soon(node.serve)
             with trio.fail_after(300):
                 ring = await swarm.wait_ring()
-            index_of.update({peer: i for i, (peer, _) in enumerate(ring.stages)})
-            yield BenchRing(engine, probe, stages, link, wire_dtype, [(r.start, r.end) for _, r in ring.stages])
-            nursery.cancel_scope.cancel()
+            # The coordinator chooses the ring (ring.select_ring): it may place fewer stages
+            # than nodes; every figure is over the ring actually formed.
+            probe.stages = len(ring.stages)
+            if probe.stages != stages:
+                print(f"warning: {stages} nodes formed a {probe.stages}-stage ring", file=sys.stderr)
+            try:
+                yield BenchRing(engine, probe, probe.stages, link, wire_dtype, [(r.start, r.end) for _, r in ring.stages])
+            finally:  # the nodes serve forever: stop them however the body ended
+                nursery.cancel_scope.cancel()
 
 
 def median(xs) -> float | None:
