@@ -83,14 +83,18 @@ class EagleConfig:
 
 def init_weights(config: EagleConfig, target_embedding: torch.Tensor, target_norm: torch.Tensor,
                  d2t: torch.Tensor, generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
-    """Fresh weights: norms at the target's final norm or 1, the LM head at the target's
-    (tied) rows of the draft vocabulary, matrices small normal."""
+    """Fresh weights that start as "the feature is the high aux layer": fc picks the last
+    aux block, the final norm and the LM head are the target's (the LM head restricted to
+    the draft vocabulary), so the head starts near the target's own prediction from the
+    previous position instead of at noise; other matrices are small normal."""
     w = {}
     for name, shape in config.tensor_shapes().items():
         if len(shape) == 1:
             w[name] = target_norm.clone().float() if name == "norm.weight" else torch.ones(shape)
         else:
             w[name] = torch.randn(shape, generator=generator) * 0.02
+    h = config.hidden_size
+    w["fc.weight"][:, -h:] += torch.eye(h)
     w["lm_head.weight"] = target_embedding[d2t].clone().float()
     return w
 
@@ -133,8 +137,24 @@ def draft_logits(w, eps: float, g: torch.Tensor) -> torch.Tensor:
 # -- the head at inference --------------------------------------------------------------------
 
 
+class PairCache:
+    """K/V of one request's pairs, (Hkv, S, D) each, grown by doubling; slot j holds the
+    pair at position j + 1. Who wrote which slot is the drafter's bookkeeping."""
+
+    def __init__(self, config: EagleConfig) -> None:
+        self.k = torch.zeros(config.num_kv_heads, 0, config.head_dim)
+        self.v = self.k
+
+    def reserve(self, slots: int) -> None:
+        have = self.k.shape[1]
+        if slots > have:
+            grow = torch.zeros(self.k.shape[0], max(slots, 2 * have, 256) - have, self.k.shape[2])
+            self.k = torch.cat([self.k, grow], dim=1)
+            self.v = torch.cat([self.v, grow.clone()], dim=1)
+
+
 class EagleHead:
-    """Weights, the target's frozen embedding and rope, and one KV cache of pairs."""
+    """Weights, the target's frozen embedding and rope; stateless, shared by requests."""
 
     def __init__(self, config: EagleConfig, target: ModelConfig, weights: dict[str, torch.Tensor],
                  d2t: torch.Tensor, embedding: torch.Tensor) -> None:
@@ -152,8 +172,6 @@ class EagleHead:
         self.embedding = embedding.float()
         self.eps = target.rms_norm_eps
         self.rotary = RotaryTable(target, torch.float32)
-        self.k_cache = torch.zeros(config.num_kv_heads, 0, config.head_dim)  # (Hkv, S, D)
-        self.v_cache = self.k_cache
 
     @classmethod
     def load(cls, path: str | pathlib.Path, target: ModelConfig, embedding: torch.Tensor,
@@ -183,30 +201,24 @@ class EagleHead:
     # Cached forward: pairs at `positions` write K/V at slots [at, at + T) and attend to
     # slots [0, at + T) under `visible` (T, at + T) bool (None: all committed plus causal).
     @torch.inference_mode()
-    def forward(self, feat: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, at: int,
+    def forward(self, cache: PairCache, feat: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, at: int,
                 visible: torch.Tensor | None = None) -> torch.Tensor:
         """feat (T, H), tokens (T,) target ids -> output features (T, H)."""
         t = tokens.shape[0]
         cos, sin = self.rotary.lookup(positions)  # (T, D) each
         q, k, v = pair_qkv(self.w, self.config, self.eps, feat, F.embedding(tokens, self.embedding), cos, sin)
-        self._reserve(at + t)
-        self.k_cache[:, at:at + t] = k
-        self.v_cache[:, at:at + t] = v
+        cache.reserve(at + t)
+        cache.k[:, at:at + t] = k
+        cache.v[:, at:at + t] = v
         if visible is None:
             visible = torch.ones(t, at + t, dtype=torch.bool).tril(diagonal=at)
-        attn = F.scaled_dot_product_attention(q, self.k_cache[:, :at + t], self.v_cache[:, :at + t],
+        attn = F.scaled_dot_product_attention(q, cache.k[:, :at + t], cache.v[:, :at + t],
                                               attn_mask=visible, enable_gqa=True)  # (Hq, T, D)
         return pair_out(self.w, self.eps, feat, attn)
 
+    @torch.inference_mode()
     def logits(self, g: torch.Tensor) -> torch.Tensor:
         return draft_logits(self.w, self.eps, g)
-
-    def _reserve(self, slots: int) -> None:
-        have = self.k_cache.shape[1]
-        if slots > have:
-            grow = torch.zeros(self.config.num_kv_heads, max(slots, 2 * have, 256) - have, self.config.head_dim)
-            self.k_cache = torch.cat([self.k_cache, grow], dim=1)
-            self.v_cache = torch.cat([self.v_cache, grow.clone()], dim=1)
 
 
 def save_head(path: str | pathlib.Path, config: EagleConfig, weights: dict[str, torch.Tensor], d2t: torch.Tensor,
@@ -244,6 +256,7 @@ class EagleDrafter:
 
     def __init__(self, head: EagleHead, config: EagleDraftConfig = EagleDraftConfig()) -> None:
         self.head, self.config = head, config
+        self.cache = PairCache(head.config)
         self._tokens: list[int] = []  # observed (committed, feature-known) tokens
         self._last_feat: torch.Tensor | None = None  # (H,) fused feature of _tokens[-1]
         self._committed_pairs = 0  # KV slots holding committed pairs; slot j = position j + 1
@@ -251,6 +264,11 @@ class EagleDrafter:
     @property
     def aux_layers(self) -> tuple[int, ...]:
         return self.head.config.aux_layers
+
+    @property
+    def observed_tokens(self) -> int:
+        """How many committed tokens (from the prompt's first) `observe` has seen."""
+        return len(self._tokens)
 
     def observe(self, tokens: Sequence[int], aux: torch.Tensor) -> None:
         """Commit tokens and their aux rows (len(tokens), k*H), in order after those
@@ -271,7 +289,7 @@ class EagleDrafter:
         at = self._committed_pairs
         if pair_tokens:
             positions = torch.arange(at + 1, at + 1 + len(pair_tokens))
-            self.head.forward(pair_feats, torch.tensor(pair_tokens), positions, at)
+            self.head.forward(self.cache, pair_feats, torch.tensor(pair_tokens), positions, at)
             self._committed_pairs = at + len(pair_tokens)
         self._tokens.extend(int(x) for x in tokens)
         self._last_feat = feats[-1]
@@ -304,7 +322,7 @@ class EagleDrafter:
             vis = torch.zeros(slot + 1, dtype=torch.bool)
             vis[:parent_slot_vis.shape[0]] = parent_slot_vis
             vis[slot] = True
-            g = head.forward(feat[None], torch.tensor([token]), torch.tensor([root_pos + len(key)]), slot, vis[None])
+            g = head.forward(self.cache, feat[None], torch.tensor([token]), torch.tensor([root_pos + len(key)]), slot, vis[None])
             nodes[key] = (g[0], slot, vis)
             with torch.inference_mode():
                 logp = torch.log_softmax(head.logits(g[0]).float(), dim=-1)  # (Vd,)
