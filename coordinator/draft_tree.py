@@ -150,6 +150,11 @@ class DraftTree:
         return torch.tensor(d, dtype=torch.int64)
 
     @property
+    def is_chain(self) -> bool:
+        """Each node's parent is the node before it (the root's child first)."""
+        return self._parent_list == list(range(-1, self.num_nodes - 1))
+
+    @property
     def max_depth(self) -> int:
         return int(self.depths.max()) if self.num_nodes else 0
 
