@@ -43,9 +43,9 @@ async def run_scenario(store, node_seed: bytes, script):
 
     async def on_control(stream):
         reg = decode(await stream.recv_frame(limits.max_frame_bytes), limits)
-        assert isinstance(reg, Ping)
-        await stream.send_frame(encode(Pong(nonce=reg.nonce, sent_ns=reg.sent_ns, payload=reg.payload)))
-        reg = decode(await stream.recv_frame(limits.max_frame_bytes), limits)
+        while isinstance(reg, Ping):  # the node's link probes (rtt, upload, download) before it registers
+            await stream.send_frame(encode(Pong(nonce=reg.nonce, sent_ns=reg.sent_ns, payload=bytes(reg.reply_bytes))))
+            reg = decode(await stream.recv_frame(limits.max_frame_bytes), limits)
         assert isinstance(reg, Register) and reg.peer_id == stream.remote_peer_id
         a = Assignment(epoch=1, peer_id=reg.peer_id, role="stage", layer_start=0, layer_end=store.num_layers,
                        predecessor=None, successor=None, model="tiny", manifest_digest=store.digest, wire_dtype="f32")
