@@ -28,7 +28,7 @@ import trio
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from coordinator.engine import NotReadyError, encode_chat  # noqa: E402
+from coordinator.engine import EngineError, NotReadyError, encode_chat  # noqa: E402
 from coordinator.ring_engine import EngineConfig  # noqa: E402
 from coordinator.sampling import SamplingParams  # noqa: E402
 from scripts import spec_prompts  # noqa: E402
@@ -110,13 +110,17 @@ async def _run_on_ring(ring, wire: str, mode: str, prompts: list[tuple[str, list
     drafters = [type(d).__name__ for d in ring.engine.make_drafters()]
     if mode != "none" and not drafters:
         return {"available": False, "why": f"the engine makes no drafter for draft={mode!r} (plain decoding)"}
-    await run_prompt(ring, prompts[0][1], 4)  # warm-up: streams opened, caches touched
     runs = []
-    for category, ids in prompts:
-        r = await run_prompt(ring, ids, max_tokens)
-        runs.append({"category": category, **r})
-        print(f"  {wire:4} {mode:7} {category:14} tau {r['tau']:.2f}  {r['decode_tokens'] / max(r['decode_s'], 1e-9):6.2f} tok/s"
-              f"  {r['decode_tokens'] + 1} tokens", flush=True)
+    try:
+        await run_prompt(ring, prompts[0][1], 4)  # warm-up: streams opened, caches touched
+        for category, ids in prompts:
+            r = await run_prompt(ring, ids, max_tokens)
+            runs.append({"category": category, **r})
+            print(f"  {wire:4} {mode:7} {category:14} tau {r['tau']:.2f}  {r['decode_tokens'] / max(r['decode_s'], 1e-9):6.2f} tok/s"
+                  f"  {r['decode_tokens'] + 1} tokens", flush=True)
+    except EngineError as exc:  # the mode exists but cannot generate on this ring: say so, go on
+        return {"available": False, "why": f"draft={mode!r} failed on the ring after {len(runs)} prompts: "
+                                           f"{type(exc).__name__}: {exc}"}
     return {"available": True, "drafters": drafters, "stages": ring.stages, "ring_formed_s": formed_s, "runs": runs}
 
 
