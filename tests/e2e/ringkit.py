@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import trio
 from transformers import AutoTokenizer
@@ -17,26 +18,55 @@ from shard.node import CONTROL_PROTOCOL, RING_PROTOCOL, Node, NodeConfig
 from shard.transport import open_host
 
 
+@dataclass
+class LocalRing:
+    engine: RingEngine
+    swarm: Swarm
+    node_scopes: list[trio.CancelScope]
+    node_ids: list[str]
+
+    def kill(self, peer_id: str) -> None:
+        """Stop a node abruptly: its host closes, as when a volunteer's machine dies."""
+        self.node_scopes[self.node_ids.index(peer_id)].cancel()
+
+
+async def _run_node(store, coordinator: str, node_config: dict, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    with trio.CancelScope() as scope:
+        async with open_host(keypair_from_seed(os.urandom(32))) as host:
+            node = Node(NodeConfig(coordinator=coordinator, model=store.manifest.name, **node_config), host, store)
+            task_status.started((scope, host.peer_id))
+            await node.serve()
+
+
+def memory_for_stages(store, stages: int) -> int:
+    """Memory to declare per node so that `stages` nodes are all needed: each holds at
+    most ceil(L / stages) layers plus their K/V for the planner's workload. On loopback
+    the selector rightly prefers fewer hops, so a test of an N-stage ring says so by
+    giving nodes only the memory an N-way split needs (as small GPUs would)."""
+    from coordinator.topology import TopologyConfig, model_spec
+
+    topo = TopologyConfig()
+    spec = model_spec(store, "f32", topo.kv_bytes_per_value)
+    per_layer = spec.bytes_per_layer + spec.kv_bytes_per_token_layer * (topo.prompt_tokens + topo.output_tokens)
+    return per_layer * -(-store.num_layers // stages) + per_layer // 2
+
+
 @contextlib.asynccontextmanager
 async def open_local_ring(store, nodes: int, *, wire_dtype: str = "f32", engine: EngineConfig = EngineConfig(),
-                          node_config: dict | None = None) -> AsyncIterator[RingEngine]:
+                          node_config: dict | None = None) -> AsyncIterator[LocalRing]:
     seed = os.urandom(32)
     tokenizer = AutoTokenizer.from_pretrained(str(store.tokenizer_dir))
     swarm = Swarm(store, seed, SwarmConfig(min_nodes=nodes, wire_dtype=wire_dtype))
-    async with contextlib.AsyncExitStack() as stack:
-        host = await stack.enter_async_context(open_host(keypair_from_seed(seed)))
+    async with open_host(keypair_from_seed(seed)) as host:
         ring_engine = RingEngine(swarm, host, tokenizer, engine)
         host.set_handler(CONTROL_PROTOCOL, swarm.handle_control)
         host.set_handler(RING_PROTOCOL, ring_engine.handle_ring_stream)
-        node_hosts = [await stack.enter_async_context(open_host(keypair_from_seed(os.urandom(32)))) for _ in range(nodes)]
         async with trio.open_nursery() as nursery:
             await nursery.start(swarm.serve_formation)
             await nursery.start(ring_engine.serve)
-            for node_host in node_hosts:
-                node = Node(NodeConfig(coordinator=host.addrs[0], model=store.manifest.name, **(node_config or {})),
-                            node_host, store)
-                nursery.start_soon(node.serve)
+            config = {"max_memory_bytes": memory_for_stages(store, nodes), **(node_config or {})}
+            started = [await nursery.start(_run_node, store, host.addrs[0], config) for _ in range(nodes)]
             with trio.fail_after(60):
                 await swarm.wait_ring()
-            yield ring_engine
+            yield LocalRing(ring_engine, swarm, [s for s, _ in started], [p for _, p in started])
             nursery.cancel_scope.cancel()

@@ -70,7 +70,8 @@ async def generate(engine, prompt: list[int]) -> list[int]:
 
 def test_every_drafter_reproduces_plain_greedy(tiny_llama_store):
     async def main():
-        async with open_local_ring(tiny_llama_store, 3, engine=EngineConfig(draft="none")) as engine:
+        async with open_local_ring(tiny_llama_store, 3, engine=EngineConfig(draft="none")) as ring:
+            engine = ring.engine
             plain = {tuple(p): await generate(engine, p) for p in PROMPTS}
             drafters = {
                 "ngram": lambda: [NgramDrafter()],
@@ -96,7 +97,8 @@ def test_speculation_commits_several_tokens_per_traversal(tiny_llama_store):
     # of the time must commit well over one token per traversal.
     async def main():
         async with open_local_ring(tiny_llama_store, 2, engine=EngineConfig(draft="none", link_latency_ms=20),
-                                   node_config={"link_latency_ms": 20}) as engine:
+                                   node_config={"link_latency_ms": 20}) as ring:
+            engine = ring.engine
             plain = {tuple(PROMPTS[0]): await generate(engine, PROMPTS[0])}
             engine.make_drafters = lambda: [NoisyOracleDrafter(plain, tree=True, seed=3)]
             job = await engine.open_job(PROMPTS[0], SamplingParams(temperature=0.0))
@@ -120,7 +122,8 @@ def test_pipelined_rounds_are_used_and_lossless(tiny_llama_store):
     # equal plain greedy, and some rounds must really have been pipelined.
     async def main():
         async with open_local_ring(tiny_llama_store, 2, engine=EngineConfig(draft="none", link_latency_ms=15),
-                                   node_config={"link_latency_ms": 15}) as engine:
+                                   node_config={"link_latency_ms": 15}) as ring:
+            engine = ring.engine
             plain = {tuple(p): await generate(engine, p) for p in PROMPTS[:2]}
             engine.make_drafters = lambda: [NoisyOracleDrafter(plain, tree=False, seed=5, accuracy=0.97)]
             out, stats = {}, []
