@@ -72,6 +72,10 @@ class AuditConfig:
     max_queued_jobs: int = 256  # finished jobs waiting for audit; more are not audited
     max_cached_slices: int = 4  # slices kept loaded for replays
     max_replay_rows: int = 1024  # rows per replay forward (its attention mask is rows x rows)
+    # A job that waited longer than this for its audit is not audited: nodes drop a job's
+    # frame log FrameLogConfig.grace_s (300 s) after it ends, and a dropped log reads as
+    # a missing record, which would accuse an honest stage. Keep it below that grace.
+    max_job_age_s: float = 240.0
 
 
 @dataclass(frozen=True)
@@ -209,6 +213,7 @@ class AuditStats:
     frames_compared: int = 0
     replay_s: float = 0.0  # wall time of check_frames (digests, decode, replay, compare)
     replay: ReplayStats = dataclasses.field(default_factory=ReplayStats)  # forwards and rows replayed
+    skipped_stale: int = 0  # jobs not audited: older than max_job_age_s when their turn came
 
 
 class Auditor:
@@ -231,7 +236,7 @@ class Auditor:
     def submit_nowait(self, job: FinishedJob) -> None:
         """Queue a finished job (a receipt_check listener). Never blocks; drops when full."""
         try:
-            self._send.send_nowait(job)
+            self._send.send_nowait((time.monotonic(), job))
         except trio.WouldBlock:
             log.warning("audit queue full: job %s is not audited", job.job_id)
             return
@@ -248,8 +253,15 @@ class Auditor:
         be reached is skipped (it left; the swarm already re-forms); nothing here raises."""
         task_status.started()
         while True:
-            job = await self._recv.receive()
-            for plan in plan_audits(job, self.config.rate, self.rng):
+            submitted_s, job = await self._recv.receive()
+            if time.monotonic() - submitted_s > self.config.max_job_age_s:
+                log.warning("audit backlog: job %s waited %.0f s, its frame logs may be gone; not audited",
+                            job.job_id, time.monotonic() - submitted_s)
+                self.stats.skipped_stale += 1
+                plans = []
+            else:
+                plans = plan_audits(job, self.config.rate, self.rng)
+            for plan in plans:
                 try:
                     await self.audit(plan)
                 except (TransportError, trio.TooSlowError) as exc:

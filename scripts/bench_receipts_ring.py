@@ -12,10 +12,11 @@ Measured directly as well, since the ring's tok/s on a loaded machine is noisy:
   frame log, SHA-256, Ed25519, encoding) over the stage's compute_s for the same frames;
 - the coordinator's checking per round (chain verify, digests, bundle) over the ring's
   compute for the round.
-Audits are timed after all requests (so they do not compete with them for the CPU): every
-(job, stage) of the "on" ring is audited (rate 1), giving the replay's cost as a fraction
-of the ring compute it checks; the expected cost at rate p is p times that. The same jobs
-are audited again replaying one frame per forward, to show what batching saves.
+Each "on" job is audited right after it finishes, before the next request starts (so
+audits do not compete with requests for the CPU): every (job, stage) (rate 1), giving the
+replay's cost as a fraction of the ring compute it checks; the expected cost at rate p is
+p times that. The same job is audited again replaying one frame per forward, to show
+what batching saves.
 
     python scripts/bench_receipts_ring.py --json OUT [--reps 6] [--tokens 48] [--wire-dtype f32]
 """
@@ -157,6 +158,20 @@ class Ring:
                 "check_s": self.check_s - k0, "sign_s": SIGN_S["s"] - s0, "signed_frames": SIGN_S["frames"] - n0}
 
 
+async def _audit(auditor: Auditor, job, into: dict) -> None:
+    """Audit every (job, stage) (the auditor's rate is 1) and add what it cost to `into`.
+    max_replay_rows=1 replays one frame per forward, as the stage ran them."""
+    st = auditor.stats
+    before = (st.audits, st.frames_compared, st.replay.forwards, st.replay.rows, st.replay_s)
+    auditor.submit_nowait(job)
+    await auditor.wait_idle()
+    now = (st.audits, st.frames_compared, st.replay.forwards, st.replay.rows, st.replay_s)
+    for name, b, a in zip(("audits", "frames_compared", "replay_forwards", "replay_rows", "replay_s"), before, now):
+        into[name] = into.get(name, 0) + a - b
+    into["evidence"] = len(auditor.evidence)
+    into["skipped_stale"] = st.skipped_stale
+
+
 def _spread(xs: list[float]) -> dict:
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
 
@@ -164,7 +179,6 @@ def _spread(xs: list[float]) -> dict:
 async def bench(store, tokenizer, args) -> dict:
     ids = encode_chat(tokenizer, [{"role": "user", "content": PROMPT}])
     runs: dict[str, dict[str, list[dict]]] = {d: {"off": [], "on": []} for d in DRAFTERS}
-    audits: dict[str, dict] = {}
     async with trio.open_nursery() as nursery:
         rings = {"off": Ring(store, tokenizer, False, args.wire_dtype), "on": Ring(store, tokenizer, True, args.wire_dtype)}
         for ring in rings.values():
@@ -173,29 +187,17 @@ async def bench(store, tokenizer, args) -> dict:
             for ring in rings.values():
                 await ring.request(ids, drafter, args.tokens)
         rings["on"].finished.clear()
-        jobs = {d: [] for d in DRAFTERS}
+        on = rings["on"]
+        batched = on.auditor.config
+        audits = {d: {m: {} for m in ("tree", "frame_by_frame")} for d in DRAFTERS}
         for rep in range(args.reps):
             for drafter in DRAFTERS:
                 for side in ("off", "on") if rep % 2 == 0 else ("on", "off"):
                     runs[drafter][side].append(await rings[side].request(ids, drafter, args.tokens))
-                    if side == "on":
-                        jobs[drafter].append(rings["on"].finished[-1])
-        on = rings["on"]
-        batched = on.auditor.config
-        for drafter in DRAFTERS:  # every (job, stage) of the timed "on" requests, after them
-            for mode, rows in (("tree", batched.max_replay_rows), ("frame_by_frame", 1)):
-                # max_replay_rows=1: one forward per frame (as the stage ran them), for comparison
-                on.auditor.config = dataclasses.replace(batched, max_replay_rows=rows)
-                before = dataclasses.replace(on.auditor.stats, replay=dataclasses.replace(on.auditor.stats.replay))
-                for job in jobs[drafter]:
-                    on.auditor.submit_nowait(job)
-                await on.auditor.wait_idle()
-                st = on.auditor.stats
-                audits.setdefault(drafter, {})[mode] = {
-                    "audits": st.audits - before.audits, "frames_compared": st.frames_compared - before.frames_compared,
-                    "replay_forwards": st.replay.forwards - before.replay.forwards,
-                    "replay_rows": st.replay.rows - before.replay.rows,
-                    "replay_s": st.replay_s - before.replay_s, "evidence": len(on.auditor.evidence)}
+                    if side == "on":  # audit the job now, while no request runs
+                        for mode, rows in (("tree", batched.max_replay_rows), ("frame_by_frame", 1)):
+                            on.auditor.config = dataclasses.replace(batched, max_replay_rows=rows)
+                            await _audit(on.auditor, on.finished[-1], audits[drafter][mode])
         on.auditor.config = batched
         nursery.cancel_scope.cancel()
     out: dict = {}

@@ -15,6 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import trio
 
 from coordinator.audit import plan_audits
 from coordinator.audit_replay import ReplayStats, plan_replay, replay
@@ -160,3 +161,25 @@ def test_selection_rate_is_per_stage_and_independent_of_length():
         job = finished_job(4, {1: list(range(1, rounds + 1))}, {r: 1 for r in range(1, rounds + 1)})
         picked = sum(len(plan_audits(job, 0.25, rng)) for _ in range(1000))
         assert abs(picked / 4000 - 0.25) < 0.025
+
+
+def test_jobs_older_than_the_frame_log_grace_are_not_audited():
+    """Guards against accusing honest stages: a job whose audit waited past the nodes'
+    frame-log grace would read as missing records; it is skipped and counted instead.
+    (The swarm here has no send_control: any fetch would fail the test.)"""
+    from coordinator.audit import AuditConfig, Auditor
+
+    swarm = SimpleNamespace(audit_reply_handler=None)
+    job = finished_job(3, {1: [1, 2]}, {1: 1, 2: 1})
+
+    async def main():
+        auditor = Auditor(swarm, None, bytes(32), AuditConfig(rate=1.0, max_job_age_s=-1.0), rng=random.Random(0))
+        async with trio.open_nursery() as nursery:
+            await nursery.start(auditor.serve)
+            auditor.submit_nowait(job)
+            await auditor.wait_idle()
+            nursery.cancel_scope.cancel()
+        return auditor
+
+    auditor = trio.run(main)
+    assert auditor.stats.skipped_stale == 1 and auditor.stats.audits == 0 and auditor.evidence == []
