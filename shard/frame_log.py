@@ -8,7 +8,10 @@ job ends plus `grace_s`, and the auditor replays them on a fresh cache.
 
 Bounded by total bytes and by number of jobs: past either bound the oldest job (ended
 ones first) is dropped whole, since a partial job cannot be replayed. A dropped record is
-what an audit reports as missing, so bounds must cover the audit window (docs/receipts.md).
+what an audit reports as missing, so bounds must cover the audit window: the coordinator
+does not audit a job that waited longer than its max_job_age_s (240 s), which must stay
+below grace_s, and max_bytes must hold every job ended within that window
+(docs/receipts.md).
 
 Thread-safe: the stage's worker thread records while the node's trio task answers
 audits. Knows nothing of keys, receipts, streams or models.
