@@ -27,7 +27,9 @@ from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
 from coordinator import topology
 from coordinator.topology import TopologyConfig, Traversal, TraversalLog
-from ring import ChurnPolicy, Constraints, Network, Plan, RingError, reselect, select_ring
+from coordinator.assign import AssignError, Capacity, split_by_capacity
+from ring import (ChurnPolicy, Constraints, InfeasibleError, Network, PeerId, Plan, RingError, Stage, evaluate, reselect,
+                  select_ring)
 from shard.errors import WireError
 from shard.identity import peer_id_from_public_key
 from shard.layers import LayerRange
@@ -54,6 +56,9 @@ class SwarmConfig:
     probe_bandwidth_bytes: int = 256 << 10  # payload of the periodic upload/download probes
     topology: TopologyConfig = TopologyConfig()
     churn: ChurnPolicy = ChurnPolicy()  # how re-selection weighs weight moves against ring speed
+    # "select_ring": the upload-aware selector (ring/). "all_nodes": every node is a stage,
+    # layers split by speed (coordinator.assign), still costed by ring.evaluate.
+    planner: str = "select_ring"
 
 
 @dataclass
@@ -266,6 +271,13 @@ class Swarm:
         network = topology.build_network(self.peer_id, regs, self.links, self.held, cfg)
         constraints = Constraints(one_per_subnet=cfg.one_per_subnet)
         workload = cfg.workload()
+        if self.config.planner == "all_nodes":
+            try:
+                split = split_by_capacity([Capacity(p, r.memory_bytes, r.decode_s_per_layer) for p, r in regs.items()],
+                                          self.model.num_layers, self.model.bytes_per_layer)
+            except AssignError as exc:
+                raise InfeasibleError(str(exc), len(regs)) from None
+            return evaluate([Stage(PeerId(p), r) for p, r in split], network, self.model, workload), network
         if self.plan is not None and set(self.plan.peers) & members:
             return reselect(self.plan, network, self.model, workload, constraints, self.config.churn), network
         return select_ring(network, self.model, workload, constraints), network

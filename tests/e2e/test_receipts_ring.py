@@ -106,7 +106,7 @@ async def run_ring(store, *, wire_dtype="f32", rate=1.0, requests=2, tokens=8, c
                    unsigned=False, receipts_dir=None, seed=0, draft="none"):
     """Start the ring, serve `requests` greedy requests, wait for audits; return what happened."""
     coord_seed = os.urandom(32)
-    swarm = Swarm(store, coord_seed, SwarmConfig(min_nodes=2, wire_dtype=wire_dtype, ready_timeout_s=30))
+    swarm = Swarm(store, coord_seed, SwarmConfig(min_nodes=2, wire_dtype=wire_dtype, ready_timeout_s=30, planner="all_nodes"))
     checker = ReceiptChecker(store, coord_seed, ReceiptConfig(receipts_dir=receipts_dir))
     auditor = Auditor(swarm, store, coord_seed, AuditConfig(rate=rate, reply_timeout_s=10), rng=random.Random(seed))
     checker.listeners.append(auditor.submit_nowait)
