@@ -60,6 +60,10 @@ class SwarmConfig:
     # layers split by speed (coordinator.assign), still costed by ring.evaluate.
     planner: str = "select_ring"
 
+    def __post_init__(self) -> None:
+        if self.planner not in ("select_ring", "all_nodes"):
+            raise ValueError(f"planner must be 'select_ring' or 'all_nodes', got {self.planner!r}")
+
 
 @dataclass
 class Member:
