@@ -154,7 +154,10 @@ class Result:
     def check(self, limits: Limits) -> None:
         n = _check_tokens_dim("hidden", self.hidden, limits)
         _check_activations("hidden", self.hidden, self.hidden_scale, n, limits, multiple=False)
-        _check_activations("aux", self.aux, self.aux_scale, n, limits, multiple=True)
+        # On prefill the tail returns only the last hidden row but aux for every token
+        # (a drafter needs the whole prompt's features), so aux has its own row count.
+        n_aux = _check_tokens_dim("aux", self.aux, limits) if self.aux is not None else n
+        _check_activations("aux", self.aux, self.aux_scale, n_aux, limits, multiple=True)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -163,7 +163,9 @@ def test_second_request_while_first_streams(ring, reference):
 def test_ring_and_health_endpoints(ring):
     base, _ = ring
     info = httpx.get(f"{base}/v1/ring", timeout=10).json()
-    assert info["ready"] and len(info["members"]) == 3
+    # The selector may leave a node off the ring (on loopback fewer hops win); every node
+    # is registered either way, and the stages cover the model exactly once.
+    assert info["ready"] and info["registered_nodes"] == 3 and 1 <= len(info["members"]) <= 3
     spans = sorted(tuple(m["layers"]) for m in info["members"])
     assert spans[0][0] == 0 and spans[-1][1] == 30 and all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
     assert httpx.get(f"{base}/health", timeout=10).status_code == 200
