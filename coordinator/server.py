@@ -18,6 +18,7 @@ from coordinator.audit import AuditConfig, Auditor
 from coordinator.receipt_check import ReceiptChecker, ReceiptConfig
 from coordinator.ring_engine import EngineConfig, RingEngine
 from coordinator.swarm import Swarm, SwarmConfig
+from coordinator.topology import TopologyConfig
 from shard.identity import identity_signing_key, load_or_create_identity
 from shard.node import CONTROL_PROTOCOL, RING_PROTOCOL
 from shard.store import cache_root, open_or_prepare
@@ -65,7 +66,10 @@ async def serve_coordinator(config: CoordConfig, task_status=trio.TASK_STATUS_IG
     tokenizer = await trio.to_thread.run_sync(AutoTokenizer.from_pretrained, str(store.tokenizer_dir))
     keypair = load_or_create_identity(config.key_path or cache_root() / "coordinator.key")
     min_nodes = config.min_nodes or config.local_nodes or 1
-    swarm = Swarm(store, identity_signing_key(keypair), SwarmConfig(min_nodes=min_nodes, wire_dtype=WIRE_DTYPE_NAMES[config.wire_dtype]))
+    topology = TopologyConfig(prefill_chunk_tokens=config.prefill_chunk_tokens,
+                              coordinator_link_latency_s=config.link_latency_ms / 1e3)
+    swarm = Swarm(store, identity_signing_key(keypair), SwarmConfig(
+        min_nodes=min_nodes, wire_dtype=WIRE_DTYPE_NAMES[config.wire_dtype], topology=topology))
     host_name, port = config.http.rsplit(":", 1)
     async with open_host(keypair, config.listen) as host:
         seed = identity_signing_key(keypair)
