@@ -19,6 +19,19 @@ INITIAL_SLOTS = 256
 
 
 @dataclass
+class _Budget:
+    """Bytes of K/V the stage may hold, shared by all its jobs."""
+
+    max_bytes: int
+    used_bytes: int = 0
+
+    def take(self, what: str, nbytes: int) -> None:
+        if self.used_bytes + nbytes > self.max_bytes:
+            raise CacheFullError(what, self.max_bytes, self.used_bytes + nbytes)
+        self.used_bytes += nbytes
+
+
+@dataclass
 class JobCache:
     """K and V for one job across a stage's layers: each (layers, kv_heads, capacity, head_dim)."""
 
@@ -26,18 +39,23 @@ class JobCache:
     max_slots: int
     k: torch.Tensor
     v: torch.Tensor
+    budget: _Budget
+    bytes_per_slot: int
 
     @property
     def capacity(self) -> int:
         return self.k.shape[2]
 
     def ensure(self, slots: int) -> None:
-        """Make slots [0, slots) addressable, growing by doubling up to `max_slots`."""
+        """Make slots [0, slots) addressable, growing by doubling up to `max_slots`.
+        Growth past the stage's memory bound raises CacheFullError and changes nothing."""
         if slots > self.max_slots:
             raise CacheFullError(f"slots for job {self.job_id!r}", self.max_slots, slots)
         if slots <= self.capacity:
             return
         new_cap = min(self.max_slots, max(slots, 2 * self.capacity))
+        self.budget.take(f"KV bytes to grow job {self.job_id!r} to {new_cap} slots",
+                         (new_cap - self.capacity) * self.bytes_per_slot)
         shape = (*self.k.shape[:2], new_cap, self.k.shape[3])
         k = self.k.new_empty(shape)
         v = self.v.new_empty(shape)
@@ -73,8 +91,9 @@ class JobCache:
 class KVCache:
     """All jobs' caches on one stage; refuses (CacheFullError) rather than exceed max_bytes.
 
-    Each job reserves its worst case (max_slots) at open, so admission is the only place
-    a job can be refused; growth after that never fails for memory.
+    A job holds only the slots it has used (grown by doubling, up to its max_slots), so a
+    short request does not pin a whole context's worth of memory; admitting a job or
+    growing one past the bound is refused with the figures, and nothing else changes.
     """
 
     num_layers: int
@@ -85,6 +104,9 @@ class KVCache:
     device: torch.device | str = "cpu"
     jobs: dict[str, JobCache] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        self._budget = _Budget(self.max_bytes)
+
     @property
     def bytes_per_slot(self) -> int:
         itemsize = torch.empty((), dtype=self.dtype).element_size()
@@ -92,20 +114,18 @@ class KVCache:
 
     @property
     def reserved_bytes(self) -> int:
-        return sum(job.max_slots for job in self.jobs.values()) * self.bytes_per_slot
+        return self._budget.used_bytes
 
     def open(self, job_id: str, max_slots: int) -> JobCache:
         if job_id in self.jobs:
             raise CacheError(f"job {job_id!r} already has a cache on this stage")
         if max_slots <= 0:
             raise CacheError(f"job {job_id!r} asked for {max_slots} slots")
-        need = self.reserved_bytes + max_slots * self.bytes_per_slot
-        if need > self.max_bytes:
-            raise CacheFullError(f"KV bytes to admit job {job_id!r}", self.max_bytes, need)
         cap = min(max_slots, INITIAL_SLOTS)
+        self._budget.take(f"KV bytes to admit job {job_id!r}", cap * self.bytes_per_slot)
         shape = (self.num_layers, self.num_kv_heads, cap, self.head_dim)
         job = JobCache(job_id, max_slots, torch.zeros(shape, dtype=self.dtype, device=self.device),
-                       torch.zeros(shape, dtype=self.dtype, device=self.device))
+                       torch.zeros(shape, dtype=self.dtype, device=self.device), self._budget, self.bytes_per_slot)
         self.jobs[job_id] = job
         return job
 
@@ -116,4 +136,6 @@ class KVCache:
             raise CacheError(f"no KV cache for job {job_id!r} on this stage") from None
 
     def close(self, job_id: str) -> None:
-        self.jobs.pop(job_id, None)
+        job = self.jobs.pop(job_id, None)
+        if job is not None:
+            self._budget.used_bytes -= job.capacity * self.bytes_per_slot

@@ -35,6 +35,20 @@ def test_growth_keeps_contents_and_stops_at_max_slots():
         job.ensure(601)
 
 
+def test_growth_past_the_bound_is_refused_and_keeps_the_job_intact():
+    # Bug guarded: a job growing into memory another job needs (or past the stage's
+    # bound) must fail that job's frame with the figures, not allocate, not corrupt.
+    c = cache(max_bytes=128 * 400)
+    a = c.open("a", 1000)  # holds 256 slots at first
+    a.write(0, 0, torch.ones(2, 3, 4), torch.ones(2, 3, 4))
+    with pytest.raises(CacheFullError, match="grow job 'a' to 512 slots") as e:
+        a.ensure(300)
+    assert (e.value.limit, e.value.actual) == (128 * 400, 128 * 512)
+    assert a.capacity == 256 and torch.equal(a.k[0, :, :3], torch.ones(2, 3, 4))
+    c.close("a")
+    assert c.reserved_bytes == 0
+
+
 def test_commit_gathers_in_order_even_when_overlapping():
     # Accepting tree nodes [12, 10, 11] must place them at [10, 11, 12] in that order even
     # though sources and destinations overlap (a naive in-place loop would clobber slot 12).
