@@ -171,17 +171,15 @@ class Stage:
         k = apply_rotary(k.view(t, hkv, d).transpose(0, 1), cos, sin)  # (Hkv, T, D)
         v = v.view(t, hkv, d).transpose(0, 1)  # (Hkv, T, D)
         keys, values = job.write(local, ctx_len, k, v)  # (Hkv, S, D) with S = ctx_len + T
-        if causal or hq == hkv:
+        if t == 1 and hq != hkv:
+            # Decode: fold each KV head's G query heads into query rows, (Hkv, G, D): the
+            # same maths as repeating K/V per query head, without the copy, and SDPA stays
+            # on its fused kernel (with the GQA flag CPU SDPA takes its slow reference path).
+            g = hq // hkv
+            out = F.scaled_dot_product_attention(q.reshape(hkv, g, d), keys, values).view(hq, 1, d)  # (Hq, 1, D)
+        else:
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=causal,
                                                  enable_gqa=hq != hkv)  # (Hq, T, D)
-        else:
-            # Fold each KV head's G query heads into its query rows, (Hkv, G*T, D): the same
-            # maths as repeating K/V per query head, without the copy, and it keeps SDPA on
-            # its fused kernels (the GQA flag sends CPU SDPA to its slow reference path).
-            g = hq // hkv
-            fmask = mask.repeat(g, 1) if mask is not None else None  # (G*T, S)
-            out = F.scaled_dot_product_attention(q.reshape(hkv, g * t, d), keys, values, attn_mask=fmask)
-            out = out.view(hq, t, d)  # (Hq, T, D)
         return F.linear(out.transpose(0, 1).reshape(t, hq * d), w.wo)  # (T, H)
 
     @staticmethod
