@@ -57,6 +57,12 @@ class EngineConfig:
     pipeline: bool = True  # send the next round before this one is verified (when likely to pay)
 
 
+# When the planner finds drafting not worth it, a small probe draft every few rounds keeps
+# the acceptance estimate fresh (text changes; a drafter that missed early may fit later).
+PROBE_EVERY_ROUNDS = 8
+PROBE_NODES = 2
+
+
 class RingChanged(Exception):
     """The ring this job's KV lives on is gone (a node left or the ring re-formed)."""
 
@@ -252,6 +258,7 @@ class RingJob:
     drafted: dict[str, int] = field(default_factory=dict)  # rounds per drafter
     ahead: Ahead | None = None  # a pipelined round in flight
     pipelined: int = 0  # traversals whose round was sent ahead and turned out valid
+    undrafted_rounds: int = 0  # rounds since the last one that carried a draft
     receipts: JobReceipts | None = None
 
     @property
@@ -293,6 +300,7 @@ class RingJob:
             self.committed += tokens
             if self.ttft_s is None:
                 self.ttft_s = time.monotonic() - self.started_s
+            self.undrafted_rounds = 0 if tree.num_nodes else self.undrafted_rounds + 1
             if tree.num_nodes:
                 self.drafted[tree.source.split(":")[0]] = self.drafted.get(tree.source.split(":")[0], 0) + 1
                 self.adapt = adapt.apply(adapt.RoundVerified(
@@ -311,7 +319,10 @@ class RingJob:
         for drafter in self.drafters:
             t0 = time.perf_counter()
             shape = adapt.plan(self.adapt, source=getattr(drafter, "name", adapt.ALL_SOURCES))
-            budget = DraftBudget(max(0, min(shape.nodes, room)), max(0, min(shape.depth, room)))
+            nodes, depth = shape.nodes, shape.depth
+            if nodes == 0 and self.undrafted_rounds >= PROBE_EVERY_ROUNDS:
+                nodes = depth = PROBE_NODES  # keep measuring acceptance, or it can never recover
+            budget = DraftBudget(max(0, min(nodes, room)), max(0, min(depth, room)))
             tree = drafter.propose(self.committed, budget) if budget.max_nodes else DraftTree.empty()
             if tree.num_nodes:
                 candidates.append(adapt.DraftCandidate(tree, time.perf_counter() - t0))
