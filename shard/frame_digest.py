@@ -23,8 +23,10 @@ from shard.wire.messages import Forward, Result
 
 
 def canonical_frame(msg: Forward | Result) -> bytes:
-    """The frame body of `msg` without the per-stage trailers (receipts, compute_s)."""
-    return encode(dataclasses.replace(msg, receipts=(), compute_s=()))
+    """The frame body of `msg` without the per-stage trailers (receipts, compute_s).
+    `msg` was decoded from the wire or is about to be sent (checked then), so the codec's
+    rules are not re-run here: layout, and so the bytes, are the same either way."""
+    return encode(dataclasses.replace(msg, receipts=(), compute_s=()), check=False)
 
 
 def frame_digest(msg: Forward | Result) -> bytes:

@@ -60,9 +60,11 @@ def _itemsize_of(t: Any) -> int:
     return row.itemsize if row else 0
 
 
-def encode(msg: Message, limits: Limits | None = None) -> bytes:
+def encode(msg: Message, limits: Limits | None = None, *, check: bool = True) -> bytes:
     """The frame body for `msg` (no stream prefix). Checks msg with the same rules decode
-    applies, under `limits` (default Limits()), so we never send what a peer must refuse."""
+    applies, under `limits` (default Limits()), so we never send what a peer must refuse.
+    check=False skips those rules (not the layout): only for re-encoding a message that
+    already passed them, e.g. the canonical bytes receipts hash (shard.frame_digest)."""
     limits = limits or Limits()
     cls = type(msg)
     if REGISTRY.get(getattr(cls, "KIND", None)) is not cls:
@@ -75,7 +77,7 @@ def encode(msg: Message, limits: Limits | None = None) -> bytes:
             packed = kind.pack(getattr(msg, f.name))
         except (TypeError, ValueError) as e:
             raise WireError(f"field '{f.name}' type", type(kind).__name__, type(getattr(msg, f.name)).__name__) from e
-        header[f.name] = kind.check(f"field '{f.name}'", packed, limits)
+        header[f.name] = kind.check(f"field '{f.name}'", packed, limits) if check else packed
     table, chunks = [], []
     # Largest itemsize first: with the tensor bytes starting 8-aligned (see `pad`), every
     # tensor then starts at a multiple of its own itemsize and decodes without a copy.
@@ -96,7 +98,8 @@ def encode(msg: Message, limits: Limits | None = None) -> bytes:
         table.append([f.name, row.name, list(t.shape), raw.numel()])
         chunks.append(memoryview(raw.numpy()))
     header["tensors"] = table
-    msg.check(limits)
+    if check:
+        msg.check(limits)
     # bin8 holds 0..255 bytes behind a fixed 2-byte prefix, so growing `pad` by d grows
     # the header by exactly d: one repack lands the tensor bytes on an 8-byte boundary.
     header["pad"] = b""
