@@ -30,7 +30,7 @@ import trio
 from coordinator.receipt_check import ReceiptChecker
 from coordinator.ring_engine import EngineConfig, RingEngine
 from coordinator.swarm import Swarm, SwarmConfig
-from coordinator.topology import TopologyConfig, model_spec
+from coordinator.topology import TopologyConfig
 from shard.identity import keypair_from_seed
 from shard.node import CONTROL_PROTOCOL, RING_PROTOCOL, Node, NodeConfig
 from shard.transport import open_host
@@ -185,22 +185,6 @@ class BenchRing:
         self.engine.config = dataclasses.replace(self.engine.config, prefill_chunk_tokens=tokens)
 
 
-def topology_for_stages(store, wire_dtype: str, stages: int, link: LinkSpec) -> TopologyConfig:
-    """A planner workload under which `stages` equal nodes must all be stages.
-
-    The coordinator chooses the ring (ring.select_ring) and, on loopback, rightly prefers
-    fewer hops. A benchmark of an N-stage ring wants N: a long planned context makes the
-    KV cache of each layer large enough that a node's memory holds at most ceil(L / N)
-    layers in the planner's eyes (the nodes' real KV budget is untouched)."""
-    base = TopologyConfig(coordinator_link_latency_s=link.one_way_latency_ms / 1e3)
-    spec = model_spec(store, wire_dtype, base.kv_bytes_per_value)
-    cap_layers = -(-store.num_layers // stages)
-    # bytes_per_layer + kv * context <= memory / cap, and > memory / (cap + 1) because
-    # memory / (cap * (cap + 1)) is far above one token's K/V.
-    context = (NodeConfig.max_memory_bytes // cap_layers - spec.bytes_per_layer) // spec.kv_bytes_per_token_layer
-    return dataclasses.replace(base, prompt_tokens=context - base.output_tokens)
-
-
 @contextlib.asynccontextmanager
 async def open_bench_ring(store, tokenizer, stages: int, link: LinkSpec, wire_dtype: str = "f32",
                           engine_config: EngineConfig = EngineConfig()) -> AsyncIterator[BenchRing]:
@@ -210,8 +194,10 @@ async def open_bench_ring(store, tokenizer, stages: int, link: LinkSpec, wire_dt
                                         link_upload_mbps=link.upload_mbps)
     seed = os.urandom(32)
     wire = WIRE_DTYPES.get(wire_dtype, wire_dtype)
-    swarm = Swarm(store, seed, SwarmConfig(min_nodes=stages, wire_dtype=wire,
-                                           topology=topology_for_stages(store, wire, stages, link)))
+    # Every node a stage: a benchmark of an N-stage ring wants N, while ring.select_ring
+    # rightly prefers fewer hops on loopback.
+    swarm = Swarm(store, seed, SwarmConfig(min_nodes=stages, wire_dtype=wire, planner="all_nodes",
+                                           topology=TopologyConfig(coordinator_link_latency_s=link.one_way_latency_ms / 1e3)))
     probe = FrameProbe(stages)
     async with contextlib.AsyncExitStack() as stack:
         host = await stack.enter_async_context(open_host(keypair_from_seed(seed)))
@@ -238,8 +224,7 @@ async def open_bench_ring(store, tokenizer, stages: int, link: LinkSpec, wire_dt
                 nursery.start_soon(node.serve)
             with trio.fail_after(300):
                 ring = await swarm.wait_ring()
-            # The coordinator chooses the ring (ring.select_ring): it may place fewer stages
-            # than nodes; every figure is over the ring actually formed.
+            # Every figure is over the ring actually formed.
             probe.stages = len(ring.stages)
             if probe.stages != stages:
                 print(f"warning: {stages} nodes formed a {probe.stages}-stage ring", file=sys.stderr)

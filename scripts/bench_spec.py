@@ -197,7 +197,7 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="one prompt per category, short answers (< 3 min)")
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--modes", default="none,ngram,eagle,hybrid", help="comma-separated; 'none' (plain) is the baseline")
-    ap.add_argument("--tokens", type=int, default=None, help="max new tokens per prompt (default 48, quick 16)")
+    ap.add_argument("--tokens", type=int, default=None, help="max new tokens per prompt (default 32, quick 16)")
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -206,7 +206,7 @@ def main(argv=None) -> int:
     store = open_or_prepare(args.model, progress=False)
     tokenizer = AutoTokenizer.from_pretrained(str(store.tokenizer_dir))
     per_category = 1 if args.quick else 2
-    max_tokens = args.tokens or (16 if args.quick else 48)
+    max_tokens = args.tokens or (16 if args.quick else 32)
     modes = [m for m in args.modes.split(",") if m]
     if "none" not in modes:
         modes.insert(0, "none")
