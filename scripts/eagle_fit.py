@@ -42,6 +42,7 @@ class FitConfig:
     eval_every_s: float = 900.0
     eval_stride: int = 8
     seed: int = 0
+    init_from: str = ""  # a head directory to continue from (its draft vocabulary is kept)
 
 
 def ttt_forward(w, cfg: EagleConfig, eps: float, rotary: RotaryTable, embedding: torch.Tensor,
@@ -205,11 +206,18 @@ def fit(store, work: pathlib.Path, out: pathlib.Path, deadline_s: float, fit_cfg
     norm, lm_head = store.load_head()
     tied_head = lm_head if lm_head is not None else embedding
     d2t, coverage = draft_vocabulary(train_seqs, fit_cfg.draft_vocab, target.vocab_size)
+    start = EagleHead.load(fit_cfg.init_from, target, embedding, store.digest) if fit_cfg.init_from else None
+    if start is not None:
+        d2t = start.d2t
+        counts = torch.zeros(target.vocab_size)
+        for s in train_seqs:
+            counts += torch.bincount(s["labels"].long(), minlength=target.vocab_size)
+        coverage = float(counts[d2t].sum() / counts.sum())
     t2d = torch.full((target.vocab_size,), -1, dtype=torch.long)
     t2d[d2t] = torch.arange(len(d2t))
     cfg = EagleConfig.for_target(target, fit_cfg.aux_layers, fit_cfg.draft_vocab)
     gen = torch.Generator().manual_seed(fit_cfg.seed)
-    w = init_weights(cfg, tied_head, norm, d2t, gen)
+    w = init_weights(cfg, tied_head, norm, d2t, gen) if start is None else {n: t.clone() for n, t in start.w.items()}
     trainable = {n: p.requires_grad_() for n, p in w.items() if n != "lm_head.weight" or fit_cfg.train_lm_head}
     opt = torch.optim.AdamW(trainable.values(), lr=fit_cfg.lr, weight_decay=0.0, betas=(0.9, 0.95))
     rotary = RotaryTable(target, torch.float32)

@@ -158,6 +158,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--ttt-steps", type=int, default=2, help="training-time-test unroll (EAGLE-3 uses up to 7)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--init-from", default="", help="continue training this head directory")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -175,7 +177,8 @@ def main(argv: list[str] | None = None) -> None:
         from scripts.eagle_fit import FitConfig, fit
 
         fit(store, work, pathlib.Path(args.out), deadline_s, FitConfig(
-            aux_layers=aux_layers, draft_vocab=args.draft_vocab, ttt_steps=args.ttt_steps, seed=args.seed),
+            aux_layers=aux_layers, draft_vocab=args.draft_vocab, ttt_steps=args.ttt_steps, seed=args.seed,
+            lr=args.lr, init_from=args.init_from),
             started_s=t_start, argv=sys.argv[1:] if argv is None else argv)
 
 

@@ -229,8 +229,8 @@ def test_shipped_head_drafts_smollm2_chains_with_tau_above_1_5(smollm2_store):
                "Write a Python function that returns the sum of the squares of a list of numbers."]
     generated = rounds = 0
     for text in prompts:
-        ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
-        ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
+        chat = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+        ids = tok(chat).input_ids  # as the training data was tokenised
         job = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, torch.float32, 1 << 30).open("j", 512)
         h, cap = stage.forward(job, torch.tensor(ids), ctx_len=0, positions=torch.arange(len(ids)), capture=head.config.aux_layers)
         drafter = EagleDrafter(head)
