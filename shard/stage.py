@@ -178,8 +178,10 @@ class Stage:
             g = hq // hkv
             out = F.scaled_dot_product_attention(q.reshape(hkv, g, d), keys, values).view(hq, 1, d)  # (Hq, 1, D)
         else:
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=causal,
-                                                 enable_gqa=hq != hkv)  # (Hq, T, D)
+            # A batch dimension of 1: CPU SDPA's fused kernels want 4-D inputs (without it,
+            # GQA and masked frames fall back to the slow reference path).
+            out = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=mask, is_causal=causal,
+                                                 enable_gqa=hq != hkv)[0]  # (Hq, T, D)
         return F.linear(out.transpose(0, 1).reshape(t, hq * d), w.wo)  # (T, H)
 
     @staticmethod
