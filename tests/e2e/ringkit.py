@@ -6,12 +6,14 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass
 
 import trio
 from transformers import AutoTokenizer
 
 from coordinator.ring_engine import EngineConfig, RingEngine
+from coordinator.sampling import SamplingParams
 from coordinator.swarm import Swarm, SwarmConfig
 from shard.identity import keypair_from_seed
 from shard.node import CONTROL_PROTOCOL, RING_PROTOCOL, Node, NodeConfig
@@ -36,6 +38,21 @@ async def _run_node(store, coordinator: str, node_config: dict, task_status=trio
             node = Node(NodeConfig(coordinator=coordinator, model=store.manifest.name, **node_config), host, store)
             task_status.started((scope, host.peer_id))
             await node.serve()
+
+
+async def generate_greedy(engine, prompt: list[int], n: int) -> list[int]:
+    """The first `n` greedy tokens of one job on `engine` (the job is closed after)."""
+    job = await engine.open_job(prompt, SamplingParams(temperature=0.0))
+    out: list[int] = []
+    try:
+        async with aclosing(job.next_tokens()) as blocks:
+            async for block in blocks:
+                out += block
+                if len(out) >= n:
+                    break
+    finally:
+        await job.aclose()
+    return out[:n]
 
 
 def memory_for_stages(store, stages: int) -> int:

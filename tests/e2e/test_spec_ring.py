@@ -21,7 +21,7 @@ from coordinator.draft_tree import DraftTree
 from coordinator.drafting import DraftBudget, NgramDrafter
 from coordinator.ring_engine import EngineConfig
 from coordinator.sampling import SamplingParams
-from tests.e2e.ringkit import open_local_ring
+from tests.e2e.ringkit import generate_greedy, open_local_ring
 
 PROMPTS = [[1, 40, 41, 42, 40, 41, 42, 40, 41], [1, 100, 7, 200, 33], [1] + list(range(3, 60))]
 NEW_TOKENS = 24
@@ -55,17 +55,7 @@ class NoisyOracleDrafter:
 
 
 async def generate(engine, prompt: list[int]) -> list[int]:
-    job = await engine.open_job(prompt, SamplingParams(temperature=0.0))
-    out: list[int] = []
-    try:
-        async with aclosing(job.next_tokens()) as blocks:
-            async for block in blocks:
-                out += block
-                if len(out) >= NEW_TOKENS:
-                    break
-    finally:
-        await job.aclose()
-    return out[:NEW_TOKENS]
+    return await generate_greedy(engine, prompt, NEW_TOKENS)
 
 
 def test_every_drafter_reproduces_plain_greedy(tiny_llama_store):

@@ -14,13 +14,11 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import AsyncIterator
-from contextlib import aclosing
 
 import trio
 from transformers import AutoTokenizer
 
 from coordinator.ring_engine import EngineConfig, RingEngine
-from coordinator.sampling import SamplingParams
 from coordinator.swarm import Swarm, SwarmConfig
 from coordinator.topology import TopologyConfig
 from ring import ChurnPolicy
@@ -28,6 +26,7 @@ from shard.identity import keypair_from_seed
 from shard.layers import LayerRange
 from shard.node import CONTROL_PROTOCOL, RING_PROTOCOL, Node, NodeConfig
 from shard.transport import open_host
+from tests.e2e.ringkit import generate_greedy
 
 LATENCY_MS = 5.0
 SLOW_UPLINK_MBPS = 2.0  # 250 kB/s: a 64-token prefill chunk of f32 hidden states (16 KiB) takes 66 ms
@@ -83,20 +82,6 @@ def _two_layer_memory(store) -> int:
     return int(2.5 * (per_layer + kv))
 
 
-async def _generate(engine, prompt: list[int], n: int) -> list[int]:
-    job = await engine.open_job(prompt, SamplingParams(temperature=0.0))
-    out: list[int] = []
-    try:
-        async with aclosing(job.next_tokens()) as blocks:
-            async for block in blocks:
-                out += block
-                if len(out) >= n:
-                    break
-    finally:
-        await job.aclose()
-    return out[:n]
-
-
 def test_slow_uplink_stays_off_the_ring_and_survivors_keep_their_layers(tiny_llama_store):
     memory = _two_layer_memory(tiny_llama_store)
     configs = [{"max_memory_bytes": memory} for _ in range(4)]
@@ -124,7 +109,7 @@ def test_slow_uplink_stays_off_the_ring_and_survivors_keep_their_layers(tiny_lla
             assert 0 < predicted["ttft_s"] < predicted["total_s"] and predicted["decode_step_s"] > 0
             assert len(topo["plan"]["hops"]) == 4
 
-            out = await _generate(engine, [1, 40, 41, 42, 43], 6)
+            out = await generate_greedy(engine, [1, 40, 41, 42, 43], 6)
             measured = engine.info()["topology"]["measured"]
             assert measured["prefill"]["rounds"] == 1 and measured["decode"]["rounds"] >= 4
             for kind in ("prefill", "decode"):
@@ -152,6 +137,6 @@ def test_slow_uplink_stays_off_the_ring_and_survivors_keep_their_layers(tiny_lla
                 assert moved.get(peer, 0) == (b - a) - overlap, (peer, held, after, swarm.plan.moves)
             assert moved, "nobody else held the departed slice, so someone must fetch it"
             # Still the same model: greedy output is unchanged on the repaired ring.
-            assert await _generate(engine, [1, 40, 41, 42, 43], 6) == out
+            assert await generate_greedy(engine, [1, 40, 41, 42, 43], 6) == out
 
     trio.run(main)
