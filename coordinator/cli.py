@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 import trio
@@ -26,13 +27,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def banner(http_port: int, host: str, model: str) -> str:
     base = f"http://{host}:{http_port}"
+    python = os.path.relpath(sys.executable) if sys.executable.startswith(os.getcwd()) else sys.executable
     return f"""
 shard is serving {model} at {base}/v1 (OpenAI-compatible). Try:
 
   curl {base}/v1/chat/completions -H 'Content-Type: application/json' \\
     -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "Name three colours."}}], "max_tokens": 40}}'
 
-  python -c "from openai import OpenAI; c = OpenAI(base_url='{base}/v1', api_key='none'); \\
+  {python} -c "from openai import OpenAI; c = OpenAI(base_url='{base}/v1', api_key='none'); \\
 print(c.chat.completions.create(model='{model}', messages=[{{'role': 'user', 'content': 'Name three colours.'}}], max_tokens=40).choices[0].message.content)"
 
 Ring status: curl {base}/v1/ring     Stop: Ctrl-C
