@@ -88,7 +88,7 @@ class LocalEngine:
         model_id: str,
         max_context_tokens: int | None = None,
     ) -> None:
-        self.model = model.train(False)  # inference mode for dropout etc. (same as .eval())
+        self.model = model.train(False)  # inference mode: no dropout
         self.tokenizer = tokenizer
         self.model_id = model_id
         self.max_context_tokens = int(max_context_tokens or model.config.max_position_embeddings)

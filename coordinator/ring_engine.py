@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import os
 import time
 from collections.abc import AsyncIterator
@@ -163,14 +162,13 @@ class RingEngine:
             await trio.sleep_forever()
 
     async def _emulate(self, stream):
-        c = self.config
-        if not (c.link_latency_ms or c.link_upload_mbps or c.link_jitter_ms):
-            return stream
-        from shard.linkemu import EmulatedLink
+        from shard.linkemu import EmulatedLink, link_settings
 
-        link = EmulatedLink(stream, one_way_latency_s=c.link_latency_ms / 1e3,
-                            upload_bytes_per_s=c.link_upload_mbps * 1e6 / 8 if c.link_upload_mbps else math.inf,
-                            jitter_s=c.link_jitter_ms / 1e3)
+        c = self.config
+        settings = link_settings(c.link_latency_ms, c.link_upload_mbps, c.link_jitter_ms)
+        if settings is None:
+            return stream
+        link = EmulatedLink(stream, **settings)
         await self._links.start(link.serve)
         return link
 
@@ -392,13 +390,7 @@ class RingJob:
             chunks[rounds[-1]] = (start, ids)
             src, dst = (), 0
         if tree.num_nodes:
-            parents = torch.tensor([-1] + [p + 1 if p >= 0 else 0 for p in tree.parents.tolist()], dtype=torch.int32)
-            rounds.append(await self._send(ring, Forward(
-                job_id=self.job_id, epoch=ring.epoch, round=self.round + 1, nonce=self.nonce, phase="verify",
-                ctx_len=root, commit_src=tuple(src), commit_dst=dst, tree_parents=parents, want_aux_layers=self.aux_layers,
-                positions=torch.cat([torch.tensor([root]), tree.positions(root)]),
-                tokens=torch.tensor([self.committed[root], *tree.tokens.tolist()]),
-            )))
+            rounds.append(await self._send(ring, self._verify_frame(ring, root, self.committed[root], tree, src, dst)))
             await self._send_ahead(ring, tree, root, limit)
         self.pending_commit = ((), 0)
         last = None
@@ -443,12 +435,7 @@ class RingJob:
         root_token, drafts = int(guess.tokens[0]), guess.tokens[1:].tolist()
         tree = DraftTree.chain(drafts, source=guess.source)
         root = base_root + 1 + base.num_nodes
-        round_id = await self._send(ring, Forward(
-            job_id=self.job_id, epoch=ring.epoch, round=self.round + 1, nonce=self.nonce, phase="verify",
-            ctx_len=root, positions=torch.cat([torch.tensor([root]), tree.positions(root)]),
-            tree_parents=torch.arange(-1, tree.num_nodes, dtype=torch.int32),
-            tokens=torch.tensor([root_token, *drafts]),
-        ))
+        round_id = await self._send(ring, self._verify_frame(ring, root, root_token, tree))
         self.ahead = Ahead(round_id, ring.epoch, tree, root, root_token, time.monotonic(), time.perf_counter() - t0)
 
     def _still_valid(self, ahead: "Ahead") -> bool:
@@ -477,6 +464,18 @@ class RingJob:
         logits = await trio.to_thread.run_sync(self.engine.logits, result)
         aux = from_wire(result.aux, result.aux_scale, torch.float32) if self.aux_layers and result.aux is not None else None
         return logits[-(ahead.tree.num_nodes + 1):], time.monotonic() - ahead.sent_s, [], aux
+
+    def _verify_frame(self, ring: RingState, root: int, root_token: int, tree: DraftTree,
+                      commit_src=(), commit_dst: int = 0) -> Forward:
+        """The root (at slot `root`) plus the draft: frame parent -1 for the root (it sees
+        the context), draft parent + 1 below it; siblings share a position."""
+        parents = torch.tensor([-1] + [p + 1 if p >= 0 else 0 for p in tree.parents.tolist()], dtype=torch.int32)  # (1+M,)
+        return Forward(
+            job_id=self.job_id, epoch=ring.epoch, round=self.round + 1, nonce=self.nonce, phase="verify",
+            ctx_len=root, commit_src=tuple(commit_src), commit_dst=commit_dst, tree_parents=parents,
+            want_aux_layers=self.aux_layers, positions=torch.cat([torch.tensor([root]), tree.positions(root)]),
+            tokens=torch.tensor([root_token, *tree.tokens.tolist()]),
+        )
 
     async def _send(self, ring: RingState, fwd: Forward) -> int:
         self.round += 1

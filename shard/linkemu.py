@@ -47,6 +47,16 @@ class Uplink:
         return self._free_at_s
 
 
+def link_settings(latency_ms: float, upload_mbps: float, jitter_ms: float) -> dict[str, float] | None:
+    """EmulatedLink keyword arguments from the CLI's units (ms, Mbit/s; 0 = not limited),
+    or None when nothing is emulated. The one place those units are converted."""
+    if not (latency_ms or upload_mbps or jitter_ms):
+        return None
+    return dict(one_way_latency_s=latency_ms / 1e3,
+                upload_bytes_per_s=upload_mbps * 1e6 / 8 if upload_mbps else math.inf,
+                jitter_s=jitter_ms / 1e3)
+
+
 class EmulatedLink:
     """A FrameEndpoint whose sends see latency, upload bandwidth and jitter.
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-import math
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -260,8 +259,8 @@ class Node:
     @contextlib.asynccontextmanager
     async def _open_link(self, stream: FramedStream) -> AsyncIterator:
         """`stream` behind this node's link emulation (if any) for the block; closed after."""
-        cfg = self.config
-        if not (cfg.link_latency_ms or cfg.link_upload_mbps or cfg.link_jitter_ms):
+        settings = self._emulation()
+        if settings is None:
             try:
                 yield stream
             finally:
@@ -269,14 +268,14 @@ class Node:
             return
         from shard.linkemu import open_emulated_link
 
-        async with open_emulated_link(stream, **self._emulation()) as link:
+        async with open_emulated_link(stream, **settings) as link:
             yield link
 
-    def _emulation(self) -> dict:
+    def _emulation(self) -> dict | None:
+        from shard.linkemu import link_settings
+
         cfg = self.config
-        return dict(one_way_latency_s=cfg.link_latency_ms / 1e3,
-                    upload_bytes_per_s=cfg.link_upload_mbps * 1e6 / 8 if cfg.link_upload_mbps else math.inf,
-                    jitter_s=cfg.link_jitter_ms / 1e3)
+        return link_settings(cfg.link_latency_ms, cfg.link_upload_mbps, cfg.link_jitter_ms)
 
     def _audit_reply(self, req: AuditRequest) -> AuditReply:
         """The logged canonical bytes of one side of one frame (None if not kept)."""
@@ -404,12 +403,12 @@ class Node:
     async def _emulate(self, stream):
         """Wrap an outgoing edge (ring successor, control stream) in the configured link
         emulation (a transport decorator: nothing else in the node knows about it)."""
-        cfg = self.config
-        if not (cfg.link_latency_ms or cfg.link_upload_mbps or cfg.link_jitter_ms):
+        settings = self._emulation()
+        if settings is None:
             return stream
         from shard.linkemu import EmulatedLink
 
-        link = EmulatedLink(stream, **self._emulation())
+        link = EmulatedLink(stream, **settings)
         await self._links.start(link.serve)
         return link
 
