@@ -167,7 +167,7 @@ def check_frames(stage: Stage, plan: AuditPlan, records: dict[int, tuple[bytes, 
                     return Finding("record_digest", r, f"logged {side} of round {r} does not hash to its receipt",
                                    _failed_spot(tol), sha256_digest(data))
         try:
-            inp, out = decode(rec[0], limits), decode(rec[1], limits)
+            inp, out = decode(rec[0], limits, canonical=True), decode(rec[1], limits, canonical=True)
         except WireError as exc:
             return Finding("structure", r, f"logged frame of round {r} does not decode: {exc}", _failed_spot(tol), bytes(32))
         if not isinstance(inp, Forward) or not isinstance(out, (Forward, Result)):

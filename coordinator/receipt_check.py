@@ -145,18 +145,20 @@ class JobReceipts:
     _epochs: dict[int, EpochView] = field(default_factory=dict)
     failed: bool = False
 
-    def sent(self, fwd: Forward) -> None:
-        """Record the digest of a frame the coordinator sent to the head."""
-        self._sent[fwd.round] = (fwd.epoch, frame_digest(fwd))
+    def sent(self, fwd: Forward, digest: bytes | None = None) -> None:
+        """Record the digest of a frame the coordinator sent to the head: `digest` of the
+        canonical bytes it put on the wire (re-derived from fwd when None)."""
+        self._sent[fwd.round] = (fwd.epoch, digest if digest is not None else frame_digest(fwd))
         self._order.setdefault(fwd.epoch, []).append(fwd.round)
 
-    def check(self, ring: RingState, result: Result) -> None:
-        """Verify the chain behind `result`. Raises ReceiptRejected (and marks the job
-        failed) on any failure; returns only if every layer is accounted for."""
+    def check(self, ring: RingState, result: Result, received_digest: bytes | None = None) -> None:
+        """Verify the chain behind `result`, whose canonical bytes as received hash to
+        `received_digest` (re-derived from result when None). Raises ReceiptRejected (and
+        marks the job failed) on any failure; returns only if every layer is accounted for."""
         view = self.checker.epoch_view(ring)
         self._epochs[ring.epoch] = view
         epoch, sent_digest = self._sent.get(result.round, (result.epoch, bytes(32)))
-        received = frame_digest(result)
+        received = received_digest if received_digest is not None else frame_digest(result)
         try:
             if epoch != result.epoch:
                 raise VerificationError(f"result for epoch {result.epoch}, round {result.round} was sent on epoch {epoch}")

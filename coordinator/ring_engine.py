@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import trio
 
+from receipts import sha256_digest
 from coordinator.engine import JobFailedError, NotReadyError
 from coordinator.receipt_check import JobReceipts, ReceiptChecker
 from coordinator import adapt
@@ -36,7 +37,7 @@ from shard.errors import WireError
 from shard.stage import OutputHead
 from shard.transport import FramedStream, Host, TransportError
 from shard.node import RING_PROTOCOL
-from shard.wire.codec import decode, encode
+from shard.wire.codec import decode_frame, encode, encode_body, encode_trailer
 from shard.wire.messages import EndJob, Forward, JobError, Result
 
 log = logging.getLogger("shard.coordinator")
@@ -64,6 +65,15 @@ PROBE_NODES = 2
 
 class RingChanged(Exception):
     """The ring this job's KV lives on is gone (a node left or the ring re-formed)."""
+
+
+@dataclass(frozen=True)
+class Arrived:
+    """A Result from the tail, with the SHA-256 of its canonical bytes as received (what
+    the tail's receipt must name as its output; b"" when receipts are off)."""
+
+    result: Result
+    digest: bytes
 
 
 class RingEngine:
@@ -146,6 +156,10 @@ class RingEngine:
 
     # -- frames ----------------------------------------------------------------------------
     async def send(self, ring: RingState, msg: Forward | EndJob) -> None:
+        await self.send_body(ring, encode(msg))
+
+    async def send_body(self, ring: RingState, body: bytes) -> None:
+        """Send an encoded frame body to the ring's head."""
         async with self._send_lock:
             stream = self._head_streams.get(ring.epoch)
             if stream is None:
@@ -153,7 +167,7 @@ class RingEngine:
                 stream = await self.host.open_stream(ring.head, RING_PROTOCOL)
                 stream = await self._emulate(stream)
                 self._head_streams[ring.epoch] = stream
-            await stream.send_frame(encode(msg))
+            await stream.send_frame(body)
 
     async def serve(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Hold the nursery that pumps emulated links; never returns."""
@@ -184,19 +198,20 @@ class RingEngine:
                     log.warning("refused a frame from %s: not the tail of the current ring", remote)
                     return
                 try:
-                    msg = decode(body, limits)
+                    msg, canonical_len = decode_frame(body, limits)
                 except WireError as exc:
                     log.warning("dropped a malformed frame from tail %s: %s", remote, exc)
                     continue
                 if isinstance(msg, Result):
-                    self._deliver(msg)
+                    digest = sha256_digest(memoryview(body)[:canonical_len]) if self.receipts is not None else b""
+                    self._deliver(Arrived(msg, digest))
         except (TransportError, WireError) as exc:
             log.info("ring stream from %s ended: %s", remote, exc)
         finally:
             await stream.aclose()
 
-    def _deliver(self, msg: Result | JobError) -> None:
-        channel = self._jobs.get(msg.job_id)
+    def _deliver(self, msg: Arrived | JobError) -> None:
+        channel = self._jobs.get(msg.result.job_id if isinstance(msg, Arrived) else msg.job_id)
         if channel is not None:
             try:
                 channel.send_nowait(msg)
@@ -397,9 +412,7 @@ class RingJob:
         fed, tree_aux = [], None  # aux rows of committed chunks; of the verify frame
         with trio.fail_after(self.engine.config.frame_timeout_s * len(rounds)):
             for expected in rounds:
-                last = await self._receive(ring.epoch, expected)
-                if self.receipts is not None:
-                    self.receipts.check(ring, last)  # fail closed: ReceiptRejected ends the job
+                last = await self._receive(ring, expected)  # receipts checked (fail closed)
                 if self.aux_layers and last.aux is not None:
                     aux = from_wire(last.aux, last.aux_scale, torch.float32)  # (T, k*H)
                     if expected in chunks:
@@ -452,9 +465,7 @@ class RingJob:
         try:
             await self._send_ahead(ring, ahead.tree, ahead.root, limit)
             with trio.fail_after(self.engine.config.frame_timeout_s):
-                result = await self._receive(ring.epoch, ahead.round)
-                if self.receipts is not None:
-                    self.receipts.check(ring, result)
+                result = await self._receive(ring, ahead.round)
         except (RingChanged, JobFailedError, TransportError, trio.TooSlowError) as exc:
             log.warning("job %s: pipelined round failed (%s); resuming", self.job_id, exc)
             self.ring_epoch, self.ring_ctx, self.pending_commit, self.ahead = -1, 0, ((), 0), None
@@ -480,12 +491,16 @@ class RingJob:
     async def _send(self, ring: RingState, fwd: Forward) -> int:
         self.round += 1
         fwd = dataclasses.replace(fwd, round=self.round)
+        body = encode_body(fwd)  # the canonical bytes: hashed for the receipt check, then sent
         if self.receipts is not None:
-            self.receipts.sent(fwd)
-        await self.engine.send(ring, fwd)
+            self.receipts.sent(fwd, sha256_digest(body))
+        await self.engine.send_body(ring, body + encode_trailer(fwd))
         return self.round
 
-    async def _receive(self, epoch: int, expected_round: int) -> Result:
+    async def _receive(self, ring: RingState, expected_round: int) -> Result:
+        """The Result of `expected_round` on `ring`, its receipts checked first when
+        receipts are on (ReceiptRejected fails the job closed)."""
+        epoch = ring.epoch
         while True:
             msg = await self.inbox.receive()
             if isinstance(msg, RingChanged):
@@ -494,8 +509,10 @@ class RingJob:
                 if msg.epoch == epoch:
                     raise JobFailedError(f"stage {msg.stage} failed: {msg.code}: {msg.message}")
                 continue
-            if msg.epoch == epoch and msg.round == expected_round:
-                return msg
+            if msg.result.epoch == epoch and msg.result.round == expected_round:
+                if self.receipts is not None:
+                    self.receipts.check(ring, msg.result, msg.digest)
+                return msg.result
             # a stale result from a discarded round or an old epoch: ignore it
 
     def stats(self) -> dict[str, Any]:

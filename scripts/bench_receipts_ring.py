@@ -8,8 +8,9 @@ repetition, so drift in the machine's load falls on both sides), and each figure
 median over repetitions of a paired on/off ratio, with its spread (min, max).
 
 Measured directly as well, since the ring's tok/s on a loaded machine is noisy:
-- receipts' share of stage time: seconds in the stage's signer per frame (canonical bytes,
-  frame log, SHA-256, Ed25519, encoding) over the stage's compute_s for the same frames;
+- receipts' share of stage time: seconds in the stage's signer per frame (SHA-256 of the
+  received and sent canonical bytes, frame log, Ed25519, encoding) over the stage's
+  compute_s for the same frames;
 - the coordinator's checking per round (chain verify, digests, bundle) over the ring's
   compute for the round.
 Each "on" job is audited right after it finishes, before the next request starts (so
@@ -62,10 +63,10 @@ def _timed_make_signer(make):
     def make_timed(*args, **kw):
         sign = make(*args, **kw)
 
-        def timed(received, sent):
+        def timed(*args):
             t0 = time.perf_counter()
             try:
-                return sign(received, sent)
+                return sign(*args)
             finally:
                 SIGN_S["s"] += time.perf_counter() - t0
                 SIGN_S["frames"] += 1

@@ -2,7 +2,9 @@
 
 One SmolLM2 middle stage (layers [10, 20), fp32, 1 thread) processes the same decode and
 verify frames with and without its receipt signer (frame log on, as nodes run it), the
-two workers alternating call by call; the signer is also timed alone on those frames.
+two workers alternating call by call. Each call is what a node does per frame
+(StageWorker.process_frame: compute, encode the output, and sign over the received and
+sent canonical bytes); the signer is also timed alone on those frames.
 Usage: python scripts/bench_stage_receipts.py [--json OUT] [--reps N]
 """
 
@@ -26,6 +28,7 @@ from shard.receipt_signer import make_signer
 from shard.stage import Stage
 from shard.stage_worker import StageWorker, WorkerConfig
 from shard.store import open_or_prepare
+from shard.wire.codec import encode_body
 from shard.wire.messages import Assignment, Forward
 
 LAYERS = LayerRange(10, 20)
@@ -56,18 +59,20 @@ def main(argv=None) -> int:
     ctx = 128
     warm = Forward(job_id="bench", epoch=1, round=0, nonce=b"n" * 16, phase="prefill", ctx_len=0,
                    positions=torch.arange(ctx), hidden=torch.randn(ctx, cfg.hidden_size))
-    plain.process(warm), signed.process(warm)
+    plain.process_frame(warm), signed.process_frame(warm)
     rows = []
     for t in (1, 8):
         fwd = frames(cfg, ctx, t)
+        received = memoryview(encode_body(fwd))  # as the node hands it over: a view of the frame it read
         a, b, s = [], [], []
         for _ in range(args.reps):
             for worker, out in ((plain, a), (signed, b)):
                 t0 = time.perf_counter()
-                sent = worker.process(fwd)
+                sent, _ = worker.process_frame(fwd, received)
                 out.append(time.perf_counter() - t0)
+            sent_bytes = encode_body(sent)
             t0 = time.perf_counter()
-            signer(fwd, sent)
+            signer(fwd, received, sent_bytes)
             s.append(time.perf_counter() - t0)
         row = {"frame_tokens": t, "stage_s_best": min(a), "stage_with_receipts_s_best": min(b),
                "signer_s_median": statistics.median(s), "signer_share_of_stage": statistics.median(s) / min(a),

@@ -35,7 +35,7 @@ from shard.stage import Stage
 from shard.stage_worker import StageWorker, WorkerConfig
 from shard.store import ModelStore, open_or_prepare
 from shard.transport import FramedStream, Host, TransportError
-from shard.wire.codec import decode, encode
+from shard.wire.codec import decode, decode_frame, encode
 from shard.wire.limits import Limits
 from shard.wire.messages import (ROLE_STAGE, Assignment, AuditReply, AuditRequest, EndJob, Forward, JobError, LinkReport,
                                  Ping, Pong, ProbePeers, Ready, Register, Result)
@@ -344,22 +344,23 @@ class Node:
                                 remote, state.assignment.epoch if state else "-")
                     return
                 try:
-                    msg = decode(body, self.limits)
+                    msg, canonical_len = decode_frame(body, self.limits)
                 except WireError as exc:
                     log.warning("dropped a malformed frame from %s: %s", remote, exc)
                     continue
-                await self._handle(state, msg)
+                await self._handle(state, msg, memoryview(body)[:canonical_len])
         except TransportError as exc:
             log.info("ring stream from %s ended: %s", remote, exc)
         finally:
             await stream.aclose()
 
-    async def _handle(self, state: EpochState, msg) -> None:
+    async def _handle(self, state: EpochState, msg, received: memoryview) -> None:
+        """`received`: msg's canonical bytes as they arrived (what its receipt hashes)."""
         if isinstance(msg, EndJob):
             state.worker.end_job(msg.job_id)
             self.frame_log.end_job(msg.job_id)
             if state.assignment.successor is not None:
-                await self._send_ring(state, msg)
+                await self._send_ring(state, encode(msg))
             return
         if not isinstance(msg, Forward):
             log.warning("ignoring %s on a ring stream", type(msg).__name__)
@@ -368,7 +369,7 @@ class Node:
             await self._job_error(msg, "stale_epoch", f"frame for epoch {msg.epoch}, serving {state.assignment.epoch}")
             return
         try:
-            out = await trio.to_thread.run_sync(state.worker.process, msg, limiter=self.compute_limiter)
+            _, out = await trio.to_thread.run_sync(state.worker.process_frame, msg, received, limiter=self.compute_limiter)
         except ShardError as exc:
             log.warning("job %s round %d failed: %s", msg.job_id, msg.round, exc)
             await self._job_error(msg, type(exc).__name__, str(exc))
@@ -385,7 +386,8 @@ class Node:
         await self._send_control(JobError(job_id=msg.job_id, epoch=msg.epoch, round=msg.round, code=code[:64],
                                           message=text[:1024], stage=self.host.peer_id))
 
-    async def _send_ring(self, state: EpochState, msg: Forward | Result | EndJob) -> None:
+    async def _send_ring(self, state: EpochState, body: bytes) -> None:
+        """Send an encoded frame body to the successor (dialling it on first use)."""
         target = state.successor
         stream = self._out_streams.get(target)
         if stream is None:
@@ -398,7 +400,7 @@ class Node:
             stream = await self.host.open_stream(target, RING_PROTOCOL)
             stream = await self._emulate(stream)
             self._out_streams[target] = stream
-        await stream.send_frame(encode(msg))
+        await stream.send_frame(body)
 
     async def _emulate(self, stream):
         """Wrap an outgoing edge (ring successor, control stream) in the configured link

@@ -3,7 +3,9 @@
 Synchronous and transport-free (the node runs it in a worker thread): it opens and
 frees per-job KV caches, converts activations from and to the wire dtype, runs the
 stage forward, attaches EAGLE aux features for the layers it owns, and builds the
-Forward for its successor, or the Result for the coordinator when it is the tail.
+Forward for its successor, or the Result for the coordinator when it is the tail;
+process_frame also encodes it and has it signed, over the very bytes it received and
+the canonical bytes it sends (no re-encoding for the receipt).
 It does not know peers, streams or which peer sent the frame (the node checks that).
 """
 
@@ -19,6 +21,7 @@ import torch
 from shard.activations import from_wire, to_wire
 from shard.kvcache import KVCache
 from shard.stage import Stage, StageInputError
+from shard.wire.codec import encode_body, encode_trailer
 from shard.wire.messages import Forward, Result
 
 # Extra slots past the model's context so a full-context job can still hold a draft tree.
@@ -33,9 +36,10 @@ class WorkerConfig:
     max_context_tokens: int = 8192
 
 
-# Called with (frame received, message about to be sent) to produce a signed receipt;
-# None = receipts off. Kept abstract so this module stays free of key handling.
-ReceiptSigner = Callable[[Forward, "Forward | Result"], bytes]
+# Called with (frame received, its canonical bytes as received, the canonical bytes about
+# to be sent) to produce a signed receipt; None = receipts off. Kept abstract so this
+# module stays free of key handling.
+ReceiptSigner = Callable[[Forward, "bytes | memoryview", bytes], bytes]
 
 
 class StageWorker:
@@ -48,9 +52,24 @@ class StageWorker:
     def end_job(self, job_id: str) -> None:
         self.cache.close(job_id)
 
+    def process_frame(self, fwd: Forward, received: bytes | memoryview | None = None) -> tuple[Forward | Result, bytes]:
+        """Run one frame and encode what to send: (message, wire body), the body carrying
+        this stage's receipt when a signer is set. `received`: fwd's canonical bytes as
+        they arrived (shard.wire.codec.decode_frame); re-encoded from fwd when None.
+        Raises ShardError subclasses (CacheFullError, StageInputError, WireError...) for
+        frames this stage cannot serve; the caller turns them into a JobError."""
+        out = self.process(fwd)
+        body = encode_body(out)  # checked: we never send what the successor must refuse
+        if self.signer is not None:
+            if received is None:
+                received = encode_body(fwd, check=False)
+            receipt = self.signer(fwd, received, body)
+            out = dataclasses.replace(out, receipts=(*fwd.receipts, receipt))
+        return out, body + encode_trailer(out)
+
     def process(self, fwd: Forward) -> Forward | Result:
-        """Run one frame. Raises ShardError subclasses (CacheFullError, StageInputError...)
-        for frames this stage cannot serve; the caller turns them into a JobError."""
+        """Run one frame: the output message, unsigned and not encoded (audit replays use
+        this directly). Raises as process_frame does."""
         stage = self.stage
         job = self.cache.jobs.get(fwd.job_id)
         if job is None:
@@ -88,9 +107,6 @@ class StageWorker:
                 tree_parents=fwd.tree_parents, hidden=hidden, hidden_scale=hidden_scale, aux=aux, aux_scale=aux_scale,
                 want_aux_layers=fwd.want_aux_layers, receipts=fwd.receipts, compute_s=compute_s,
             )
-        if self.signer is not None:
-            receipt = self.signer(fwd, out)
-            out = dataclasses.replace(out, receipts=(*fwd.receipts, receipt))
         return out
 
     def _aux(self, fwd: Forward, captured: dict[int, torch.Tensor]) -> tuple[torch.Tensor | None, torch.Tensor | None]:

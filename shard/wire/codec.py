@@ -1,8 +1,13 @@
-"""Frame bodies: [u32 BE header length][msgpack header][raw tensor bytes], both ways.
+"""Frame bodies: [u32 BE header length][msgpack header][raw tensor bytes][trailer].
 
 The header is a msgpack map: `v` (protocol version), `kind` (a REGISTRY key), the
 message's non-tensor fields, and `tensors`, a list of [name, dtype, shape, nbytes] whose
-bytes follow the header in that order, contiguous and little-endian.
+bytes follow the header in that order, contiguous and little-endian. Everything up to the
+end of the tensor bytes is the frame's *canonical bytes* (what receipts hash). Messages
+with TRAILER fields (receipts, compute_s: what each stage appends) carry them after the
+tensors as a msgpack map, always, so a frame cut at any point fails to decode; every other
+message ends with its tensor bytes. Canonical bytes on their own (a stage's frame log)
+decode with canonical=True, the trailer fields taking their empty defaults.
 
 decode() checks every length, count, type, dtype and shape a peer declares against
 Limits before allocating anything for it, and raises only WireError. Knows nothing of
@@ -27,7 +32,7 @@ from shard.wire.fields import Tensor, kind_of
 from shard.wire.limits import FRAME_PREFIX, MAX_RANK, Limits
 from shard.wire.messages import PROTOCOL_VERSION, REGISTRY, RESERVED_KEYS, Message
 
-__all__ = ["FRAME_PREFIX", "HEADER_PREFIX", "Limits", "encode", "decode"]
+__all__ = ["FRAME_PREFIX", "HEADER_PREFIX", "Limits", "encode", "encode_body", "encode_trailer", "decode", "decode_frame"]
 
 # Inside a body: the length of the msgpack header, u32 big-endian.
 HEADER_PREFIX = struct.Struct(">I")
@@ -50,9 +55,24 @@ def _clip(value: object, n: int = 64) -> object:
 
 
 def _fields(cls: type) -> tuple[list[dataclasses.Field], list[dataclasses.Field]]:
-    """(header fields, tensor fields) of a message class, in declaration order."""
-    fs = dataclasses.fields(cls)
+    """(header fields, tensor fields) of a message class, in declaration order; trailer
+    fields are neither."""
+    trailer = _trailer_names(cls)
+    fs = [f for f in dataclasses.fields(cls) if f.name not in trailer]
     return [f for f in fs if not isinstance(kind_of(f), Tensor)], [f for f in fs if isinstance(kind_of(f), Tensor)]
+
+
+def _trailer_names(cls: type) -> tuple[str, ...]:
+    return getattr(cls, "TRAILER", ())
+
+
+def _pack_field(msg: Message, f: dataclasses.Field, limits: Limits, check: bool) -> Any:
+    kind = kind_of(f)
+    try:
+        packed = kind.pack(getattr(msg, f.name))
+    except (TypeError, ValueError) as e:
+        raise WireError(f"field '{f.name}' type", type(kind).__name__, type(getattr(msg, f.name)).__name__) from e
+    return kind.check(f"field '{f.name}'", packed, limits) if check else packed
 
 
 def _itemsize_of(t: Any) -> int:
@@ -61,10 +81,15 @@ def _itemsize_of(t: Any) -> int:
 
 
 def encode(msg: Message, limits: Limits | None = None, *, check: bool = True) -> bytes:
-    """The frame body for `msg` (no stream prefix). Checks msg with the same rules decode
-    applies, under `limits` (default Limits()), so we never send what a peer must refuse.
-    check=False skips those rules (not the layout): only for re-encoding a message that
-    already passed them, e.g. the canonical bytes receipts hash (shard.frame_digest)."""
+    """The frame body for `msg` (no stream prefix): encode_body then encode_trailer."""
+    return encode_body(msg, limits, check=check) + encode_trailer(msg, limits, check=check)
+
+
+def encode_body(msg: Message, limits: Limits | None = None, *, check: bool = True) -> bytes:
+    """The canonical bytes of `msg`: header and tensors, no trailer. Checks msg with the
+    same rules decode applies, under `limits` (default Limits()), so we never send what a
+    peer must refuse. check=False skips those rules (not the layout): only for bytes of a
+    message that already passed them (shard.frame_digest)."""
     limits = limits or Limits()
     cls = type(msg)
     if REGISTRY.get(getattr(cls, "KIND", None)) is not cls:
@@ -72,12 +97,7 @@ def encode(msg: Message, limits: Limits | None = None, *, check: bool = True) ->
     header: dict[str, Any] = {"v": PROTOCOL_VERSION, "kind": cls.KIND}
     header_fields, tensor_fields = _fields(cls)
     for f in header_fields:
-        kind = kind_of(f)
-        try:
-            packed = kind.pack(getattr(msg, f.name))
-        except (TypeError, ValueError) as e:
-            raise WireError(f"field '{f.name}' type", type(kind).__name__, type(getattr(msg, f.name)).__name__) from e
-        header[f.name] = kind.check(f"field '{f.name}'", packed, limits) if check else packed
+        header[f.name] = _pack_field(msg, f, limits, check)
     table, chunks = [], []
     # Largest itemsize first: with the tensor bytes starting 8-aligned (see `pad`), every
     # tensor then starts at a multiple of its own itemsize and decodes without a copy.
@@ -111,21 +131,39 @@ def encode(msg: Message, limits: Limits | None = None, *, check: bool = True) ->
     return b"".join([HEADER_PREFIX.pack(len(head)), head, *chunks])
 
 
-def decode(body: bytes | bytearray | memoryview, limits: Limits) -> Message:
+def encode_trailer(msg: Message, limits: Limits | None = None, *, check: bool = True) -> bytes:
+    """The bytes that follow msg's canonical bytes: a msgpack map of its TRAILER fields
+    (b"" for a class with none)."""
+    names = _trailer_names(type(msg))
+    if not names:
+        return b""
+    limits = limits or Limits()
+    by_name = {f.name: f for f in dataclasses.fields(msg)}
+    return msgpack.packb({name: _pack_field(msg, by_name[name], limits, check) for name in names}, use_bin_type=True)
+
+
+def decode(body: bytes | bytearray | memoryview, limits: Limits, *, canonical: bool = False) -> Message:
     """Parse and validate a frame body from a peer. Raises WireError and nothing else.
 
     Tensors are views into `body` when it is writable (bytearray) and suitably aligned;
     otherwise their bytes are copied once. Keep `body` alive as long as the tensors.
+    canonical=True: `body` is canonical bytes only (no trailer; see the module doc).
     """
+    return decode_frame(body, limits, canonical=canonical)[0]
+
+
+def decode_frame(body: bytes | bytearray | memoryview, limits: Limits, *, canonical: bool = False) -> tuple[Message, int]:
+    """decode(), plus the length n of the body's canonical bytes (body[:n], what receipts
+    hash: everything before the trailer)."""
     try:
-        return _decode(body, limits)
+        return _decode(body, limits, canonical)
     except WireError:
         raise
     except _PARSE_ERRORS as e:  # a check we missed must still be a protocol error on this edge
         raise WireError("malformed frame", None, f"{type(e).__name__}: {_clip(str(e), 200)}") from e
 
 
-def _decode(body: Any, limits: Limits) -> Message:
+def _decode(body: Any, limits: Limits, canonical: bool) -> tuple[Message, int]:
     if not isinstance(body, (bytes, bytearray, memoryview)):
         raise WireError("frame body type", "bytes", type(body).__name__)
     mv = memoryview(body).cast("B")  # (n,) bytes; cast raises ValueError if non-contiguous
@@ -163,15 +201,36 @@ def _decode(body: Any, limits: Limits) -> Message:
     for f in tensor_fields:
         if f.name not in table and not kind_of(f).optional:
             raise WireError(f"tensor '{f.name}' missing")
+    canonical_end = tensor_start + sum(nbytes for _, _, nbytes in table.values())
+    values.update(_trailer(() if canonical else _trailer_names(cls), cls, mv[canonical_end:], limits))
     values.update(_tensor_views(body, mv, tensor_start, table))
     msg = cls(**values)
     msg.check(limits)
-    return msg
+    return msg, canonical_end
 
 
-def _parse_header(raw: memoryview, limits: Limits) -> dict:
+def _trailer(names: tuple[str, ...], cls: type, raw: memoryview, limits: Limits) -> dict[str, Any]:
+    """The values of trailer fields `names` from `raw` (all bytes after the tensors)."""
+    if not names:
+        if raw.nbytes:
+            raise WireError("bytes after the tensors", 0, raw.nbytes)
+        return {}
+    trailer = _parse_header(raw, limits, what="trailer")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for key in trailer:
+        if key not in names:
+            raise WireError(f"unknown trailer field for '{cls.KIND}'", list(names), _clip(key))
+    values = {}
+    for name in names:
+        if name not in trailer:
+            raise WireError(f"trailer field '{name}' missing")
+        values[name] = kind_of(fields[name]).check(f"field '{name}'", trailer[name], limits)
+    return values
+
+
+def _parse_header(raw: memoryview, limits: Limits, what: str = "header") -> dict:
     def no_ext(code: int, data: bytes) -> None:
-        raise WireError("header msgpack ext type", None, code)
+        raise WireError(f"{what} msgpack ext type", None, code)
 
     try:
         header = msgpack.unpackb(
@@ -189,19 +248,19 @@ def _parse_header(raw: memoryview, limits: Limits) -> dict:
     except WireError:
         raise
     except _PARSE_ERRORS as e:
-        raise WireError("header msgpack", None, f"{type(e).__name__}: {_clip(str(e), 200)}") from e
+        raise WireError(f"{what} msgpack", None, f"{type(e).__name__}: {_clip(str(e), 200)}") from e
     # Iterative walk: bounds nesting and rejects any non-plain value, without recursion.
     stack = [(header, 1)]
     while stack:
         obj, depth = stack.pop()
         if isinstance(obj, (dict, list)):
             if depth > limits.max_depth:
-                raise WireError("header nesting depth", limits.max_depth, depth)
+                raise WireError(f"{what} nesting depth", limits.max_depth, depth)
             stack.extend((v, depth + 1) for v in (obj.values() if isinstance(obj, dict) else obj))
         elif not isinstance(obj, _PLAIN_LEAVES):
-            raise WireError("header value type", None, type(obj).__name__)
+            raise WireError(f"{what} value type", None, type(obj).__name__)
     if not isinstance(header, dict):
-        raise WireError("header type", "map", type(header).__name__)
+        raise WireError(f"{what} type", "map", type(header).__name__)
     return header
 
 
@@ -254,7 +313,7 @@ def _tensor_table(header: dict, specs: dict[str, Tensor], limits: Limits, remain
             raise WireError(f"{what} nbytes", expected, _clip(nbytes))
         total_bytes += nbytes
         table[name] = (dtype, shape, nbytes)
-    if total_bytes != remaining:
+    if total_bytes > remaining:
         raise WireError("tensor bytes after header", total_bytes, remaining)
     return table
 

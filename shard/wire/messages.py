@@ -20,7 +20,9 @@ from shard.wire.dtypes import BY_TORCH, FLOAT_NAMES, FP8_NAMES
 from shard.wire.fields import Bytes, Float, Int, ListOf, MapOf, OptionalOf, Str, Tensor, kind_of, spec
 from shard.wire.limits import MAX_PAYLOAD_BYTES, MAX_RECEIPT_BYTES, MAX_RECEIPTS, Limits
 
-PROTOCOL_VERSION = 1
+# 2: per-stage trailer fields (receipts, compute_s) left the header for a trailer after
+# the tensor bytes, so a frame's canonical bytes are a prefix of its wire bytes.
+PROTOCOL_VERSION = 2
 # Header keys the codec owns; no message field may use them. `pad` (bin, 0..7 bytes) makes
 # the tensor bytes start 8-aligned in the body so they can be viewed without copying.
 RESERVED_KEYS = frozenset({"v", "kind", "tensors", "pad"})
@@ -35,6 +37,10 @@ COMPUTE_TIMES = ListOf(Float(), max_items=MAX_RECEIPTS)  # one per stage, like r
 FLOATS = frozenset(FLOAT_NAMES)
 INTS = frozenset({"i32", "i64"})
 F32 = frozenset({"f32"})
+# Fields each stage appends to as a frame travels (its receipt, its compute time). The
+# codec writes them in a trailer after the tensor bytes, outside the canonical bytes that
+# receipts hash (shard.frame_digest), so appending never changes what was signed.
+TRAILER_FIELDS = ("receipts", "compute_s")
 ROLE_STAGE = "stage"  # Assignment.role of a ring member; every other role serves no frames
 
 
@@ -91,6 +97,7 @@ class Forward:
     """Coordinator -> head, stage -> next stage: run these T tokens through your layers."""
 
     KIND: ClassVar[str] = "forward"
+    TRAILER: ClassVar[tuple[str, ...]] = TRAILER_FIELDS
     job_id: str = spec(JOB_ID)
     epoch: int = spec(EPOCH)
     round: int = spec(ROUND)
@@ -141,6 +148,7 @@ class Result:
     """Tail -> coordinator: the final hidden states of a frame (and EAGLE aux features)."""
 
     KIND: ClassVar[str] = "result"
+    TRAILER: ClassVar[tuple[str, ...]] = TRAILER_FIELDS
     job_id: str = spec(JOB_ID)
     epoch: int = spec(EPOCH)
     round: int = spec(ROUND)

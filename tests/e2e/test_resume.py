@@ -38,12 +38,13 @@ async def run_job(engine, on_block=None) -> tuple[list[int], dict]:
 
 def test_a_stage_dying_mid_request_costs_time_not_tokens(tiny_llama_store):
     async def main():
-        # Three nodes, each able to hold half the model: a 2-stage ring plus one spare that
-        # can take over when a stage dies.
+        # Three nodes, each able to hold half the model: the selector forms a 2-stage ring
+        # plus a spare, or (when its measurements favour it) uses all three; either way
+        # the two left after a death still hold the whole model.
         async with open_local_ring(tiny_llama_store, 3, engine=EngineConfig(draft="none", resume_wait_s=5),
                                    node_config={"max_memory_bytes": memory_for_stages(tiny_llama_store, 2)}) as ring:
             reference, _ = await run_job(ring.engine)
-            assert len(ring.swarm.ring.stages) == 2
+            assert len(ring.swarm.ring.stages) in (2, 3)
             victim = ring.swarm.ring.stages[-1][0]  # the tail: the stream results come back on
             killed = []
 

@@ -250,8 +250,10 @@ def _header_case(mutate, base=None) -> bytes:
 PINNED = {
     "unknown kind": (lambda h: h.update(kind="Pickle"), "message kind (limit ['assignment', 'audit_reply', 'audit_request', 'end_job', 'forward', 'job_error', "
                      "'link_report', 'ping', 'pong', 'probe_peers', 'ready', 'register', 'result'], got Pickle)"),
-    "bool version": (lambda h: h.update(v=True), "protocol version (limit 1, got True)"),
-    "future version": (lambda h: h.update(v=2), "protocol version (limit 1, got 2)"),
+    "bool version": (lambda h: h.update(v=True), "protocol version (limit 2, got True)"),
+    "old version": (lambda h: h.update(v=1), "protocol version (limit 2, got 1)"),
+    "future version": (lambda h: h.update(v=3), "protocol version (limit 2, got 3)"),
+    "trailer field in header": (lambda h: h.update(receipts=[]), "unknown field for 'forward' (limit None, got receipts)"),
     "bool for int": (lambda h: h.update(epoch=True), "field 'epoch' type (limit int, got bool)"),
     "negative int": (lambda h: h.update(round=-1), "field 'round' range (limit [0, 9223372036854775807], got -1)"),
     "long job id": (lambda h: h.update(job_id="j" * 65), "field 'job_id' length (limit 64, got 65)"),
@@ -285,14 +287,53 @@ def test_framing_errors_pinned():
     assert str(_refuse(body, Limits(max_frame_bytes=64, max_header_bytes=64))) == f"frame length (limit 64, got {len(body)})"
     assert str(_refuse(b"\x00\x00\x00\x00")).startswith("header msgpack (limit None, got ")
     assert str(_refuse(struct.pack(">I", 3 << 20) + b"x")) == "header length (limit 2097152, got 3145728)"
-    assert str(_refuse(body + b"\x00")) == "tensor bytes after header (limit 80, got 81)"
+    assert str(_refuse(body[:-1])).startswith("trailer msgpack (limit None, got ")
+    assert str(_refuse(body + b"\x00")).startswith("trailer msgpack (limit None, got ExtraData")
+    tensors_end = len(codec.encode_body(_forward(2)))
+    assert str(_refuse(body[: tensors_end - 1])) == "tensor bytes after header (limit 80, got 79)"  # declared, present
+    assert str(_refuse(encode(SMALL["end_job"]) + b"\x00")) == "bytes after the tensors (limit 0, got 1)"
     assert str(_refuse(_frame([1, 2]))) == "header type (limit map, got list)"
-    assert str(_refuse(_frame({"v": 1, "kind": "ping"}) + b"")).startswith("field 'nonce' missing")
+    assert str(_refuse(_frame({"v": 2, "kind": "ping"}) + b"")).startswith("field 'nonce' missing")
     ext = msgpack.packb({"v": 1, "x": msgpack.ExtType(5, b"abc")})
     assert str(_refuse(struct.pack(">I", len(ext)) + ext)).startswith("header msgpack (limit None, got ValueError")
     extra = msgpack.packb({"v": 1}) + b"\xc0"
     assert str(_refuse(struct.pack(">I", len(extra)) + extra)).startswith("header msgpack (limit None, got ExtraData")
     assert str(_refuse("text")) == "frame body type (limit bytes, got str)"
+
+
+# ---- trailer: what each stage appends, outside the canonical bytes ---------------------
+
+
+def _with_trailer(msg, trailer) -> bytes:
+    return codec.encode_body(msg) + msgpack.packb(trailer, use_bin_type=True)
+
+
+def test_canonical_bytes_are_the_prefix_before_the_trailer():
+    # Bug guarded: receipts hashing bytes that change as stages append their receipts
+    # (the chain would break at every hop), or a receiver that cannot find the prefix.
+    f = _forward(3, aux_layers=2)
+    body = encode(f)
+    decoded, n = codec.decode_frame(body, LIMITS)
+    assert body[:n] == codec.encode_body(f) and _same(decoded, f)
+    more = dataclasses.replace(f, receipts=(*f.receipts, b"s" * 300), compute_s=(0.5, 0.25))
+    assert codec.encode_body(more) == codec.encode_body(f) and encode(more) != body
+    assert codec.decode_frame(encode(more), LIMITS)[1] == n
+    # The logged canonical bytes decode on their own, trailer fields empty.
+    alone = decode(codec.encode_body(f), LIMITS, canonical=True)
+    assert alone.receipts == () and alone.compute_s == () and _same(dataclasses.replace(alone, receipts=f.receipts), f)
+    with pytest.raises(WireError, match="bytes after the tensors"):
+        decode(body, LIMITS, canonical=True)
+
+
+def test_trailer_errors_pinned():
+    f = _forward(2)
+    assert str(_refuse(codec.encode_body(f))).startswith("trailer msgpack (limit None, got ")  # cut before the trailer
+    assert str(_refuse(_with_trailer(f, {"receipts": []}))) == "trailer field 'compute_s' missing"
+    assert str(_refuse(_with_trailer(f, {"receipts": [], "compute_s": [], "x": 1}))) == (
+        "unknown trailer field for 'forward' (limit ['receipts', 'compute_s'], got x)")
+    assert str(_refuse(_with_trailer(f, {"receipts": [1], "compute_s": []}))) == "field 'receipts'[0] type (limit bytes, got int)"
+    assert str(_refuse(_with_trailer(f, [1]))) == "trailer type (limit map, got list)"
+    assert str(_refuse(_with_trailer(f, {"receipts": [[[[[[[[[]]]]]]]]], "compute_s": []}))) == "trailer nesting depth (limit 8, got 9)"
 
 
 def test_huge_nesting_and_long_lists_are_refused_by_the_parser():
