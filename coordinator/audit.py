@@ -12,9 +12,11 @@ worker thread) and compares every verified round. So a selected stage is caught 
 cheated on any verified frame of the job, and an audit costs about one prefill of the
 job's rows on that slice.
 
-A mismatch, a missing record or a record that does not hash to the receipt yields an
-EvidenceRecord signed by the coordinator and marks the stage faulty in the swarm, which
-excludes it from the next ring formation.
+A mismatch, a missing record, a record that does not hash to the receipt, or no reply at
+all from a stage that is still connected (so going silent is no way out of an audit)
+yields an EvidenceRecord signed by the coordinator and marks the stage faulty in the
+swarm, which excludes it from the next ring formation. A stage that left the swarm before
+answering is not accused (its records left with it; see docs/receipts.md).
 
 It does not check receipt chains (receipt_check), choose rings, or serve HTTP.
 """
@@ -118,7 +120,7 @@ def plan_audits(job: FinishedJob, rate: float, rng: random.Random) -> list[Audit
 class Finding:
     """Why a stage failed an audit: check name, round, one-line detail, the comparison."""
 
-    check: str  # "missing_record" | "record_digest" | "structure" | "output_mismatch"
+    check: str  # "missing_record" | "record_digest" | "structure" | "output_mismatch" | "unanswered"
     round: int
     detail: str
     spot: SpotCheck
@@ -214,6 +216,7 @@ class AuditStats:
     replay_s: float = 0.0  # wall time of check_frames (digests, decode, replay, compare)
     replay: ReplayStats = dataclasses.field(default_factory=ReplayStats)  # forwards and rows replayed
     skipped_stale: int = 0  # jobs not audited: older than max_job_age_s when their turn came
+    skipped_gone: int = 0  # (job, stage) audits not done: the stage left the swarm first
 
 
 class Auditor:
@@ -249,8 +252,8 @@ class Auditor:
         await self._idle.wait()
 
     async def serve(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        """Audit finished jobs one at a time, forever. Error handling: a stage that cannot
-        be reached is skipped (it left; the swarm already re-forms); nothing here raises."""
+        """Audit finished jobs one at a time, forever. Error handling: a stage that left
+        the swarm is skipped (the swarm already re-forms without it); nothing here raises."""
         task_status.started()
         while True:
             submitted_s, job = await self._recv.receive()
@@ -265,13 +268,27 @@ class Auditor:
                 try:
                     await self.audit(plan)
                 except (TransportError, trio.TooSlowError) as exc:
-                    log.info("audit of %s on job %s skipped: %s", plan.peer_id, plan.job_id, exc)
+                    self.stats.skipped_gone += 1
+                    log.info("audit of %s on job %s skipped, the stage left: %s", plan.peer_id, plan.job_id, exc)
             self._pending -= 1
             if self._pending == 0:
                 self._idle.set()
 
     async def audit(self, plan: AuditPlan) -> Finding | None:
-        records = await self._fetch_all(plan)
+        """Audit one stage's frames of one job. Raises TransportError or TooSlowError only
+        when the stage left the swarm before answering (then it is not accused)."""
+        try:
+            records = await self._fetch_all(plan)
+        except (TransportError, trio.TooSlowError) as exc:
+            if plan.peer_id not in self.swarm.members:
+                raise
+            first = min(plan.receipts)
+            finding = Finding("unanswered", first, f"no audit reply within {self.config.reply_timeout_s:g} s "
+                              f"while connected ({type(exc).__name__})", _failed_spot(TOLERANCES.get(plan.wire_dtype, TOLERANCES["f32"])),
+                              bytes(32))
+            self.stats.audits += 1
+            self._accuse(plan, finding)
+            return finding
         stage = await self._stage(plan.layers)
         started = time.perf_counter()
         finding = await trio.to_thread.run_sync(check_frames, stage, plan, records, self.swarm.control_limits,
@@ -280,12 +297,16 @@ class Auditor:
         self.stats.audits += 1
         self.stats.frames_compared += len(plan.receipts)
         if finding is not None:
-            receipt = plan.receipts.get(finding.round) or next(iter(plan.receipts.values()))
-            record = sign_evidence(self.key, receipt=receipt, recomputed_digest=finding.recomputed_digest,
-                                   check=finding.spot)
-            self.evidence.append(record)
-            self.swarm.mark_faulty(plan.peer_id, f"audit {finding.check}: job {plan.job_id}, {finding.detail}")
+            self._accuse(plan, finding)
         return finding
+
+    def _accuse(self, plan: AuditPlan, finding: Finding) -> None:
+        """Sign evidence against the stage's receipt for the round and mark it faulty."""
+        receipt = plan.receipts.get(finding.round) or next(iter(plan.receipts.values()))
+        record = sign_evidence(self.key, receipt=receipt, recomputed_digest=finding.recomputed_digest,
+                               check=finding.spot)
+        self.evidence.append(record)
+        self.swarm.mark_faulty(plan.peer_id, f"audit {finding.check}: job {plan.job_id}, {finding.detail}")
 
     async def _fetch_all(self, plan: AuditPlan) -> dict[int, tuple[bytes, bytes]]:
         """Both logged frames of every planned round, requested concurrently (a few at a

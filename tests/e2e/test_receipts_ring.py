@@ -42,6 +42,7 @@ from shard.identity import keypair_from_seed
 from shard.node import CONTROL_PROTOCOL, RING_PROTOCOL, Node, NodeConfig, public_key_of_peer
 from shard.stage import Stage
 from shard.transport import open_host
+from shard.wire.messages import AuditReply
 
 PROMPT = [1, 3 + ord("h"), 3 + ord("i"), 3 + ord("!"), 5, 9, 17]
 CHEATER = 1  # the second node to register cheats, wherever the ring places it
@@ -90,6 +91,12 @@ class CheatingNode(Node):
 
     cheat = None
     other_store = None
+    silent = False  # never answer an audit request
+
+    async def _send_control(self, msg) -> None:
+        if self.silent and isinstance(msg, AuditReply):
+            return
+        await super()._send_control(msg)
 
     async def _assume(self, a):
         await super()._assume(a)
@@ -103,12 +110,12 @@ class CheatingNode(Node):
 
 
 async def run_ring(store, *, wire_dtype="f32", rate=1.0, requests=2, tokens=8, cheat=None, other_store=None,
-                   unsigned=False, receipts_dir=None, seed=0, draft="none"):
+                   unsigned=False, receipts_dir=None, seed=0, draft="none", silent=False, reply_timeout_s=10):
     """Start the ring, serve `requests` greedy requests, wait for audits; return what happened."""
     coord_seed = os.urandom(32)
     swarm = Swarm(store, coord_seed, SwarmConfig(min_nodes=2, wire_dtype=wire_dtype, ready_timeout_s=30, planner="all_nodes"))
     checker = ReceiptChecker(store, coord_seed, ReceiptConfig(receipts_dir=receipts_dir))
-    auditor = Auditor(swarm, store, coord_seed, AuditConfig(rate=rate, reply_timeout_s=10), rng=random.Random(seed))
+    auditor = Auditor(swarm, store, coord_seed, AuditConfig(rate=rate, reply_timeout_s=reply_timeout_s), rng=random.Random(seed))
     checker.listeners.append(auditor.submit_nowait)
     out = {"errors": [], "job_ids": [], "outputs": [], "swarm": swarm, "auditor": auditor, "checker": checker}
     with trio.fail_after(50):
@@ -122,9 +129,9 @@ async def run_ring(store, *, wire_dtype="f32", rate=1.0, requests=2, tokens=8, c
                 await nursery.start(auditor.serve)
                 nodes = []
                 for i in range(3):
-                    bad = i == CHEATER and (cheat is not None or other_store is not None or unsigned)
+                    bad = i == CHEATER and (cheat is not None or other_store is not None or unsigned or silent)
                     cls = type("Cheater", (CheatingNode,), {"cheat": staticmethod(cheat) if cheat else None,
-                                                             "other_store": other_store}) if bad else Node
+                                                             "other_store": other_store, "silent": silent}) if bad else Node
                     seed_i = os.urandom(32)
                     node_host = await nursery.start(_serve_host, seed_i)
                     node = cls(NodeConfig(coordinator=host.addrs[0], receipts=not (bad and unsigned)), node_host,
@@ -208,6 +215,15 @@ def test_stage_with_other_weights_is_caught(tiny_llama_store, tiny_model_factory
     other = tiny_store_factory(tiny_model_factory("llama", seed=1))
     out = trio.run(lambda: run_ring(tiny_llama_store, other_store=other))
     check_caught(out)
+
+
+def test_stage_that_never_answers_audits_is_caught(tiny_llama_store):
+    """Guards the way out of an audit that is not a cheat the replay can see: a stage that
+    stays connected but never answers audit requests (here it also adds noise) is accused
+    ("unanswered") with signed evidence, exactly as if its replay had failed."""
+    out = trio.run(lambda: run_ring(tiny_llama_store, cheat=add_noise, silent=True, requests=1, reply_timeout_s=3))
+    check_caught(out)
+    assert "audit unanswered" in out["swarm"].faulty[out["cheater"]]
 
 
 def check_caught(out):
