@@ -29,6 +29,7 @@ from coordinator.accept import accept_greedy, accept_sampling
 from coordinator.draft_tree import DraftTree
 from coordinator.drafting import DraftBudget, Drafter, NgramDrafter
 from coordinator.eagle import EagleDrafter, EagleHead, shipped_head_dir
+from coordinator.prefill import prefill_chunks
 from coordinator.sampling import SamplingParams, make_generator, probs
 from coordinator.swarm import RingState, Swarm
 from coordinator.topology import Traversal
@@ -45,7 +46,8 @@ log = logging.getLogger("shard.coordinator")
 
 @dataclass(frozen=True)
 class EngineConfig:
-    prefill_chunk_tokens: int = 256
+    prefill_chunk_tokens: int = 256  # the largest prefill chunk (coordinator.prefill)
+    prefill_edge_chunk_tokens: int = 64  # the first and last: short pipeline fill and drain
     frame_timeout_s: float = 120.0  # one traversal; past it the job resumes on a new ring
     max_resumes: int = 3
     resume_wait_s: float = 10.0  # after a stage error, how long to wait for the ring to re-form
@@ -316,9 +318,11 @@ class RingJob:
             self.undrafted_rounds = 0 if tree.num_nodes else self.undrafted_rounds + 1
             if tree.num_nodes:
                 self.drafted[tree.source.split(":")[0]] = self.drafted.get(tree.source.split(":")[0], 0) + 1
+                sibling_tried, sibling_accepted = adapt.sibling_trials(tree, acc.nodes)
                 self.adapt = adapt.apply(adapt.RoundVerified(
                     source=tree.source, nodes=tree.num_nodes, tried=acc.tried, accepted=len(acc.nodes),
-                    traversal_s=traversal_s, draft_s=draft_s), self.adapt)
+                    traversal_s=traversal_s, draft_s=draft_s, sibling_tried=sibling_tried,
+                    sibling_accepted=sibling_accepted), self.adapt)
             yield tokens
 
     def _draft(self, limit: int) -> tuple[DraftTree, float]:
@@ -328,10 +332,13 @@ class RingJob:
         if not self.drafters or self.traversals == 0:
             return DraftTree.empty(), 0.0
         room = limit - len(self.committed) - 1
+        # Only a drafter that needs no target features (n-gram) can draft a round ahead.
+        ahead = self.engine.config.pipeline and any(not getattr(d, "aux_layers", ()) for d in self.drafters)
+        plan_config = adapt.AdaptConfig() if ahead else adapt.AdaptConfig(max_pipeline_depth=1)
         candidates = []
         for drafter in self.drafters:
             t0 = time.perf_counter()
-            shape = adapt.plan(self.adapt, source=getattr(drafter, "name", adapt.ALL_SOURCES))
+            shape = adapt.plan(self.adapt, plan_config, source=getattr(drafter, "name", adapt.ALL_SOURCES))
             nodes, depth = shape.nodes, shape.depth
             if nodes == 0 and self.undrafted_rounds >= PROBE_EVERY_ROUNDS:
                 nodes = depth = PROBE_NODES  # keep measuring acceptance, or it can never recover
@@ -389,13 +396,14 @@ class RingJob:
         t0 = time.monotonic()
         start_ctx = self.ring_ctx
         root = len(self.committed) - 1
-        chunk = self.engine.config.prefill_chunk_tokens
+        config = self.engine.config
         prefix_end = root if tree.num_nodes else root + 1
         src, dst = self.pending_commit
         rounds: list[int] = []
         chunks: dict[int, tuple[int, list[int]]] = {}  # round -> (first position, token ids)
-        for start in range(self.ring_ctx, prefix_end, chunk):
-            ids = self.committed[start:min(start + chunk, prefix_end)]
+        for start, end in prefill_chunks(self.ring_ctx, prefix_end, config.prefill_chunk_tokens,
+                                         config.prefill_edge_chunk_tokens):
+            ids = self.committed[start:end]
             rounds.append(await self._send(ring, Forward(
                 job_id=self.job_id, epoch=ring.epoch, round=self.round + 1, nonce=self.nonce,
                 phase="decode" if len(ids) == 1 and self.traversals else "prefill", ctx_len=start,

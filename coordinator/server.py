@@ -50,7 +50,10 @@ class CoordConfig:
     draft: str = _opt("hybrid", "speculative drafter (hybrid = n-gram and the EAGLE head, routed per round)",
                       choices=("none", "ngram", "eagle", "hybrid"))
     eagle_head: str | None = _opt(None, "EAGLE head directory (default: the head shipped for the model)")
-    prefill_chunk_tokens: int = _opt(256, "prefill chunk size; chunks are pipelined through the ring")
+    prefill_chunk_tokens: int = _opt(EngineConfig.prefill_chunk_tokens,
+                                     "largest prefill chunk; chunks are pipelined through the ring")
+    prefill_edge_chunk_tokens: int = _opt(EngineConfig.prefill_edge_chunk_tokens,
+                                          "first and last prefill chunk (sizes ramp up and down by doubling)")
     max_concurrent_jobs: int = _opt(8, "requests beyond this get 429")
     node_threads: int = _opt(1, "torch threads per local node")
     receipts_dir: str | None = _opt(None, "append every job's signed receipt bundle here (default: memory only)")
@@ -77,7 +80,8 @@ async def serve_coordinator(config: CoordConfig, task_status=trio.TASK_STATUS_IG
         auditor = Auditor(swarm, store, seed, AuditConfig(rate=config.audit_rate))
         checker.listeners.append(auditor.submit_nowait)
         engine = RingEngine(swarm, host, tokenizer, EngineConfig(
-            prefill_chunk_tokens=config.prefill_chunk_tokens, draft=config.draft, eagle_head=config.eagle_head, link_latency_ms=config.link_latency_ms,
+            prefill_chunk_tokens=config.prefill_chunk_tokens, prefill_edge_chunk_tokens=config.prefill_edge_chunk_tokens,
+            draft=config.draft, eagle_head=config.eagle_head, link_latency_ms=config.link_latency_ms,
             link_upload_mbps=config.link_upload_mbps, link_jitter_ms=config.link_jitter_ms), receipts=checker)
         host.set_handler(CONTROL_PROTOCOL, swarm.handle_control)
         host.set_handler(RING_PROTOCOL, engine.handle_ring_stream)
