@@ -2,8 +2,10 @@
 
 Pure numpy on float64 copies: bytes are read as little-endian float32, float16 or
 bfloat16 (the wire's float dtypes); sequences and arrays as given. An element is an
-outlier when |actual - expected| > abs_tol + rel_tol * |expected| (numpy.isclose's rule)
-or when either side is NaN or the two sides are unequal infinities. The verdict passes when
+outlier when |actual - expected| > abs_tol * scale + rel_tol * |expected| (numpy.isclose's
+rule, with the absolute part in units of `scale`: 1, or e.g. the RMS of the element's row,
+since recomputation error scales with the magnitudes a row accumulates, not with each
+element) or when either side is NaN or the two sides are unequal infinities. The verdict passes when
 the fraction of outliers is at most `max_outlier_fraction`: recomputation on other hardware
 or kernels is not bit-exact, but a skipped or faked layer moves most elements.
 This module does not know which layers produced the numbers, nor how they were recomputed.
@@ -63,22 +65,29 @@ class SpotCheck:
 
 
 def compare_outputs(
-    expected: FloatData, actual: FloatData, tolerance: Tolerance = Tolerance(), *, dtype: str = "float32"
+    expected: FloatData, actual: FloatData, tolerance: Tolerance = Tolerance(), *, dtype: str = "float32",
+    scale: float | np.ndarray = 1.0,
 ) -> SpotCheck:
     """Compare the recomputed output `expected` with the stage's claimed output `actual`.
 
-    `dtype` says how to read bytes-like inputs; both sides are flattened.
+    `dtype` says how to read bytes-like inputs; both sides are flattened. `scale`: the unit
+    of abs_tol, a finite number >= 0 or one per element (flattened like the inputs).
     Error handling: SpotCheckError for an unknown dtype, a byte length that is not a whole
-    number of elements, different element counts, or no elements at all.
+    number of elements, different element counts, no elements at all, or a bad scale.
     """
     e, a = _as_float64(expected, dtype, "expected"), _as_float64(actual, dtype, "actual")
     if e.size != a.size:
         raise SpotCheckError("element count", e.size, a.size)
     if e.size == 0:
         raise SpotCheckError("element count", "at least 1", 0)
+    unit = np.asarray(scale, dtype=np.float64).ravel()
+    if unit.size not in (1, e.size):
+        raise SpotCheckError("scale element count", f"1 or {e.size}", unit.size)
+    if not (np.isfinite(unit).all() and (unit >= 0).all()):
+        raise SpotCheckError("scale", "finite numbers >= 0", "a NaN, an infinity or a negative value")
     with np.errstate(invalid="ignore", over="ignore"):
         diff = np.abs(a - e)  # inf - inf is NaN: handled as a mismatch below
-        same = (a == e) | ((diff <= tolerance.abs_tol + tolerance.rel_tol * np.abs(e)) & np.isfinite(diff))
+        same = (a == e) | ((diff <= tolerance.abs_tol * unit + tolerance.rel_tol * np.abs(e)) & np.isfinite(diff))
         err = np.where(a == e, 0.0, np.where(np.isnan(diff), np.inf, diff))  # (N,) float64
         rel = err / np.maximum(np.abs(e), np.finfo(np.float64).tiny)
     return SpotCheck(

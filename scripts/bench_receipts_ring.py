@@ -94,7 +94,11 @@ class Ring:
 
     async def start(self, nursery) -> None:
         seed = os.urandom(32)
-        self.swarm = Swarm(self.store, seed, SwarmConfig(min_nodes=STAGES, wire_dtype=self.wire_dtype))
+        self.swarm = Swarm(self.store, seed, SwarmConfig(min_nodes=STAGES, wire_dtype=self.wire_dtype,
+                                                               # every node a stage: on loopback with
+                                                               # memory to spare the topology selector
+                                                               # would seat one node alone
+                                                               planner="all_nodes"))
         self.checker = ReceiptChecker(self.store, seed) if self.receipts else None
         self.auditor = Auditor(self.swarm, self.store, seed, AuditConfig(rate=1.0))
         if self.checker is not None:

@@ -47,6 +47,32 @@ def test_outlier_count_matches_a_plain_python_oracle(pairs, abs_tol, rel_tol):
     assert got.passed == (outliers == 0)
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(finite, finite, st.floats(0, 100, allow_nan=False)), min_size=1, max_size=50),
+       st.sampled_from([0.0, 1e-3, 0.1]), st.sampled_from([0.0, 1e-2]))
+def test_scaled_abs_tol_matches_the_oracle(triples, abs_tol, rel_tol):
+    # Bug guarded: the per-element unit of abs_tol (the auditor passes each row's RMS)
+    # applied to the wrong elements, or broadcast wrongly. Sound: the rule written out.
+    e = array("f", [t[0] for t in triples])
+    a = array("f", [t[1] for t in triples])
+    unit = np.array([t[2] for t in triples])
+    got = compare_outputs(e.tobytes(), a.tobytes(), Tolerance(abs_tol, rel_tol, 0.0), scale=unit)
+    assert got.num_outliers == sum(abs(x - y) > abs_tol * u + rel_tol * abs(x) for x, y, u in zip(e, a, unit))
+
+
+def test_scale_is_checked():
+    with pytest.raises(SpotCheckError, match="scale element count"):
+        compare_outputs([1.0, 2.0], [1.0, 2.0], scale=np.ones(3))
+    with pytest.raises(SpotCheckError, match="scale"):
+        compare_outputs([1.0], [1.0], scale=-1.0)
+    # A near-zero element beside large ones: off by 1e-4 absolute, within 1e-4 row RMSes.
+    row = np.array([0.01, 40.0, -35.0, 0.02])
+    rms = float(np.sqrt((row ** 2).mean()))
+    off = row + np.array([1e-4, 0, 0, 0])
+    assert not compare_outputs(row, off, Tolerance(1e-5, 1e-3, 0.0)).passed
+    assert compare_outputs(row, off, Tolerance(1e-5, 1e-3, 0.0), scale=rms).passed
+
+
 def test_same_values_through_every_input_form_and_dtype():
     x = np.linspace(-3, 3, 64, dtype=np.float32)
     assert compare_outputs(x, x.tolist()).num_outliers == 0
