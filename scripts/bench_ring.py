@@ -105,9 +105,11 @@ async def ring_decode(ring, ids: list[int], new_tokens: int) -> dict:
             "stats": job.stats(), "decode_frames": hops}
 
 
-async def ring_ttft(ring, ids: list[int], chunk_tokens: int, reps: int) -> float:
-    """Best of `reps` times to first token with this prefill chunk size (noise only adds)."""
-    ring.set_prefill_chunk(chunk_tokens)
+async def ring_ttft(ring, ids: list[int], chunk_tokens: int, reps: int,
+                    edge_tokens: int = EngineConfig.prefill_edge_chunk_tokens) -> float:
+    """Best of `reps` times to first token with this prefill chunk plan (largest chunk,
+    first/last chunk; coordinator.prefill): noise only adds."""
+    ring.set_prefill_chunk(chunk_tokens, edge_tokens)
     best = float("inf")
     for _ in range(reps):
         job = await ring.engine.open_job(ids, GREEDY)
@@ -164,7 +166,10 @@ async def measure_ring(store, tokenizer, *, stages: int, link: LinkSpec, wire: s
         ttft = {}
         for n, ids in long_prompts.items():
             for c in chunks.get(n, []):
-                ttft[f"{n}_tokens_chunk_{c if c < n else 'blob'}"] = await ring_ttft(ring, ids, c, reps[n])
+                if isinstance(c, tuple):  # (largest, edge): a plan other than the default ramp
+                    ttft[f"{n}_tokens_chunk_{c[0]}_edge_{c[1]}"] = await ring_ttft(ring, ids, c[0], reps[n], c[1])
+                else:
+                    ttft[f"{n}_tokens_chunk_{c if c < n else 'blob'}"] = await ring_ttft(ring, ids, c, reps[n])
         out = {"nodes": stages, "stages": ring.stages, "link": link.describe(), "wire_dtype": wire, "layer_ranges": ring.layer_ranges,
                "ring_formed_s": formed_s, "decode_tok_per_s": median(r["decode_tok_per_s"] for r in runs),
                "decode_tok_per_s_each": [r["decode_tok_per_s"] for r in runs], "ttft_s": ttft, "hop_split": split,
@@ -249,7 +254,10 @@ def main(argv=None) -> int:
     chat = [encode_chat(tokenizer, spec_prompts.messages(p)) for _, p in spec_prompts.prompt_set(1)[:n_prompts]]
     filler = tokenizer.encode(spec_prompts.long_text(), add_special_tokens=False)
     long_prompts = {n: (filler * (n // len(filler) + 1))[:n] for n in (128, long_n)}
-    chunks = {128: [32, 128], long_n: [256, long_n]} if args.quick else {128: [32, 64, 128], long_n: [128, 256, long_n]}
+    # Chunk sizes are the largest chunk of the default plan (first and last chunks of
+    # EngineConfig.prefill_edge_chunk_tokens); (256, 256) is the fixed-size plan it replaced.
+    chunks = ({128: [32, 128], long_n: [256, (256, 256), long_n]} if args.quick
+              else {128: [32, 64, 128], long_n: [128, 256, (256, 256), long_n]})
     conditions = {**base_conditions(store), "prompts": "scripts/spec_prompts.py, first of each category, chat template",
                   "chat_prompt_tokens": [len(c) for c in chat], "new_tokens": new_tokens, "decoding": "greedy, plain (drafter off)",
                   "long_prompts": f"passages from scripts/spec_prompts.py repeated to 128 / {long_n} tokens, no template",

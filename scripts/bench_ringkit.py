@@ -5,9 +5,10 @@ the conditions block every result carries.
 engine with receipts checked, N real Nodes, each a libp2p host on loopback with its own
 key and link emulation), all in one trio run, and attaches a `FrameProbe`: it timestamps
 every frame where it enters and leaves each stage and the coordinator, and counts the
-bytes on every ring edge. The probe wraps bound methods of the engine and the nodes
-(`send`, `_deliver`, `logits`, `_handle`, `_send_ring`, hosts' `open_stream`); it changes no
-behaviour, only observes. It does not know what a benchmark measures or reports.
+bytes on every ring edge. The probe wraps bound methods of the engine, its jobs and the
+nodes (`open_job` and each job's `_send`, `_deliver`, `logits`, `_handle`, each stage
+worker's `process_frame`, hosts' `open_stream`); it changes no behaviour, only observes.
+It does not know what a benchmark measures or reports.
 """
 
 from __future__ import annotations
@@ -125,20 +126,27 @@ class FrameProbe:
 
 
 def _instrument_engine(engine: RingEngine, probe: FrameProbe) -> None:
-    send, deliver, logits = engine.send, engine._deliver, engine.logits
+    open_job, deliver, logits = engine.open_job, engine._deliver, engine.logits
 
-    async def timed_send(ring, msg):
-        if isinstance(msg, Forward):
-            key = (msg.job_id, msg.round)
+    async def timed_open_job(*args, **kwargs):
+        job = await open_job(*args, **kwargs)
+        send = job._send
+
+        async def timed_send(ring, fwd: Forward) -> int:
+            key = (job.job_id, job.round + 1)  # the round _send gives it
             probe.sent_s[key] = time.perf_counter()
-            probe.tokens[key] = int(msg.positions.shape[0])
-        await send(ring, msg)
+            probe.tokens[key] = int(fwd.positions.shape[0])
+            return await send(ring, fwd)
+
+        job._send = timed_send
+        return job
 
     def timed_deliver(msg):
-        if isinstance(msg, Result):
-            key = (msg.job_id, msg.round)
+        result = getattr(msg, "result", msg)  # a Result arrives wrapped with its digest
+        if isinstance(result, Result):
+            key = (result.job_id, result.round)
             probe.arrived_s[key] = time.perf_counter()
-            probe.compute_s[key] = tuple(msg.compute_s)
+            probe.compute_s[key] = tuple(result.compute_s)
         deliver(msg)
 
     def timed_logits(result):
@@ -147,26 +155,35 @@ def _instrument_engine(engine: RingEngine, probe: FrameProbe) -> None:
         probe.logits_s.append(time.perf_counter() - t0)
         return out
 
-    engine.send, engine._deliver, engine.logits = timed_send, timed_deliver, timed_logits
+    engine.open_job, engine._deliver, engine.logits = timed_open_job, timed_deliver, timed_logits
     _count_ring_streams(engine.host, lambda: probe.edge_sizes(0))
     engine.swarm.job_error_handler = timed_deliver
 
 
 def _instrument_node(node: Node, probe: FrameProbe, index_of: Callable[[str], int]) -> None:
-    handle, send_ring = node._handle, node._send_ring
+    handle = node._handle
     peer = node.host.peer_id
 
-    async def timed_handle(state, msg):
+    def time_worker(worker) -> None:
+        """Stamp when the worker's output (encoded and signed) is ready to send."""
+        process_frame = worker.process_frame
+
+        def timed_process_frame(fwd: Forward, *args):
+            out = process_frame(fwd, *args)
+            probe.stage_out_s[(fwd.job_id, fwd.round)][index_of(peer)] = time.perf_counter()
+            return out
+
+        timed_process_frame.__wrapped_by_probe__ = True
+        worker.process_frame = timed_process_frame
+
+    async def timed_handle(state, msg, *args):
         if isinstance(msg, Forward):
             probe.stage_in_s[(msg.job_id, msg.round)][index_of(peer)] = time.perf_counter()
-        await handle(state, msg)
+            if not hasattr(state.worker.process_frame, "__wrapped_by_probe__"):
+                time_worker(state.worker)
+        await handle(state, msg, *args)
 
-    async def timed_send_ring(state, msg):
-        if isinstance(msg, (Forward, Result)):
-            probe.stage_out_s[(msg.job_id, msg.round)][index_of(peer)] = time.perf_counter()
-        await send_ring(state, msg)
-
-    node._handle, node._send_ring = timed_handle, timed_send_ring
+    node._handle = timed_handle
     _count_ring_streams(node.host, lambda: probe.edge_sizes(index_of(peer) + 1))
 
 
@@ -179,10 +196,12 @@ class BenchRing:
     wire_dtype: str
     layer_ranges: list[tuple[int, int]]
 
-    def set_prefill_chunk(self, tokens: int) -> None:
+    def set_prefill_chunk(self, tokens: int, edge_tokens: int = EngineConfig.prefill_edge_chunk_tokens) -> None:
         """The engine reads its config per round; a frozen replacement changes the chunk
-        size for the next job without re-forming the ring."""
-        self.engine.config = dataclasses.replace(self.engine.config, prefill_chunk_tokens=tokens)
+        plan (largest and first/last chunk, coordinator.prefill) for the next job without
+        re-forming the ring."""
+        self.engine.config = dataclasses.replace(self.engine.config, prefill_chunk_tokens=tokens,
+                                                 prefill_edge_chunk_tokens=edge_tokens)
 
 
 @contextlib.asynccontextmanager
