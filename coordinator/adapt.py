@@ -16,7 +16,10 @@ assuming r's top path and a guessed bonus are all accepted (probability s = a^(d
 otherwise it is discarded. A run of rounds ends at the first one that is not fully
 accepted, which gives tokens per second = E / (T (1 - s) + s I), where E is the expected
 tokens per round, T the round's latency and I = max(T / P, draft + ring compute) the
-launch interval. P = 1 gives E / T.
+launch interval. P = 1 gives E / T. Only chains of one node or more are pipelined (the
+engine sends ahead below a chain), and only when the caller's config allows it: a
+drafter that needs the target's features of the round before (EAGLE) cannot draft
+ahead, so the engine plans its rounds with max_pipeline_depth 1.
 
 This module does not know about tokens, logits, the ring's members or the network.
 """
@@ -241,7 +244,10 @@ def plan(state: AdaptState, config: AdaptConfig = AdaptConfig(), source: str = A
         round_s = draft_s + fixed_s + per_row_s * (nodes + 1)
         floor_s = draft_s + per_row_s * (nodes + 1)
         pipeline, rate = 1, tokens_per_s(expected, a, depth, round_s, floor_s, 1)
-        while pipeline < config.max_pipeline_depth:
+        # Only a chain's round can be sent ahead: it is assumed accepted, and a round with
+        # no draft or a tree (which path?) gives nothing to build the next one on.
+        deepest = config.max_pipeline_depth if kind is DraftKind.CHAIN and nodes else 1
+        while pipeline < deepest:
             deeper = tokens_per_s(expected, a, depth, round_s, floor_s, pipeline + 1)
             if deeper <= rate * (1 + config.min_pipeline_gain):
                 break

@@ -39,7 +39,11 @@ class DraftBudget:
 
 
 class Drafter(Protocol):
-    """Proposes a draft below the last token of `context_ids` within `budget`."""
+    """Proposes a draft below the last token of `context_ids` within `budget`. `name` is
+    the family its drafts' `DraftTree.source` starts with ("ngram" for "ngram:3"): the
+    planner sizes each drafter's next draft by that family's acceptance."""
+
+    name: str
 
     def propose(self, context_ids: Sequence[int], budget: DraftBudget) -> DraftTree: ...
 
@@ -68,6 +72,8 @@ class NgramDrafter:
     `propose` indexes whatever `context_ids` adds beyond what it has seen; a context
     that does not extend the seen one (a new request) rebuilds the index.
     """
+
+    name = "ngram"
 
     def __init__(self, config: NgramConfig = NgramConfig()) -> None:
         self.config = config

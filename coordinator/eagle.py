@@ -254,6 +254,8 @@ class EagleDrafter:
     `propose` below the root (the last committed token, whose features the ring has not
     computed yet)."""
 
+    name = "eagle"
+
     def __init__(self, head: EagleHead, config: EagleDraftConfig = EagleDraftConfig()) -> None:
         self.head, self.config = head, config
         self.cache = PairCache(head.config)

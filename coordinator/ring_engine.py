@@ -330,10 +330,13 @@ class RingJob:
         if not self.drafters or self.traversals == 0:
             return DraftTree.empty(), 0.0
         room = limit - len(self.committed) - 1
+        # Only a drafter that needs no target features (n-gram) can draft a round ahead.
+        ahead = self.engine.config.pipeline and any(not getattr(d, "aux_layers", ()) for d in self.drafters)
+        plan_config = adapt.AdaptConfig() if ahead else adapt.AdaptConfig(max_pipeline_depth=1)
         candidates = []
         for drafter in self.drafters:
             t0 = time.perf_counter()
-            shape = adapt.plan(self.adapt, source=getattr(drafter, "name", adapt.ALL_SOURCES))
+            shape = adapt.plan(self.adapt, plan_config, source=getattr(drafter, "name", adapt.ALL_SOURCES))
             nodes, depth = shape.nodes, shape.depth
             if nodes == 0 and self.undrafted_rounds >= PROBE_EVERY_ROUNDS:
                 nodes = depth = PROBE_NODES  # keep measuring acceptance, or it can never recover

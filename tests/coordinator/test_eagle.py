@@ -130,6 +130,16 @@ def test_chain_follows_the_heads_argmax_from_the_root():
     assert chain.tokens.tolist() == [want]
 
 
+def test_drafts_carry_the_drafters_name_as_their_source_family():
+    # Bug guarded: the engine plans each drafter by the acceptance of `drafter.name`;
+    # without one, EAGLE was planned by the pooled acceptance of every drafter (n-gram's).
+    drafter = EagleDrafter(tiny_head())
+    drafter.observe([1, 2, 3], aux_rows(3, 9))
+    sources = {drafter.propose([1, 2, 3, 4], budget).source for budget in (DraftBudget(4, 4), DraftBudget(8, 3))}
+    sources.add(drafter.propose([1, 2], DraftBudget(4, 4)).source)  # unsynced: empty
+    assert {s.split(":")[0] for s in sources} == {drafter.name} == {"eagle"}
+
+
 def test_unsynced_context_gives_an_empty_draft():
     drafter = EagleDrafter(tiny_head())
     assert drafter.propose([1, 2], DraftBudget(4, 4)).num_nodes == 0  # nothing observed

@@ -150,3 +150,18 @@ def test_router_prefers_a_trusted_free_ngram_match_and_falls_back_to_eagle():
     assert route([eagle, ngram], state) == 0
     with pytest.raises(ValueError, match="at least one candidate"):
         route([], state)
+
+
+def test_planned_like_the_emulated_ring_eagle_keeps_drafting():
+    # Bug guarded: plan() credited pipelining to a round with no draft (nothing to send
+    # ahead) and to trees (the engine pipelines chains only), and the engine planned EAGLE
+    # rounds as if they could be pipelined (they need the target's features first). With
+    # what the emulated ring measured (fixed 275 ms, 14 ms per row, EAGLE 8.9 ms per node,
+    # a = 0.43) it chose "no draft, 4 rounds in flight", so EAGLE stopped drafting.
+    # Sound: one node commits 1 + a = 1.43 tokens per round for 23 ms (8%) more.
+    state = AdaptState(acceptance={"eagle": AcceptanceStats(0.43, 1.0)}, draft_s_per_node=0.0089)
+    for max_pipeline_depth in (4, 1):
+        config = AdaptConfig(prior_traversal_s=0.275, prior_per_node_s=0.014, max_pipeline_depth=max_pipeline_depth)
+        assert plan(state, config, source="eagle").nodes >= 1
+    assert plan(state_with(0.9), AdaptConfig(kinds=(DraftKind.TREE,))).pipeline_depth == 1
+    assert plan(state_with(0.01)) == plan(state_with(0.01), AdaptConfig(max_pipeline_depth=1))

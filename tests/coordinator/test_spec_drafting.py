@@ -23,6 +23,14 @@ def test_several_occurrences_become_branches_most_recent_first():
     assert tree.parents.tolist() == [-1, 0, -1, 2]
 
 
+def test_drafts_carry_the_drafters_name_as_their_source_family():
+    # Bug guarded: the engine plans each drafter by the acceptance of `drafter.name`; a
+    # drafter without a name was planned by every drafter's pooled acceptance.
+    drafter = NgramDrafter()
+    for ctx in ([1, 2, 3, 1, 2], [1, 2, 3]):
+        assert drafter.propose(ctx, DraftBudget.chain(3)).source.split(":")[0] == drafter.name == "ngram"
+
+
 def test_repeating_run_continues_periodically():
     # The only earlier match ends one token before the end; the continuation must not be
     # cut short at the end of the context.
