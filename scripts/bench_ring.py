@@ -249,7 +249,7 @@ def main(argv=None) -> int:
     tokenizer = AutoTokenizer.from_pretrained(str(store.tokenizer_dir))
     n_prompts, new_tokens = (2, 32) if args.quick else (4, 128)
     long_n = 1024 if args.quick else 2048  # the quick run's long prompt is shorter to stay under 3 min
-    reps = {128: 1, long_n: 1} if args.quick else {128: 2, long_n: 1}
+    reps = {128: 1, long_n: 1} if args.quick else {128: 2, long_n: 2}
     emu_prompts, emu_tokens = (1, 24) if args.quick else (2, 64)
     chat = [encode_chat(tokenizer, spec_prompts.messages(p)) for _, p in spec_prompts.prompt_set(1)[:n_prompts]]
     filler = tokenizer.encode(spec_prompts.long_text(), add_special_tokens=False)
