@@ -45,6 +45,11 @@ log = logging.getLogger("shard.node")
 CONTROL_PROTOCOL = "/shard/control/1.0.0"
 RING_PROTOCOL = "/shard/ring/1.0.0"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Frames computed and waiting for the uplink. Sending runs in its own task so a stage
+# computes frame r+1 while frame r uploads (a chunked prefill would otherwise idle every
+# stage for each chunk's serialisation); this bound is the backpressure that keeps a slow
+# uplink from piling up outputs in memory.
+OUTBOX_FRAMES = 4
 
 
 @dataclass(frozen=True)
@@ -132,6 +137,7 @@ class Node:
     signing_seed: bytes | None = None  # the identity's Ed25519 seed; None = do not sign receipts
     frame_log: FrameLog = field(default_factory=FrameLog)
     _out_streams: dict[str, object] = field(default_factory=dict)
+    _outbox: trio.MemorySendChannel | None = None  # (state, body, frame it answers) for _send_ring_loop
     _links: trio.Nursery | None = None
     _pong_waiters: dict[int, trio.Event] = field(default_factory=dict)
     _nonces: itertools.count = field(default_factory=lambda: itertools.count(1))
@@ -159,8 +165,10 @@ class Node:
 
     async def _serve_registered(self, control: FramedStream, decode_s: float, prefill_s: float, task_status) -> None:
         cfg = self.config
-        async with trio.open_nursery() as self._links:  # control reader, probes, emulated-link pumps
+        async with trio.open_nursery() as self._links:  # control reader, ring sender, probes, emulated-link pumps
             self.control = await self._emulate(control)
+            self._outbox, outbox = trio.open_memory_channel(OUTBOX_FRAMES)
+            self._links.start_soon(self._send_ring_loop, outbox)
             self._links.start_soon(self._serve_control)
             rtt_s, upload, download = await self._probe_coordinator(cfg.probe_bytes)
             await self._send_control(Register(
@@ -360,7 +368,7 @@ class Node:
             state.worker.end_job(msg.job_id)
             self.frame_log.end_job(msg.job_id)
             if state.assignment.successor is not None:
-                await self._send_ring(state, encode(msg))
+                await self._outbox.send((state, encode(msg), None))
             return
         if not isinstance(msg, Forward):
             log.warning("ignoring %s on a ring stream", type(msg).__name__)
@@ -374,11 +382,24 @@ class Node:
             log.warning("job %s round %d failed: %s", msg.job_id, msg.round, exc)
             await self._job_error(msg, type(exc).__name__, str(exc))
             return
-        try:
-            await self._send_ring(state, out)
-        except TransportError as exc:
-            self._out_streams.pop(state.successor, None)
-            await self._job_error(msg, "successor_unreachable", str(exc))
+        await self._outbox.send((state, out, msg))  # returns at once unless OUTBOX_FRAMES wait
+
+    async def _send_ring_loop(self, outbox: trio.MemoryReceiveChannel) -> None:
+        """Send computed frames to the successor in the order they were computed. A frame
+        of an epoch this node no longer serves is dropped (the coordinator ignores its
+        result and resumes the job on the new ring). Error handling: a send failure fails
+        that frame's job (JobError to the coordinator) and the next frame re-dials."""
+        async for state, body, answers in outbox:
+            if state is not self.state:
+                continue
+            try:
+                await self._send_ring(state, body)
+            except TransportError as exc:
+                self._out_streams.pop(state.successor, None)
+                if answers is not None:
+                    await self._job_error(answers, "successor_unreachable", str(exc))
+                else:
+                    log.info("could not forward an end of job to %s: %s", state.successor, exc)
 
     async def _job_error(self, msg: Forward, code: str, text: str) -> None:
         if self.state is not None:
