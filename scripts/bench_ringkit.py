@@ -240,7 +240,10 @@ async def open_bench_ring(store, tokenizer, stages: int, link: LinkSpec, wire_dt
                                        link_latency_ms=link.one_way_latency_ms, link_upload_mbps=link.upload_mbps),
                             node_host, store, signing_seed=s)
                 _instrument_node(node, probe, index_of)
-                nursery.start_soon(node.serve)
+                # One at a time: each node measures its compute speed (which sets the
+                # layer split) alone, as it would on its own machine; started together
+                # they would share these 2 cores at random and split the layers unevenly.
+                await nursery.start(node.serve)
             with trio.fail_after(300):
                 ring = await swarm.wait_ring()
             # Every figure is over the ring actually formed.

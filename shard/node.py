@@ -50,6 +50,10 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # stage for each chunk's serialisation); this bound is the backpressure that keeps a slow
 # uplink from piling up outputs in memory.
 OUTBOX_FRAMES = 4
+# Frames read off a ring stream ahead of the one being computed: the predecessor's upload
+# then lands while this stage computes instead of after (a muxed stream's window would
+# otherwise stall a large frame until the reader comes back).
+INBOX_FRAMES = 2
 
 
 @dataclass(frozen=True)
@@ -338,29 +342,45 @@ class Node:
         return Stage(cfg, r, weights, dtype=dtype, device=self.config.device, embedding=embedding)
 
     async def _on_ring_stream(self, stream: FramedStream) -> None:
+        """Serve one incoming ring stream: frames are read ahead (INBOX_FRAMES) and
+        processed in order; the first frame from a peer that is not this epoch's
+        predecessor closes the stream."""
         remote = stream.remote_peer_id
+        inbox_send, inbox = trio.open_memory_channel(INBOX_FRAMES)
         try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._read_ring_stream, stream, inbox_send)
+                async for body in inbox:
+                    state = self.state
+                    if state is None or remote != state.predecessor:
+                        log.warning("refused a frame from %s: not the predecessor of epoch %s",
+                                    remote, state.assignment.epoch if state else "-")
+                        nursery.cancel_scope.cancel()
+                        break
+                    try:
+                        msg, canonical_len = decode_frame(body, self.limits)
+                    except WireError as exc:
+                        log.warning("dropped a malformed frame from %s: %s", remote, exc)
+                        continue
+                    await self._handle(state, msg, memoryview(body)[:canonical_len])
+        finally:
+            await stream.aclose()
+
+    async def _read_ring_stream(self, stream: FramedStream, inbox: trio.MemorySendChannel) -> None:
+        """Read frames into `inbox` until the stream ends or breaks (then close it, which
+        ends the processing loop once the frames already read are done)."""
+        remote = stream.remote_peer_id
+        async with inbox:
             while True:
                 try:
                     body = await stream.recv_frame(self.limits.max_frame_bytes)
                 except WireError as exc:  # a length past the cap: the stream is out of sync
                     log.warning("closing ring stream from %s: %s", remote, exc)
                     return
-                state = self.state
-                if state is None or remote != state.predecessor:
-                    log.warning("refused a frame from %s: not the predecessor of epoch %s",
-                                remote, state.assignment.epoch if state else "-")
+                except TransportError as exc:
+                    log.info("ring stream from %s ended: %s", remote, exc)
                     return
-                try:
-                    msg, canonical_len = decode_frame(body, self.limits)
-                except WireError as exc:
-                    log.warning("dropped a malformed frame from %s: %s", remote, exc)
-                    continue
-                await self._handle(state, msg, memoryview(body)[:canonical_len])
-        except TransportError as exc:
-            log.info("ring stream from %s ended: %s", remote, exc)
-        finally:
-            await stream.aclose()
+                await inbox.send(body)
 
     async def _handle(self, state: EpochState, msg, received: memoryview) -> None:
         """`received`: msg's canonical bytes as they arrived (what its receipt hashes)."""
