@@ -423,7 +423,9 @@ class Swarm:
             listener(ring)
 
     async def wait_change(self, epoch: int, timeout_s: float) -> None:
-        """Wait until the ring is no longer epoch `epoch`, or `timeout_s` passes."""
+        """Wait until the ring is no longer epoch `epoch` (no ring counts as changed), or
+        `timeout_s` passes. Always a checkpoint, so a caller looping on it yields."""
+        await trio.lowlevel.checkpoint()
         with trio.move_on_after(timeout_s):
             while self.ring is not None and self.ring.epoch == epoch:
                 await self._changed.wait()

@@ -159,7 +159,10 @@ async def run_ring(store, *, wire_dtype="f32", rate=1.0, requests=2, tokens=8, c
                 await auditor.wait_idle()
                 if swarm.faulty:
                     while swarm.ring is None or out["cheater"] in {p for p, _ in swarm.ring.stages}:
-                        await swarm.wait_change(swarm.ring.epoch if swarm.ring else -1, 5)
+                        if swarm.ring is None:  # re-forming: wait_change would return at once
+                            await swarm.wait_ring()
+                        else:
+                            await swarm.wait_change(swarm.ring.epoch, 5)
                 out["final_ring"] = swarm.ring
                 nursery.cancel_scope.cancel()
     return out
