@@ -116,9 +116,11 @@ class Ring:
         self.engine = RingEngine(self.swarm, host, self.tokenizer, EngineConfig(), receipts=self.checker)
         deliver = self.engine._deliver
 
-        def counting(msg):
-            self.compute["s"] += sum(getattr(msg, "compute_s", ()))
-            self.compute["frames"] += len(getattr(msg, "compute_s", ()))
+        def counting(msg):  # an Arrived (a Result and its digest) or a JobError
+            result = getattr(msg, "result", None)
+            times = result.compute_s if result is not None else ()
+            self.compute["s"] += sum(times)
+            self.compute["frames"] += len(times)
             deliver(msg)
 
         self.engine._deliver = counting
