@@ -35,7 +35,6 @@ from receipts import (
     verify_chain,
 )
 from receipts.bundle import bundle_to_json
-from shard.frame_digest import frame_digest
 from shard.layers import LayerRange
 from shard.node import public_key_of_peer
 from shard.store import ModelStore
@@ -145,20 +144,20 @@ class JobReceipts:
     _epochs: dict[int, EpochView] = field(default_factory=dict)
     failed: bool = False
 
-    def sent(self, fwd: Forward, digest: bytes | None = None) -> None:
-        """Record the digest of a frame the coordinator sent to the head: `digest` of the
-        canonical bytes it put on the wire (re-derived from fwd when None)."""
-        self._sent[fwd.round] = (fwd.epoch, digest if digest is not None else frame_digest(fwd))
+    def sent(self, fwd: Forward, digest: bytes) -> None:
+        """Record a frame the coordinator sent to the head: `digest`, the SHA-256 of the
+        canonical bytes it put on the wire."""
+        self._sent[fwd.round] = (fwd.epoch, digest)
         self._order.setdefault(fwd.epoch, []).append(fwd.round)
 
-    def check(self, ring: RingState, result: Result, received_digest: bytes | None = None) -> None:
+    def check(self, ring: RingState, result: Result, received_digest: bytes) -> None:
         """Verify the chain behind `result`, whose canonical bytes as received hash to
-        `received_digest` (re-derived from result when None). Raises ReceiptRejected (and
-        marks the job failed) on any failure; returns only if every layer is accounted for."""
+        `received_digest`. Raises ReceiptRejected (and marks the job failed) on any
+        failure; returns only if every layer is accounted for."""
         view = self.checker.epoch_view(ring)
         self._epochs[ring.epoch] = view
         epoch, sent_digest = self._sent.get(result.round, (result.epoch, bytes(32)))
-        received = received_digest if received_digest is not None else frame_digest(result)
+        received = received_digest
         try:
             if epoch != result.epoch:
                 raise VerificationError(f"result for epoch {result.epoch}, round {result.round} was sent on epoch {epoch}")

@@ -59,7 +59,7 @@ def main(argv=None) -> int:
     ctx = 128
     warm = Forward(job_id="bench", epoch=1, round=0, nonce=b"n" * 16, phase="prefill", ctx_len=0,
                    positions=torch.arange(ctx), hidden=torch.randn(ctx, cfg.hidden_size))
-    plain.process_frame(warm), signed.process_frame(warm)
+    plain.process_frame(warm, encode_body(warm)), signed.process_frame(warm, encode_body(warm))
     rows = []
     for t in (1, 8):
         fwd = frames(cfg, ctx, t)

@@ -1,7 +1,7 @@
 """A stage's bounded log of the canonical bytes it received and sent, for audits.
 
 Receipts bind a stage to digests of its input and output frames; an audit asks the stage
-for those bytes later (shard.frame_digest defines them), hashes them against the signed
+for those bytes later (shard.wire.codec defines them: a frame up to its trailer), hashes them against the signed
 receipt, and recomputes the slice. Recomputing a decode frame needs the KV state the
 stage had, so the log keeps every frame of a (job, epoch) in processing order until the
 job ends plus `grace_s`, and the auditor replays them on a fresh cache.
@@ -35,7 +35,7 @@ class FrameLogConfig:
 @dataclass(frozen=True)
 class FrameRecord:
     round: int
-    input_frame: bytes  # canonical bytes received (shard.frame_digest)
+    input_frame: bytes  # canonical bytes received (shard.wire.codec)
     output_frame: bytes  # canonical bytes sent
 
 

@@ -2,7 +2,7 @@
 
 Binds the frame's identity (epoch, job, round, the coordinator's per-job nonce), what the
 stage holds (manifest digest, the digest of its slice's weights, its layer range) and the
-SHA-256 of the canonical bytes it received and sent (shard.frame_digest: the wire bytes
+SHA-256 of the canonical bytes it received and sent (shard.wire.codec: the wire bytes
 before the trailer, handed over as they are, never re-encoded). The same canonical bytes
 go to the frame log so audits can later check them against the receipt.
 It does not decide whether receipts are wanted, nor talk to anyone.

@@ -52,17 +52,15 @@ class StageWorker:
     def end_job(self, job_id: str) -> None:
         self.cache.close(job_id)
 
-    def process_frame(self, fwd: Forward, received: bytes | memoryview | None = None) -> tuple[Forward | Result, bytes]:
+    def process_frame(self, fwd: Forward, received: bytes | memoryview) -> tuple[Forward | Result, bytes]:
         """Run one frame and encode what to send: (message, wire body), the body carrying
         this stage's receipt when a signer is set. `received`: fwd's canonical bytes as
-        they arrived (shard.wire.codec.decode_frame); re-encoded from fwd when None.
+        they arrived (shard.wire.codec.decode_frame).
         Raises ShardError subclasses (CacheFullError, StageInputError, WireError...) for
         frames this stage cannot serve; the caller turns them into a JobError."""
         out = self.process(fwd)
         body = encode_body(out)  # checked: we never send what the successor must refuse
         if self.signer is not None:
-            if received is None:
-                received = encode_body(fwd, check=False)
             receipt = self.signer(fwd, received, body)
             out = dataclasses.replace(out, receipts=(*fwd.receipts, receipt))
         return out, body + encode_trailer(out)

@@ -66,13 +66,13 @@ def _trailer_names(cls: type) -> tuple[str, ...]:
     return getattr(cls, "TRAILER", ())
 
 
-def _pack_field(msg: Message, f: dataclasses.Field, limits: Limits, check: bool) -> Any:
+def _pack_field(msg: Message, f: dataclasses.Field, limits: Limits) -> Any:
     kind = kind_of(f)
     try:
         packed = kind.pack(getattr(msg, f.name))
     except (TypeError, ValueError) as e:
         raise WireError(f"field '{f.name}' type", type(kind).__name__, type(getattr(msg, f.name)).__name__) from e
-    return kind.check(f"field '{f.name}'", packed, limits) if check else packed
+    return kind.check(f"field '{f.name}'", packed, limits)
 
 
 def _itemsize_of(t: Any) -> int:
@@ -80,16 +80,15 @@ def _itemsize_of(t: Any) -> int:
     return row.itemsize if row else 0
 
 
-def encode(msg: Message, limits: Limits | None = None, *, check: bool = True) -> bytes:
+def encode(msg: Message, limits: Limits | None = None) -> bytes:
     """The frame body for `msg` (no stream prefix): encode_body then encode_trailer."""
-    return encode_body(msg, limits, check=check) + encode_trailer(msg, limits, check=check)
+    return encode_body(msg, limits) + encode_trailer(msg, limits)
 
 
-def encode_body(msg: Message, limits: Limits | None = None, *, check: bool = True) -> bytes:
+def encode_body(msg: Message, limits: Limits | None = None) -> bytes:
     """The canonical bytes of `msg`: header and tensors, no trailer. Checks msg with the
     same rules decode applies, under `limits` (default Limits()), so we never send what a
-    peer must refuse. check=False skips those rules (not the layout): only for bytes of a
-    message that already passed them (shard.frame_digest)."""
+    peer must refuse. These are the bytes receipts hash (a prefix of encode's)."""
     limits = limits or Limits()
     cls = type(msg)
     if REGISTRY.get(getattr(cls, "KIND", None)) is not cls:
@@ -97,7 +96,7 @@ def encode_body(msg: Message, limits: Limits | None = None, *, check: bool = Tru
     header: dict[str, Any] = {"v": PROTOCOL_VERSION, "kind": cls.KIND}
     header_fields, tensor_fields = _fields(cls)
     for f in header_fields:
-        header[f.name] = _pack_field(msg, f, limits, check)
+        header[f.name] = _pack_field(msg, f, limits)
     table, chunks = [], []
     # Largest itemsize first: with the tensor bytes starting 8-aligned (see `pad`), every
     # tensor then starts at a multiple of its own itemsize and decodes without a copy.
@@ -118,8 +117,7 @@ def encode_body(msg: Message, limits: Limits | None = None, *, check: bool = Tru
         table.append([f.name, row.name, list(t.shape), raw.numel()])
         chunks.append(memoryview(raw.numpy()))
     header["tensors"] = table
-    if check:
-        msg.check(limits)
+    msg.check(limits)
     # bin8 holds 0..255 bytes behind a fixed 2-byte prefix, so growing `pad` by d grows
     # the header by exactly d: one repack lands the tensor bytes on an 8-byte boundary.
     header["pad"] = b""
@@ -131,7 +129,7 @@ def encode_body(msg: Message, limits: Limits | None = None, *, check: bool = Tru
     return b"".join([HEADER_PREFIX.pack(len(head)), head, *chunks])
 
 
-def encode_trailer(msg: Message, limits: Limits | None = None, *, check: bool = True) -> bytes:
+def encode_trailer(msg: Message, limits: Limits | None = None) -> bytes:
     """The bytes that follow msg's canonical bytes: a msgpack map of its TRAILER fields
     (b"" for a class with none)."""
     names = _trailer_names(type(msg))
@@ -139,7 +137,7 @@ def encode_trailer(msg: Message, limits: Limits | None = None, *, check: bool = 
         return b""
     limits = limits or Limits()
     by_name = {f.name: f for f in dataclasses.fields(msg)}
-    return msgpack.packb({name: _pack_field(msg, by_name[name], limits, check) for name in names}, use_bin_type=True)
+    return msgpack.packb({name: _pack_field(msg, by_name[name], limits) for name in names}, use_bin_type=True)
 
 
 def decode(body: bytes | bytearray | memoryview, limits: Limits, *, canonical: bool = False) -> Message:

@@ -39,7 +39,7 @@ INTS = frozenset({"i32", "i64"})
 F32 = frozenset({"f32"})
 # Fields each stage appends to as a frame travels (its receipt, its compute time). The
 # codec writes them in a trailer after the tensor bytes, outside the canonical bytes that
-# receipts hash (shard.frame_digest), so appending never changes what was signed.
+# receipts hash (codec.encode_body), so appending never changes what was signed.
 TRAILER_FIELDS = ("receipts", "compute_s")
 ROLE_STAGE = "stage"  # Assignment.role of a ring member; every other role serves no frames
 
@@ -339,7 +339,7 @@ class AuditRequest:
 
 @dataclass(frozen=True, kw_only=True, eq=False)
 class AuditReply:
-    """Stage -> coordinator: the canonical frame bytes (shard.frame_digest) it logged for
+    """Stage -> coordinator: the canonical frame bytes (codec.encode_body) it logged for
     that round and side, as a u8 tensor; None when it kept no record."""
 
     KIND: ClassVar[str] = "audit_reply"
