@@ -21,6 +21,14 @@ engine sends ahead below a chain), and only when the caller's config allows it: 
 drafter that needs the target's features of the round before (EAGLE) cannot draft
 ahead, so the engine plans its rounds with max_pipeline_depth 1.
 
+Confidence (EAGLE-2 style): a drafter whose log-probs estimate the target's choices
+drafts a generous tree and the planner keeps its likeliest m nodes, m chosen per round
+from the head's own path probabilities P_i: a node is accepted with probability about
+c * P_i, so m maximises (1 + c * (P_1 + ... + P_m)) / (draft + fixed + per_row * (m + 1)).
+The calibration c is an EWMA ratio of accepted nodes to the sum of P_i over the nodes
+sent, per drafter family, so an over- or under-confident head is corrected within a
+few rounds and a confident round is not judged by an unconfident one's rate.
+
 This module does not know about tokens, logits, the ring's members or the network.
 """
 
@@ -73,6 +81,12 @@ class AdaptConfig:
     # share the ring), so it must buy at least this relative speed-up.
     min_pipeline_gain: float = 0.05
     max_acceptance: float = 0.99  # keeps the model from promising unbounded chains
+    # Confidence planning: how big a tree a confident drafter drafts before pruning,
+    # the calibration before any round, and the range it is held to.
+    confident_nodes: int = 48
+    confident_depth: int = 8
+    prior_calibration: float = 0.8
+    calibration_range: tuple[float, float] = (0.2, 1.5)
 
     def __post_init__(self) -> None:
         if not 0.0 < self.ewma_alpha <= 1.0:
@@ -109,6 +123,8 @@ class AdaptState:
     traversal: TraversalFit | None = None
     draft_s_per_node: float = 0.0
     rounds: int = 0
+    # per drafter family: EWMAs of accepted nodes and of the draft's predicted acceptances
+    confidence: Mapping[str, AcceptanceStats] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -121,6 +137,7 @@ class RoundVerified:
     accepted: int  # len(Acceptance.nodes)
     traversal_s: float  # send to return, ring only
     draft_s: float  # coordinator time spent drafting this round
+    predicted: float | None = None  # sum of the sent nodes' path probabilities (confident drafters)
 
 
 @dataclass(frozen=True)
@@ -157,7 +174,41 @@ def apply(event: Event, state: AdaptState, config: AdaptConfig = AdaptConfig()) 
         )
     per_node = event.draft_s / max(event.nodes, 1)
     draft = per_node if state.rounds == 0 else _ewma(state.draft_s_per_node, per_node, alpha)
-    return AdaptState(acceptance, fit, draft, state.rounds + 1)
+    confidence = dict(state.confidence)
+    if event.predicted is not None:
+        old = confidence.get(family)
+        confidence[family] = (AcceptanceStats(event.accepted, event.predicted) if old is None else AcceptanceStats(
+            _ewma(old.accepted, event.accepted, alpha), _ewma(old.tried, event.predicted, alpha)))
+    return AdaptState(acceptance, fit, draft, state.rounds + 1, confidence)
+
+
+def calibration(state: AdaptState, source: str, config: AdaptConfig = AdaptConfig()) -> float:
+    """Accepted nodes per unit of predicted acceptance for `source`'s family."""
+    stats = state.confidence.get(source.split(":")[0])
+    c = stats.accepted / stats.tried if stats is not None and stats.tried > 0 else config.prior_calibration
+    low, high = config.calibration_range
+    return min(max(c, low), high)
+
+
+def path_probabilities(tree: DraftTree) -> list[float]:
+    """Each node's draft probability of its whole path (needs `logprobs`)."""
+    return tree.cumulative_logprobs().exp().tolist()
+
+
+def size_by_confidence(tree: DraftTree, state: AdaptState, draft_s: float,
+                       config: AdaptConfig = AdaptConfig()) -> tuple[int, float]:
+    """(m, expected tokens) for the likeliest m nodes of `tree` that maximise expected
+    tokens per second of round time (module docstring); m = 0 means no draft."""
+    c = calibration(state, tree.source, config)
+    fixed_s, per_row_s = traversal_line(state, config)
+    probs = sorted(path_probabilities(tree), reverse=True)
+    best_m, best_e, best_rate, expected = 0, 1.0, 1.0 / (draft_s + fixed_s + per_row_s), 1.0
+    for m, p in enumerate(probs, start=1):
+        expected += min(1.0, c * p)
+        rate = expected / (draft_s + fixed_s + per_row_s * (m + 1))
+        if rate > best_rate:
+            best_m, best_e, best_rate = m, expected, rate
+    return best_m, best_e
 
 
 def acceptance_rate(state: AdaptState, source: str = ALL_SOURCES, config: AdaptConfig = AdaptConfig()) -> float:
@@ -263,6 +314,7 @@ class DraftCandidate:
 
     tree: DraftTree
     draft_s: float = 0.0
+    expected: float | None = None  # expected tokens, when the drafter's confidence gave it
 
 
 def route(candidates: Sequence[DraftCandidate], state: AdaptState, config: AdaptConfig = AdaptConfig()) -> int:
@@ -274,7 +326,8 @@ def route(candidates: Sequence[DraftCandidate], state: AdaptState, config: Adapt
     fixed_s, per_row_s = traversal_line(state, config)
     scores = []
     for c in candidates:
-        a = acceptance_rate(state, c.tree.source, config)
+        expected = c.expected if c.expected is not None else expected_tokens(
+            c.tree, acceptance_rate(state, c.tree.source, config))
         round_s = c.draft_s + fixed_s + per_row_s * (c.tree.num_nodes + 1)
-        scores.append(expected_tokens(c.tree, a) / round_s)
+        scores.append(expected / round_s)
     return max(range(len(scores)), key=lambda i: (scores[i], -i))

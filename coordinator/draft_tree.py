@@ -206,6 +206,21 @@ class DraftTree:
                 out[i] += out[p]
         return out
 
+    def keep_likeliest(self, m: int) -> DraftTree:
+        """The m nodes with the highest cumulative draft log-prob (needs `logprobs`), in
+        their original order. A child never beats its parent (log-probs <= 0; a tie goes
+        to the lower index, the parent), so the kept nodes form a tree."""
+        if m >= self.num_nodes:
+            return self
+        cum = self.cumulative_logprobs().tolist()
+        keep = sorted(sorted(range(self.num_nodes), key=lambda i: (-cum[i], i))[:m])
+        index = {old: new for new, old in enumerate(keep)}
+        parents = self._parent_list
+        return DraftTree(self.tokens[keep], torch.tensor([index[parents[i]] if parents[i] >= 0 else -1 for i in keep],
+                                                         dtype=torch.int64),
+                         logprobs=self.logprobs[keep], probs=None if self.probs is None else self.probs[[0, *(i + 1 for i in keep)]],
+                         sampling=self.sampling, source=self.source)
+
 
 @dataclass(frozen=True)
 class Expansion:

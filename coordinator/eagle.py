@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
-from coordinator.draft_tree import ChildSampling, DraftTree, Expansion, grow_best_first
+from coordinator.draft_tree import DraftTree
 from coordinator.drafting import DraftBudget
 from shard.arch import ModelConfig
 from shard.rope import RotaryTable, apply_rotary
@@ -244,9 +244,10 @@ def save_head(path: str | pathlib.Path, config: EagleConfig, weights: dict[str, 
 
 @dataclass(frozen=True)
 class EagleDraftConfig:
-    """top_k: children offered per expanded node (best-first keeps the likeliest)."""
+    """top_k: children each expanded node offers; beam: nodes expanded per depth."""
 
     top_k: int = 8
+    beam: int = 8
 
 
 class EagleDrafter:
@@ -255,6 +256,7 @@ class EagleDrafter:
     computed yet)."""
 
     name = "eagle"
+    confidence = True  # draft log-probs estimate the target's choices (the planner sizes by them)
 
     def __init__(self, head: EagleHead, config: EagleDraftConfig = EagleDraftConfig()) -> None:
         self.head, self.config = head, config
@@ -302,39 +304,84 @@ class EagleDrafter:
         return seen > 0 and len(context_ids) == seen + 1 and int(context_ids[seen - 1]) == self._tokens[-1]
 
     def propose(self, context_ids: Sequence[int], budget: DraftBudget) -> DraftTree:
+        """A chain (`max_nodes <= max_depth`: the head's argmax at each depth) or a tree
+        grown level by level (EAGLE-2): at each depth the `beam` likeliest nodes of the
+        level above (by cumulative draft log-prob) are run through the head together,
+        each offers its top-k children, and the tree keeps the `max_nodes` likeliest of
+        all candidates. One head forward per depth, whatever the tree's width. Children
+        are GREEDY picks; `logprobs` hold the head's log q(token | path), which the
+        planner reads as the head's confidence."""
         if not self.in_sync(context_ids) or budget.max_nodes == 0 or budget.max_depth == 0:
             return DraftTree.empty(source="eagle:0")
         head = self.head
         chain = budget.max_nodes <= budget.max_depth
-        k = 1 if chain else self.config.top_k  # a chain follows the head's argmax
-        root, root_pos, base = int(context_ids[-1]), len(context_ids) - 1, self._committed_pairs
-        # path tokens -> (output feature, KV slot, visible slots); siblings' tokens differ,
-        # so a path names one node. Speculative slots start at `base` and are never committed.
-        nodes: dict[tuple[int, ...], tuple[torch.Tensor, int, torch.Tensor]] = {}
-        vocab = head.target.vocab_size
-
-        def expand(_node: int, path: list[int]) -> Expansion:
-            key = tuple(path)
-            if key:
-                feat, parent_slot_vis = nodes[key[:-1]][0], nodes[key[:-1]][2]
-                token = key[-1]
-            else:
-                feat, parent_slot_vis, token = self._last_feat, torch.ones(base, dtype=torch.bool), root
-            slot = base + len(nodes)
-            vis = torch.zeros(slot + 1, dtype=torch.bool)
-            vis[:parent_slot_vis.shape[0]] = parent_slot_vis
-            vis[slot] = True
-            g = head.forward(self.cache, feat[None], torch.tensor([token]), torch.tensor([root_pos + len(key)]), slot, vis[None])
-            nodes[key] = (g[0], slot, vis)
+        k = 1 if chain else min(self.config.top_k, budget.max_nodes)
+        beam = 1 if chain else min(self.config.beam, budget.max_nodes)
+        root_pos, base = len(context_ids) - 1, self._committed_pairs
+        # Candidates: parallel lists; parent -1 is the root. `feats[i]` is set once node i
+        # is expanded (its pair ran through the head), `slots[i]` its KV slot.
+        tokens: list[int] = []
+        parents: list[int] = []
+        logps: list[float] = []
+        cums: list[float] = []
+        slot_of: dict[int, int] = {}
+        out_of: dict[int, torch.Tensor] = {}
+        frontier = [-1]
+        next_slot = base
+        for depth in range(1, budget.max_depth + 1):
+            n = len(frontier)
+            feat = torch.stack([self._last_feat if f < 0 else out_of[parents[f]] for f in frontier])  # (n, H)
+            toks = torch.tensor([int(context_ids[-1]) if f < 0 else tokens[f] for f in frontier])
+            at = next_slot
+            vis = torch.zeros(n, at + n, dtype=torch.bool)
+            vis[:, :base] = True
+            for row, f in enumerate(frontier):
+                node = parents[f] if f >= 0 else None
+                while node is not None:  # the ancestors' slots, the root's included
+                    vis[row, slot_of[node]] = True
+                    node = parents[node] if node >= 0 else None
+                vis[row, at + row] = True
             with torch.inference_mode():
-                logp = torch.log_softmax(head.logits(g[0]).float(), dim=-1)  # (Vd,)
-                top = torch.topk(logp, k)
-                probs = torch.zeros(vocab)
-                probs[head.d2t] = logp.exp()
-            return Expansion(head.d2t[top.indices].tolist(), top.values.tolist(), probs)
+                g = head.forward(self.cache, feat, toks, torch.full((n,), root_pos + depth - 1), at, vis)  # (n, H)
+                logp = torch.log_softmax(head.logits(g).float(), dim=-1)  # (n, Vd)
+                top = torch.topk(logp, k, dim=-1)
+            next_slot = at + n
+            level = []
+            for row, f in enumerate(frontier):
+                slot_of[f], out_of[f] = at + row, g[row]
+                base_cum = 0.0 if f < 0 else cums[f]
+                for tok, lp in zip(head.d2t[top.indices[row]].tolist(), top.values[row].tolist()):
+                    tokens.append(int(tok))
+                    parents.append(f)
+                    logps.append(float(lp))
+                    cums.append(base_cum + float(lp))
+                    level.append(len(tokens) - 1)
+            if depth == budget.max_depth:
+                break
+            # Expand the level's likeliest; stop once none of them can still make the cut.
+            level.sort(key=lambda i: -cums[i])
+            cut = sorted(cums, reverse=True)[budget.max_nodes - 1] if len(cums) >= budget.max_nodes else float("-inf")
+            frontier = [i for i in level[:beam] if cums[i] > cut]
+            if not frontier:
+                break
+        return _best_subtree(tokens, parents, logps, cums, budget.max_nodes,
+                             source="eagle:chain" if chain else "eagle:tree")
 
-        return grow_best_first(expand, budget.max_nodes, budget.max_depth, ChildSampling.GREEDY,
-                               source="eagle:chain" if chain else "eagle:tree")
+
+def _best_subtree(tokens: list[int], parents: list[int], logps: list[float], cums: list[float], m: int,
+                  source: str) -> DraftTree:
+    """The m candidates with the highest cumulative log-prob, in topological order (by
+    depth, siblings likeliest first). A child never beats its parent (log-probs <= 0, and
+    ties go to the earlier-created node, the parent), so the kept set is a tree."""
+    keep = sorted(range(len(tokens)), key=lambda i: (-cums[i], i))[:m]
+    depth: dict[int, int] = {-1: 0}
+    for i in range(len(tokens)):  # parents precede children in creation order
+        depth[i] = depth[parents[i]] + 1
+    keep.sort(key=lambda i: (depth[i], -cums[i], i))
+    index = {old: new for new, old in enumerate(keep)}
+    return DraftTree(torch.tensor([tokens[i] for i in keep], dtype=torch.int64),
+                     torch.tensor([index[parents[i]] if parents[i] >= 0 else -1 for i in keep], dtype=torch.int64),
+                     logprobs=torch.tensor([logps[i] for i in keep], dtype=torch.float32), source=source)
 
 
 def shipped_head_dir(model_name: str) -> pathlib.Path | None:

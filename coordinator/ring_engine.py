@@ -318,9 +318,10 @@ class RingJob:
             self.undrafted_rounds = 0 if tree.num_nodes else self.undrafted_rounds + 1
             if tree.num_nodes:
                 self.drafted[tree.source.split(":")[0]] = self.drafted.get(tree.source.split(":")[0], 0) + 1
+                predicted = sum(adapt.path_probabilities(tree)) if self._confident(tree.source) else None
                 self.adapt = adapt.apply(adapt.RoundVerified(
                     source=tree.source, nodes=tree.num_nodes, tried=acc.tried, accepted=len(acc.nodes),
-                    traversal_s=traversal_s, draft_s=draft_s), self.adapt)
+                    traversal_s=traversal_s, draft_s=draft_s, predicted=predicted), self.adapt)
             yield tokens
 
     def _draft(self, limit: int) -> tuple[DraftTree, float]:
@@ -336,6 +337,18 @@ class RingJob:
         candidates = []
         for drafter in self.drafters:
             t0 = time.perf_counter()
+            if getattr(drafter, "confidence", False):
+                # Draft generously, then keep the likeliest nodes the head's own
+                # probabilities say pay for their ring time.
+                budget = DraftBudget(max(0, min(plan_config.confident_nodes, room)),
+                                     max(0, min(plan_config.confident_depth, room)))
+                tree = drafter.propose(self.committed, budget) if budget.max_nodes else DraftTree.empty()
+                draft_s = time.perf_counter() - t0
+                if tree.num_nodes:
+                    m, expected = adapt.size_by_confidence(tree, self.adapt, draft_s, plan_config)
+                    if m:
+                        candidates.append(adapt.DraftCandidate(tree.keep_likeliest(m), draft_s, expected))
+                continue
             shape = adapt.plan(self.adapt, plan_config, source=getattr(drafter, "name", adapt.ALL_SOURCES))
             nodes, depth = shape.nodes, shape.depth
             if nodes == 0 and self.undrafted_rounds >= PROBE_EVERY_ROUNDS:
@@ -348,6 +361,11 @@ class RingJob:
             return DraftTree.empty(), 0.0
         best = candidates[adapt.route(candidates, self.adapt)] if len(candidates) > 1 else candidates[0]
         return best.tree, sum(c.draft_s for c in candidates)
+
+    def _confident(self, source: str) -> bool:
+        """Whether `source`'s drafter reports log-probs that estimate acceptance (EAGLE)."""
+        family = source.split(":")[0]
+        return any(getattr(d, "confidence", False) and d.name == family for d in self.drafters)
 
     def _observe(self, fed, tree: DraftTree, acc, tree_aux, root_slot: int) -> None:
         """Hand drafters that read the target's features (EAGLE) the aux rows of every

@@ -93,6 +93,36 @@ PASSAGES = (
     "the speed of distant galaxies, and in 1994 it recorded the impact of a comet on Jupiter. Light "
     "from the growing town below now makes some observations difficult, so the town has agreed to "
     "use shielded street lamps that point their light downwards.",
+    "Glass has been made in the town of Hollin since 1610, when two families from Venice settled "
+    "beside the river. They used sand from the dunes and ash from burnt seaweed, and their furnaces "
+    "burned day and night. By 1800 eleven workshops employed four hundred people, most of them "
+    "making bottles. Only one workshop survives today. It makes coloured bowls by hand, and "
+    "visitors can watch the glassblowers from a gallery above the furnace.",
+    "Bamboo is a grass, not a tree, although some kinds grow taller than a house. Certain species "
+    "can grow almost a metre in a single day, which makes bamboo one of the fastest growing plants "
+    "on Earth. Because it regrows quickly after cutting, it is used for scaffolding, furniture, "
+    "flooring and even bicycles. Many bamboo species flower only once every few decades, and then "
+    "all the plants of that species flower at the same time and die.",
+    "The village school had only one classroom when it opened in 1903. Pupils from the age of five "
+    "to fourteen sat together, and the teacher lived in two rooms at the back of the building. A "
+    "second classroom was added in 1936, and electric lights in 1948. The school closed in 1989 "
+    "when the pupils moved to a larger school in the next town. The building is now the village "
+    "hall, where a photograph of the first class still hangs by the door.",
+    "Sea otters spend almost their whole lives in the water. Unlike most marine mammals they have "
+    "no layer of blubber, so they rely on the thickest fur of any animal to stay warm. They eat sea "
+    "urchins, crabs and clams, often floating on their backs and using a stone to crack open shells. "
+    "By eating sea urchins they protect kelp forests, which urchins would otherwise destroy. For "
+    "this reason they are called a keystone species.",
+    "In March the city council voted to close Harbour Street to cars on weekends. Traders worried "
+    "that fewer people would come to their shops, but by the end of the summer most reported higher "
+    "sales than the year before. The council counted twice as many people walking on the street on "
+    "Saturdays. Some residents still complained about noise from outdoor cafes late at night, and "
+    "the council agreed to review the opening hours in the autumn.",
+    "A sundial tells the time from the shadow cast by a pointer called a gnomon. For the dial to be "
+    "accurate, the gnomon must point towards the celestial pole, so its angle depends on the "
+    "latitude of the place where the dial stands. Sundials show solar time, which can differ from "
+    "clock time by up to sixteen minutes during the year. Before mechanical clocks were common, "
+    "towns set their church clocks by the sundial at noon.",
 )
 SUMMARISE = (
     "Summarise the following passage in two sentences.\n\n{passage}",
@@ -105,6 +135,7 @@ QUOTE = (
     "Copy the last sentence of this passage word for word.\n\n{passage}",
     "Find the sentence that mentions a year and quote it exactly.\n\n{passage}",
     "Repeat the passage below, then give it a title.\n\n{passage}",
+    "Quote the sentence of this passage that you find most surprising, exactly as written.\n\n{passage}",
 )
 
 MATH = (
@@ -125,9 +156,8 @@ def build_prompts(seed: int = 0) -> list[tuple[str, str]]:
     rng = random.Random(seed)
     out: list[tuple[str, str]] = []
     for topic in TOPICS:
-        out.append(("open_writing", rng.choice(OPEN_WRITING).format(topic=topic)))
-        out.append(("qa", rng.choice(QA).format(topic=topic)))
-        out.append(("qa", rng.choice(QA).format(topic=topic)))
+        out.extend(("open_writing", template.format(topic=topic)) for template in OPEN_WRITING)
+        out.extend(("qa", template.format(topic=topic)) for template in QA)
     for task in CODE_TASKS:
         for template in CODE:
             out.append(("code", template.format(task=task)))
@@ -136,7 +166,7 @@ def build_prompts(seed: int = 0) -> list[tuple[str, str]]:
             out.append(("summarisation", template.format(passage=passage)))
         for template in QUOTE:
             out.append(("quoting", template.format(passage=passage)))
-    for _ in range(60):
+    for _ in range(120):
         a, b = rng.randint(2, 60), rng.randint(2, 30)
         out.append(("math", rng.choice(MATH).format(a=a, b=b, c=a * rng.randint(2, 9) + b)))
     rng.shuffle(out)

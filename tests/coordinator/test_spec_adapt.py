@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -20,10 +21,12 @@ from coordinator.adapt import (
     acceptance_rate,
     apply,
     best_tree_tokens,
+    calibration,
     expected_tokens,
     expected_tokens_chain,
     plan,
     route,
+    size_by_confidence,
     tokens_per_s,
     traversal_line,
 )
@@ -165,3 +168,39 @@ def test_planned_like_the_emulated_ring_eagle_keeps_drafting():
         assert plan(state, config, source="eagle").nodes >= 1
     assert plan(state_with(0.9), AdaptConfig(kinds=(DraftKind.TREE,))).pipeline_depth == 1
     assert plan(state_with(0.01)) == plan(state_with(0.01), AdaptConfig(max_pipeline_depth=1))
+
+
+def _timed_state(fixed_s: float, per_row_s: float, **kw) -> AdaptState:
+    state = AdaptState(**kw)
+    for i in range(40):
+        nodes = 2 if i % 2 else 12
+        state = apply(RoundVerified("x", nodes, 1, 1, fixed_s + per_row_s * (nodes + 1), 0.0), state)
+    return AdaptState(state.acceptance, state.traversal, 0.0, state.rounds, kw.get("confidence", {}))
+
+
+def test_confident_drafts_are_cut_where_another_node_stops_paying():
+    # Path probabilities 0.9, 0.81, ... of a chain: the marginal node's expected tokens
+    # fall geometrically while each costs per_row_s, so m must stop where the rate peaks.
+    tree = DraftTree.chain(list(range(10)), logprobs=torch.full((10,), math.log(0.9)), source="eagle:chain")
+    cheap = _timed_state(0.2, 0.001)
+    dear = _timed_state(0.2, 0.05)
+    m_cheap, e_cheap = size_by_confidence(tree, cheap, 0.0)
+    m_dear, _ = size_by_confidence(tree, dear, 0.0)
+    c = AdaptConfig().prior_calibration
+    assert m_cheap == 10 and e_cheap == pytest.approx(1 + c * sum(0.9**d for d in range(1, 11)))
+    assert 0 < m_dear < m_cheap
+    # Brute force: no other prefix has a better rate under the same model.
+    fixed, per_row = traversal_line(dear)
+    rates = [(1 + c * sum(0.9**d for d in range(1, m + 1))) / (fixed + per_row * (m + 1)) for m in range(11)]
+    assert m_dear == max(range(11), key=lambda m: rates[m])
+
+
+def test_calibration_learns_an_overconfident_head_per_family():
+    state = AdaptState()
+    for _ in range(30):  # predicted 4 accepted nodes a round, 1 came
+        state = apply(RoundVerified("eagle:tree", 16, 3, 1, 0.3, 0.0, predicted=4.0), state)
+    assert calibration(state, "eagle:chain") == pytest.approx(0.25, abs=0.01)
+    assert calibration(state, "ngram:3") == AdaptConfig().prior_calibration
+    tree = DraftTree.chain([5, 6, 7], logprobs=torch.log(torch.tensor([0.9, 0.9, 0.9])), source="eagle:chain")
+    _, expected = size_by_confidence(tree, state, 0.0, AdaptConfig(prior_per_node_s=0.0))
+    assert expected == pytest.approx(1 + 0.25 * (0.9 + 0.81 + 0.729), rel=0.05)

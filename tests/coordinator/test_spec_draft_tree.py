@@ -130,3 +130,20 @@ def test_best_first_keeps_a_prefix_of_each_nodes_draws():
     tree = grow_best_first(expand, max_nodes=2, max_depth=2, sampling=ChildSampling.WITHOUT_REPLACEMENT)
     assert tree.tokens.tolist() == [1, 1] and tree.parents.tolist() == [-1, 0]
     assert torch.equal(tree.probs[0], q) and torch.equal(tree.probs[1], q)
+
+
+def test_keep_likeliest_keeps_a_tree_of_the_best_paths():
+    #        root
+    #      a(-0.1)      b(-1.0)
+    #   c(-0.2) d(0.0)   e(-0.1)
+    tree = DraftTree(torch.tensor([10, 20, 30, 40, 50]), torch.tensor([-1, -1, 0, 0, 1]),
+                     logprobs=torch.tensor([-0.1, -1.0, -0.2, 0.0, -0.1]), source="eagle:tree")
+    # Cumulative: a -0.1, b -1.0, c -0.3, d -0.1 (ties its parent: the parent goes first), e -1.1.
+    two = tree.keep_likeliest(2)
+    assert two.tokens.tolist() == [10, 40] and two.parents.tolist() == [-1, 0]
+    three = tree.keep_likeliest(3)
+    assert three.tokens.tolist() == [10, 30, 40] and three.parents.tolist() == [-1, 0, 0]
+    four = tree.keep_likeliest(4)
+    assert four.tokens.tolist() == [10, 20, 30, 40] and four.parents.tolist() == [-1, -1, 0, 0]
+    assert four.logprobs.tolist() == pytest.approx([-0.1, -1.0, -0.2, 0.0]) and four.source == "eagle:tree"
+    assert tree.keep_likeliest(9) is tree

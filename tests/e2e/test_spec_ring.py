@@ -133,3 +133,72 @@ def test_pipelined_rounds_are_used_and_lossless(tiny_llama_store):
     plain, out, stats = trio.run(main)
     assert out == plain
     assert sum(s["pipelined_rounds"] for s in stats) > 0, stats
+
+
+class ConfidentNoisyDrafter(NoisyOracleDrafter):
+    """The noisy oracle, reporting log-probs as a confident drafter (EAGLE does): the
+    engine then drafts wide and prunes to the likeliest nodes, so accepted paths are cut
+    out of trees whose nodes were renumbered."""
+
+    name = "confident"
+    confidence = True
+
+    def propose(self, context_ids: Sequence[int], budget: DraftBudget) -> DraftTree:
+        tree = super().propose(context_ids, budget)
+        logprobs = torch.tensor([-0.1 - self.rng.random() * (1 + i % 3) for i in range(tree.num_nodes)])
+        return DraftTree(tree.tokens, tree.parents, logprobs=logprobs, source=f"confident:{tree.num_nodes}")
+
+
+def random_eagle_head(store, path) -> None:
+    """An untrained but confident EAGLE head for the tiny model: the real drafter, the aux
+    rows the stages attach and the observe bookkeeping all run; its drafts are mostly wrong."""
+    from coordinator.eagle import EagleConfig, init_weights, save_head
+
+    cfg = store.config
+    g = torch.Generator().manual_seed(0)
+    head_cfg = EagleConfig.for_target(cfg, (0, cfg.num_layers // 2, cfg.num_layers - 1), cfg.vocab_size)
+    d2t = torch.arange(cfg.vocab_size)
+    w = init_weights(head_cfg, store.load_embedding(), torch.ones(cfg.hidden_size), d2t, g)
+    w["lm_head.weight"] *= 30  # peaky: the planner keeps drafts it is confident in
+    save_head(path, head_cfg, w, d2t, target_digest=store.digest, dtype=torch.float32)
+
+
+def test_confident_and_eagle_drafting_reproduce_plain_greedy(tiny_llama_store, tmp_path):
+    # Guards the confidence planner's path through the engine (wide draft, likeliest
+    # nodes kept, calibration) and EAGLE in the ring (aux rows from the stages, observe
+    # after prefill chunks and verify rounds), alone and routed against n-gram.
+    random_eagle_head(tiny_llama_store, tmp_path / "head")
+
+    async def main():
+        config = EngineConfig(draft="eagle", eagle_head=str(tmp_path / "head"), link_latency_ms=10)
+        async with open_local_ring(tiny_llama_store, 3, engine=config, node_config={"link_latency_ms": 10}) as ring:
+            engine = ring.engine
+            eagle_drafters = engine.make_drafters
+            engine.make_drafters = lambda: []
+            plain = {tuple(p): await generate(engine, p) for p in PROMPTS}
+            modes = {
+                "confident": lambda: [ConfidentNoisyDrafter(plain, tree=True, seed=6)],
+                "confident+ngram": lambda: [NgramDrafter(), ConfidentNoisyDrafter(plain, tree=True, seed=7, accuracy=0.9)],
+                "eagle": eagle_drafters,
+                "eagle+ngram": lambda: [NgramDrafter(), *eagle_drafters()],
+            }
+            drafted = {}
+            for name, make in modes.items():
+                engine.make_drafters = make
+                for p in PROMPTS:
+                    job = await engine.open_job(p, SamplingParams(temperature=0.0))
+                    got = []
+                    async with aclosing(job.next_tokens()) as blocks:
+                        async for block in blocks:
+                            got += block
+                            if len(got) >= NEW_TOKENS:
+                                break
+                    stats = job.stats()
+                    await job.aclose()
+                    assert got[:NEW_TOKENS] == plain[tuple(p)], (name, p)
+                    for family, rounds in stats["draft_rounds"].items():
+                        drafted[(name, family)] = drafted.get((name, family), 0) + rounds
+            return drafted
+
+    drafted = trio.run(main)
+    assert drafted.get(("confident", "confident"), 0) > 0 and drafted.get(("eagle", "eagle"), 0) > 0, drafted
