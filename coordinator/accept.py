@@ -11,7 +11,7 @@ top-p (callers pass `sampling.probs(...)` rows), stop strings, or the ring.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -49,10 +49,17 @@ def accept_greedy(tree: DraftTree, target_logits: torch.Tensor) -> Acceptance:
     would emit (ties go to the lowest id, as in `sampling.greedy_token`)."""
     _check_rows(tree, target_logits, "target logits")
     best = torch.argmax(target_logits, dim=-1).tolist()  # (M+1,) one argmax per row
+    return accept_greedy_lazy(tree, best.__getitem__)
+
+
+def accept_greedy_lazy(tree: DraftTree, target_choice: Callable[[int], int]) -> Acceptance:
+    """`accept_greedy` with the target's argmax asked for row by row (row 0 = the root,
+    row i+1 = node i): only the rows of the accepted path and the bonus token's are
+    asked for, so a caller can compute rows on demand."""
     toks = tree.tokens.tolist()
     node, nodes, tried = -1, [], 0
     while True:
-        want = best[node + 1]
+        want = target_choice(node + 1)
         kids = tree.children(node)
         hit = next((r for r, k in enumerate(kids) if toks[k] == want), None)
         tried += len(kids) if hit is None else hit + 1
@@ -60,7 +67,31 @@ def accept_greedy(tree: DraftTree, target_logits: torch.Tensor) -> Acceptance:
             break
         node = kids[hit]
         nodes.append(node)
-    return Acceptance(tuple(nodes), tuple(toks[n] for n in nodes) + (best[node + 1],), tried)
+    return Acceptance(tuple(nodes), tuple(toks[n] for n in nodes) + (target_choice(node + 1),), tried)
+
+
+class GreedyRows:
+    """The target's argmax at verify rows, computed on demand by `logits_of(rows) ->
+    (len(rows), V)`: at first the root and the draft's first-child path in one batch (the
+    rows acceptance walks when the draft is right; children come likeliest first), then
+    any other row alone. A tree of M nodes then costs about its accepted length in
+    LM-head rows instead of M + 1."""
+
+    def __init__(self, tree: DraftTree, logits_of: Callable[[list[int]], torch.Tensor]) -> None:
+        self._logits_of, self._best = logits_of, {}
+        rows, node = [0], -1
+        while kids := tree.children(node):
+            node = kids[0]
+            rows.append(node + 1)
+        self._compute(rows)
+
+    def _compute(self, rows: list[int]) -> None:
+        self._best.update(zip(rows, torch.argmax(self._logits_of(rows), dim=-1).tolist()))
+
+    def __call__(self, row: int) -> int:
+        if row not in self._best:
+            self._compute([row])
+        return self._best[row]
 
 
 def accept_sampling(tree: DraftTree, target_probs: torch.Tensor, generator: torch.Generator) -> Acceptance:

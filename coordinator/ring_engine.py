@@ -25,7 +25,7 @@ from receipts import sha256_digest
 from coordinator.engine import JobFailedError, NotReadyError
 from coordinator.receipt_check import JobReceipts, ReceiptChecker
 from coordinator import adapt
-from coordinator.accept import accept_greedy, accept_sampling
+from coordinator.accept import GreedyRows, accept_greedy_lazy, accept_sampling
 from coordinator.draft_tree import DraftTree
 from coordinator.drafting import DraftBudget, Drafter, NgramDrafter
 from coordinator.eagle import EagleDrafter, EagleHead, shipped_head_dir
@@ -232,9 +232,9 @@ class RingEngine:
         if channel is not None:
             channel.close()
 
-    def logits(self, result: Result) -> torch.Tensor:
-        """Result hidden (T, H) -> logits (T, V) f32."""
-        return self.head.logits(from_wire(result.hidden, result.hidden_scale, torch.float32))
+    def hidden(self, result: Result) -> torch.Tensor:
+        """The last stage's hidden rows (T, H) in f32; `head.logits` turns rows into logits."""
+        return from_wire(result.hidden, result.hidden_scale, torch.float32)
 
 
 @dataclass(frozen=True)
@@ -300,10 +300,13 @@ class RingJob:
             else:
                 tree, draft_s = self._draft(limit)
                 rows, traversal_s, fed, tree_aux = await self._verify(tree, limit)
-            if self.params.greedy:
-                acc = accept_greedy(tree, rows)
+            head = self.engine.head
+            if self.params.greedy:  # LM-head rows only along the accepted path
+                acc = await trio.to_thread.run_sync(
+                    lambda: accept_greedy_lazy(tree, GreedyRows(tree, lambda r: head.logits(rows[r]))))
             else:
-                acc = accept_sampling(tree, probs(rows, self.params), generator)
+                target = probs(await trio.to_thread.run_sync(head.logits, rows), self.params)
+                acc = accept_sampling(tree, target, generator)
             root_slot = len(self.committed) - 1
             src = [root_slot + 1 + n for n in acc.nodes]
             # The accepted nodes' K/V move next to the root in the next frame (no extra
@@ -449,8 +452,7 @@ class RingJob:
             tokens=max(0, prefix_end - start_ctx) + (tree.num_nodes + 1 if tree.num_nodes else 0),
             traversal_s=traversal_s, compute_s=tuple(last.compute_s)))
         self.traversals += 1
-        logits = await trio.to_thread.run_sync(self.engine.logits, last)
-        return logits[-(tree.num_nodes + 1):], traversal_s, fed, tree_aux
+        return self.engine.hidden(last)[-(tree.num_nodes + 1):], traversal_s, fed, tree_aux
 
     async def _send_ahead(self, ring: RingState, base: DraftTree, base_root: int, limit: int) -> None:
         """Pipelined rounds: while a chain is in the ring, draft the next round on the
@@ -496,9 +498,8 @@ class RingJob:
             return None
         self.traversals += 1
         self.pipelined += 1
-        logits = await trio.to_thread.run_sync(self.engine.logits, result)
         aux = from_wire(result.aux, result.aux_scale, torch.float32) if self.aux_layers and result.aux is not None else None
-        return logits[-(ahead.tree.num_nodes + 1):], time.monotonic() - ahead.sent_s, [], aux
+        return self.engine.hidden(result)[-(ahead.tree.num_nodes + 1):], time.monotonic() - ahead.sent_s, [], aux
 
     def _verify_frame(self, ring: RingState, root: int, root_token: int, tree: DraftTree,
                       commit_src=(), commit_dst: int = 0) -> Forward:

@@ -126,7 +126,7 @@ class FrameProbe:
 
 
 def _instrument_engine(engine: RingEngine, probe: FrameProbe) -> None:
-    open_job, deliver, logits = engine.open_job, engine._deliver, engine.logits
+    open_job, deliver, logits = engine.open_job, engine._deliver, engine.head.logits
 
     async def timed_open_job(*args, **kwargs):
         job = await open_job(*args, **kwargs)
@@ -149,13 +149,13 @@ def _instrument_engine(engine: RingEngine, probe: FrameProbe) -> None:
             probe.compute_s[key] = tuple(result.compute_s)
         deliver(msg)
 
-    def timed_logits(result):
+    def timed_logits(hidden):
         t0 = time.perf_counter()
-        out = logits(result)
+        out = logits(hidden)
         probe.logits_s.append(time.perf_counter() - t0)
         return out
 
-    engine.open_job, engine._deliver, engine.logits = timed_open_job, timed_deliver, timed_logits
+    engine.open_job, engine._deliver, engine.head.logits = timed_open_job, timed_deliver, timed_logits
     _count_ring_streams(engine.host, lambda: probe.edge_sizes(0))
     engine.swarm.job_error_handler = timed_deliver
 

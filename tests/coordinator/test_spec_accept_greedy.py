@@ -13,7 +13,7 @@ import random
 import pytest
 import torch
 
-from coordinator.accept import accept_greedy, accept_sampling, truncate_at_stop
+from coordinator.accept import GreedyRows, accept_greedy, accept_greedy_lazy, accept_sampling, truncate_at_stop
 from coordinator.draft_tree import DraftTree
 from coordinator.drafting import DraftBudget, NgramDrafter
 
@@ -135,3 +135,29 @@ def test_sampling_at_temperature_zero_equals_greedy():
 def test_rows_must_match_the_tree():
     with pytest.raises(ValueError, match=r"bad target logits: expected \(4, V\), got \(3, 32\)"):
         accept_greedy(DraftTree.chain([1, 2, 3]), torch.zeros(3, VOCAB))
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_rows_on_demand_accept_the_same_and_compute_little(seed):
+    # Guards the engine's LM-head saving: acceptance from rows computed on demand must
+    # equal acceptance from all rows, and ask only for the rows it walks (the first-child
+    # path in one batch, then one row per step off it).
+    rng = random.Random(seed)
+    branches = [[rng.randrange(6) for _ in range(rng.randint(1, 5))] for _ in range(rng.randint(1, 4))]
+    tree = DraftTree.from_branches(branches, 12)
+    logits = torch.randn(tree.num_nodes + 1, 6, generator=torch.Generator().manual_seed(seed))
+    asked: list[list[int]] = []
+
+    def logits_of(rows: list[int]) -> torch.Tensor:
+        asked.append(list(rows))
+        return logits[rows]
+
+    lazy = accept_greedy_lazy(tree, GreedyRows(tree, logits_of))
+    assert lazy == accept_greedy(tree, logits)
+    first_path = [0]
+    node = -1
+    while tree.children(node):
+        node = tree.children(node)[0]
+        first_path.append(node + 1)
+    assert asked[0] == first_path and all(len(rows) == 1 for rows in asked[1:])
+    assert len(asked) - 1 <= len(lazy.nodes) + 1
