@@ -9,6 +9,7 @@ import sys
 
 import trio
 
+from coordinator.ring_engine import EngineConfig, parse_tree
 from coordinator.server import CoordConfig, serve_coordinator
 from shard.errors import ShardError
 from shard.options import add_options, config_from_args
@@ -45,6 +46,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     config = config_from_args(CoordConfig, args)
+    try:  # flags the engine checks, refused before anything loads
+        EngineConfig(eagle_tree=parse_tree(config.eagle_tree))
+    except ValueError as e:
+        print(f"{PROG} {args.command}: error: {e}", file=sys.stderr)
+        return 2
 
     async def run() -> None:
         async with trio.open_nursery() as nursery:

@@ -56,7 +56,27 @@ class EngineConfig:
     link_jitter_ms: float = 0.0
     draft: str = "hybrid"  # none | ngram | eagle | hybrid (n-gram and EAGLE, routed per round)
     eagle_head: str | None = None  # head directory; default: the one shipped for the model
+    eagle_tree: tuple[int, int] | None = None  # fixed (nodes, depth); default: sized by the head's confidence
     pipeline: bool = True  # send the next round before this one is verified (when likely to pay)
+
+    def __post_init__(self) -> None:
+        if self.eagle_tree is not None and not (1 <= self.eagle_tree[1] <= self.eagle_tree[0] <= MAX_EAGLE_TREE):
+            raise ValueError(f"eagle_tree (nodes, depth) needs 1 <= depth <= nodes <= {MAX_EAGLE_TREE}, "
+                             f"got {self.eagle_tree}")
+
+
+MAX_EAGLE_TREE = 256  # draft nodes in one verify frame
+
+
+def parse_tree(text: str | None) -> tuple[int, int] | None:
+    """'NODES,DEPTH' (the --eagle-tree flag) -> (nodes, depth); None stays None."""
+    if text is None:
+        return None
+    try:
+        nodes, depth = (int(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(f"--eagle-tree takes NODES,DEPTH (two integers), got {text!r}") from None
+    return nodes, depth
 
 
 # When the planner finds drafting not worth it, a small probe draft every few rounds keeps
@@ -342,12 +362,15 @@ class RingJob:
             t0 = time.perf_counter()
             if getattr(drafter, "confidence", False):
                 # Draft generously, then keep the likeliest nodes the head's own
-                # probabilities say pay for their ring time.
-                budget = DraftBudget(max(0, min(plan_config.confident_nodes, room)),
-                                     max(0, min(plan_config.confident_depth, room)))
+                # probabilities say pay for their ring time (or a fixed tree, if asked).
+                fixed = self.engine.config.eagle_tree
+                nodes, depth = fixed or (plan_config.confident_nodes, plan_config.confident_depth)
+                budget = DraftBudget(max(0, min(nodes, room)), max(0, min(depth, room)))
                 tree = drafter.propose(self.committed, budget) if budget.max_nodes else DraftTree.empty()
                 draft_s = time.perf_counter() - t0
-                if tree.num_nodes:
+                if tree.num_nodes and fixed:
+                    candidates.append(adapt.DraftCandidate(tree, draft_s))
+                elif tree.num_nodes:
                     m, expected = adapt.size_by_confidence(tree, self.adapt, draft_s, plan_config)
                     if m:
                         candidates.append(adapt.DraftCandidate(tree.keep_likeliest(m), draft_s, expected))

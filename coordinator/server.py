@@ -16,7 +16,7 @@ import trio
 from coordinator.api import ApiConfig, create_app, serve_http
 from coordinator.audit import AuditConfig, Auditor
 from coordinator.receipt_check import ReceiptChecker, ReceiptConfig
-from coordinator.ring_engine import EngineConfig, RingEngine
+from coordinator.ring_engine import EngineConfig, RingEngine, parse_tree
 from coordinator.swarm import Swarm, SwarmConfig
 from coordinator.topology import TopologyConfig
 from shard.identity import identity_signing_key, load_or_create_identity
@@ -50,6 +50,8 @@ class CoordConfig:
     draft: str = _opt("hybrid", "speculative drafter (hybrid = n-gram and the EAGLE head, routed per round)",
                       choices=("none", "ngram", "eagle", "hybrid"))
     eagle_head: str | None = _opt(None, "EAGLE head directory (default: the head shipped for the model)")
+    eagle_tree: str | None = _opt(None, "fixed EAGLE tree NODES,DEPTH (default: each round sized by the head's "
+                                        "confidence and the measured ring time)")
     prefill_chunk_tokens: int = _opt(EngineConfig.prefill_chunk_tokens,
                                      "largest prefill chunk; chunks are pipelined through the ring")
     prefill_edge_chunk_tokens: int = _opt(EngineConfig.prefill_edge_chunk_tokens,
@@ -81,7 +83,8 @@ async def serve_coordinator(config: CoordConfig, task_status=trio.TASK_STATUS_IG
         checker.listeners.append(auditor.submit_nowait)
         engine = RingEngine(swarm, host, tokenizer, EngineConfig(
             prefill_chunk_tokens=config.prefill_chunk_tokens, prefill_edge_chunk_tokens=config.prefill_edge_chunk_tokens,
-            draft=config.draft, eagle_head=config.eagle_head, link_latency_ms=config.link_latency_ms,
+            draft=config.draft, eagle_head=config.eagle_head, eagle_tree=parse_tree(config.eagle_tree),
+            link_latency_ms=config.link_latency_ms,
             link_upload_mbps=config.link_upload_mbps, link_jitter_ms=config.link_jitter_ms), receipts=checker)
         host.set_handler(CONTROL_PROTOCOL, swarm.handle_control)
         host.set_handler(RING_PROTOCOL, engine.handle_ring_stream)

@@ -11,7 +11,7 @@ per committed token (every edge), and whether the output equals plain decoding. 
 the engine does not support are reported as unavailable, never faked. The main wire is
 bf16; fp8 reruns the drafting modes to show what it does to acceptance.
 
-    python scripts/bench_spec.py --json OUT [--quick] [--modes none,ngram,eagle,hybrid]
+    python scripts/bench_spec.py --json OUT [--quick] [--modes none,ngram,eagle,hybrid,eagle-tree]
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import trio
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from coordinator.engine import EngineError, NotReadyError, encode_chat  # noqa: E402
-from coordinator.ring_engine import EngineConfig  # noqa: E402
+from coordinator.ring_engine import EngineConfig, parse_tree  # noqa: E402
 from coordinator.sampling import SamplingParams  # noqa: E402
 from scripts import spec_prompts  # noqa: E402
 from scripts.bench_ringkit import LinkSpec, base_conditions, open_bench_ring  # noqa: E402
@@ -92,9 +92,18 @@ async def run_prompt(ring, ids: list[int], max_tokens: int) -> dict:
             "ttft_s": stats["ttft_s"]}
 
 
-async def run_mode(store, tokenizer, wire: str, mode: str, prompts: list[tuple[str, list[int]]], max_tokens: int) -> dict:
+def engine_config(mode: str, eagle_tree: tuple[int, int]) -> EngineConfig:
+    """'eagle-tree' is EAGLE with a fixed tree (what the head can commit per traversal);
+    the other modes are the engine's own, trees sized per round by the planner."""
+    if mode == "eagle-tree":
+        return EngineConfig(draft="eagle", eagle_tree=eagle_tree)
+    return EngineConfig(draft=mode)
+
+
+async def run_mode(store, tokenizer, wire: str, mode: str, prompts: list[tuple[str, list[int]]], max_tokens: int,
+                   eagle_tree: tuple[int, int]) -> dict:
     try:
-        config = EngineConfig(draft=mode)
+        config = engine_config(mode, eagle_tree)
     except UNAVAILABLE_ERRORS as exc:
         return {"available": False, "why": f"EngineConfig(draft={mode!r}): {exc}"}
     t0 = time.perf_counter()
@@ -116,7 +125,7 @@ async def _run_on_ring(ring, wire: str, mode: str, prompts: list[tuple[str, list
         for category, ids in prompts:
             r = await run_prompt(ring, ids, max_tokens)
             runs.append({"category": category, **r})
-            print(f"  {wire:4} {mode:7} {category:14} tau {r['tau']:.2f}  {r['decode_tokens'] / max(r['decode_s'], 1e-9):6.2f} tok/s"
+            print(f"  {wire:4} {mode:10} {category:14} tau {r['tau']:.2f}  {r['decode_tokens'] / max(r['decode_s'], 1e-9):6.2f} tok/s"
                   f"  {r['decode_tokens'] + 1} tokens", flush=True)
     except EngineError as exc:  # the mode exists but cannot generate on this ring: say so, go on
         return {"available": False, "why": f"draft={mode!r} failed on the ring after {len(runs)} prompts: "
@@ -179,8 +188,8 @@ def targets(table: dict, main_wire: str, fp8_wire: str | None) -> list[dict]:
             add(f"best mode tok/s / plain on {group}", "no drafting mode ran", f">= {goal}", False)
         else:
             add(f"best mode ({best[1]}) tok/s / plain on {group}", round(best[0], 3), f">= {goal}", best[0] >= goal)
-    eagle = main.get("eagle", {}).get("open_ended")
-    add("EAGLE tree tau on open-ended", round(eagle["tau"], 3) if eagle else "eagle unavailable", ">= 3.0",
+    eagle = main.get("eagle-tree", main.get("eagle", {})).get("open_ended")
+    add(f"EAGLE tree tau on open-ended ({'eagle-tree' if 'eagle-tree' in main else 'eagle'})", round(eagle["tau"], 3) if eagle else "eagle unavailable", ">= 3.0",
         bool(eagle and eagle["tau"] >= 3.0))
     if fp8_wire:
         for mode, t in table.get(fp8_wire, {}).items():
@@ -196,17 +205,21 @@ def main(argv=None) -> int:
     ap.add_argument("--json", required=True)
     ap.add_argument("--quick", action="store_true", help="one prompt per category, short answers (< 3 min)")
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--modes", default="none,ngram,eagle,hybrid", help="comma-separated; 'none' (plain) is the baseline")
-    ap.add_argument("--tokens", type=int, default=None, help="max new tokens per prompt (default 32, quick 16)")
-    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--modes", default="none,ngram,eagle,hybrid,eagle-tree",
+                    help="comma-separated; 'none' (plain) is the baseline, 'eagle-tree' EAGLE with --eagle-tree")
+    ap.add_argument("--eagle-tree", default="60,6", help="NODES,DEPTH of the eagle-tree mode's fixed tree")
+    ap.add_argument("--per-category", type=int, default=3, help="prompts per category (at most 3)")
+    ap.add_argument("--tokens", type=int, default=None, help="max new tokens per prompt (default 48, quick 16)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (the stages take turns on them)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     from transformers import AutoTokenizer
 
     store = open_or_prepare(args.model, progress=False)
     tokenizer = AutoTokenizer.from_pretrained(str(store.tokenizer_dir))
-    per_category = 1 if args.quick else 2
-    max_tokens = args.tokens or (16 if args.quick else 32)
+    per_category = 1 if args.quick else args.per_category
+    max_tokens = args.tokens or (16 if args.quick else 48)
+    eagle_tree = parse_tree(args.eagle_tree)
     modes = [m for m in args.modes.split(",") if m]
     if "none" not in modes:
         modes.insert(0, "none")
@@ -216,7 +229,8 @@ def main(argv=None) -> int:
                   "prompts": f"scripts/spec_prompts.py, {per_category} per category, chat template",
                   "prompt_tokens": {cat: [len(i) for c, i in prompts if c == cat] for cat in spec_prompts.CATEGORIES},
                   "max_new_tokens": max_tokens, "stop": "EOS or max_new_tokens", "sampling": "greedy",
-                  "modes": modes, "main_wire_dtype": main_wire, "fp8_rerun": "drafting modes only" + (" (first available)" if args.quick else ""),
+                  "modes": modes, "eagle_tree_mode": f"EAGLE, fixed tree of {eagle_tree[0]} nodes, depth {eagle_tree[1]}",
+                  "main_wire_dtype": main_wire, "fp8_rerun": "drafting modes only" + (" (first available)" if args.quick else ""),
                   "decode_tok_per_s": "tokens after the first / time from first to last token, summed over prompts",
                   "draft_time_share": "drafter propose+observe seconds after the first token / decode seconds",
                   "wire_bytes_per_token": "bytes sent on every ring edge after the first token / decode tokens",
@@ -224,11 +238,11 @@ def main(argv=None) -> int:
     print(f"conditions: {json.dumps(conditions)}", flush=True)
     results: dict = {main_wire: {}, fp8_wire: {}}
     for mode in modes:
-        results[main_wire][mode] = trio.run(lambda: run_mode(store, tokenizer, main_wire, mode, prompts, max_tokens))
+        results[main_wire][mode] = trio.run(lambda: run_mode(store, tokenizer, main_wire, mode, prompts, max_tokens, eagle_tree))
         if not results[main_wire][mode]["available"]:
             print(f"  {mode}: unavailable ({results[main_wire][mode]['why']})", flush=True)
     for mode in [m for m in modes if m != "none" and results[main_wire][m]["available"]][: 1 if args.quick else None]:
-        results[fp8_wire][mode] = trio.run(lambda: run_mode(store, tokenizer, fp8_wire, mode, prompts, max_tokens))
+        results[fp8_wire][mode] = trio.run(lambda: run_mode(store, tokenizer, fp8_wire, mode, prompts, max_tokens, eagle_tree))
     conditions["load_avg_1_5_15_at_end"] = list(os.getloadavg())
     table = summarise(results, main_wire)
     result = {"conditions": conditions, "unavailable": {m: r["why"] for m, r in results[main_wire].items() if not r["available"]},
@@ -241,12 +255,12 @@ def main(argv=None) -> int:
 
 def report(result: dict, main_wire: str) -> None:
     cols = ("tau", "decode_tok_per_s", "speedup_vs_plain", "draft_time_share", "wire_bytes_per_token", "identical_to_plain")
-    print(f"\n{'wire':5} {'mode':7} {'group':14} " + " ".join(f"{c[:14]:>14}" for c in cols))
+    print(f"\n{'wire':5} {'mode':10} {'group':14} " + " ".join(f"{c[:14]:>14}" for c in cols))
     for wire, modes in result["summary"].items():
         for mode, groups in modes.items():
             for group, row in groups.items():
                 cells = [row.get(c) for c in cols]
-                print(f"{wire:5} {mode:7} {group:14} " + " ".join(
+                print(f"{wire:5} {mode:10} {group:14} " + " ".join(
                     f"{c:>14.3f}" if isinstance(c, float) else f"{str(c):>14}" for c in cells))
     for mode, why in result["unavailable"].items():
         print(f"{mode}: unavailable: {why}")

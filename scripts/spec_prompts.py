@@ -1,6 +1,6 @@
 """The prompt set of the ring and speculative benchmarks, written for this project.
 
-Six categories, two prompts each, as chat messages for the instruct model: open writing,
+Six categories, three prompts each, as chat messages for the instruct model: open writing,
 QA, math, code, summarisation of a passage, retrieval-style quoting. The last two carry
 their source text in the prompt, which is where prompt-lookup drafting should shine;
 the first four are open-ended. It does not know how prompts are tokenised or timed.
@@ -38,30 +38,38 @@ PROMPTS: dict[str, tuple[str, ...]] = {
     "open_writing": (
         "Write a short story of about 150 words about a robot who learns to paint.",
         "Write a friendly email to a neighbour inviting them to a garden party next Saturday.",
+        "Write a short description of a busy market on a rainy morning.",
     ),
     "qa": (
         "Why do leaves change colour in autumn? Explain in a paragraph.",
         "What are the main differences between a virus and a bacterium?",
+        "How does a refrigerator keep food cold?",
     ),
     "math": (
         "A train travels 180 km in 2 hours and then 120 km in 1.5 hours. What is its average speed "
         "over the whole journey? Show your working step by step.",
-        "Solve for x: 3x + 7 = 25. Explain each step.",
+        "A recipe needs 3 eggs for every 2 cups of flour. How many eggs are needed for 8 cups of "
+        "flour? Explain your reasoning.",
+        "A bookshop sold 48 books on Monday and twice as many on Tuesday. How many books did it sell "
+        "on the two days together? Show your working.",
     ),
     "code": (
         "Write a Python function that checks whether a string is a palindrome, ignoring spaces and "
         "case, and explain how it works.",
         "Write a Python function that returns the n-th Fibonacci number using a loop, with a docstring.",
+        "Write a Python function that counts how often each word appears in a text and returns a dictionary.",
     ),
     "summarisation": (
         f"Summarise the following passage in three sentences.\n\n{PASSAGE_LIGHTHOUSE}",
         f"Summarise the following passage for a ten-year-old.\n\n{PASSAGE_BEES}",
+        f"{PASSAGE_LIGHTHOUSE}\n\nIn two sentences, what is this passage about?",
     ),
     "quoting": (
         f"{PASSAGE_LIGHTHOUSE}\n\nQuote, word for word, the sentences of this passage that describe "
         "what happened to the lens and who runs the tower today.",
         f"{PASSAGE_BEES}\n\nCopy exactly the sentences of this passage that explain how the dance "
         "encodes direction and distance.",
+        f"Repeat the first three sentences of this passage exactly.\n\n{PASSAGE_BEES}",
     ),
 }
 

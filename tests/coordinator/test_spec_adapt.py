@@ -204,3 +204,15 @@ def test_calibration_learns_an_overconfident_head_per_family():
     tree = DraftTree.chain([5, 6, 7], logprobs=torch.log(torch.tensor([0.9, 0.9, 0.9])), source="eagle:chain")
     _, expected = size_by_confidence(tree, state, 0.0, AdaptConfig(prior_per_node_s=0.0))
     assert expected == pytest.approx(1 + 0.25 * (0.9 + 0.81 + 0.729), rel=0.05)
+
+
+@pytest.mark.parametrize("flag, fragment", [
+    ("5", "takes NODES,DEPTH (two integers), got '5'"),
+    ("4,9", "needs 1 <= depth <= nodes <= 256, got (4, 9)"),
+    ("0,0", "needs 1 <= depth <= nodes <= 256, got (0, 0)"),
+])
+def test_a_bad_eagle_tree_flag_is_refused_before_anything_loads(flag, fragment, capsys):
+    from coordinator.cli import main
+
+    assert main(["serve", "--eagle-tree", flag]) == 2
+    assert fragment in capsys.readouterr().err
