@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import enum
 import heapq
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -193,6 +194,15 @@ def calibration(state: AdaptState, source: str, config: AdaptConfig = AdaptConfi
 def path_probabilities(tree: DraftTree) -> list[float]:
     """Each node's draft probability of its whole path (needs `logprobs`)."""
     return tree.cumulative_logprobs().exp().tolist()
+
+
+def confidence_floor(state: AdaptState, source: str, config: AdaptConfig = AdaptConfig()) -> float:
+    """The least cumulative draft log-prob worth drafting below: a node adds about c * P
+    tokens for per_row_s of ring time, which cannot pay while c * P < per_row_s * r,
+    where r >= 1 / (fixed_s + per_row_s) (plain decoding's rate) is the best round's rate."""
+    fixed_s, per_row_s = traversal_line(state, config)
+    floor = per_row_s / ((fixed_s + per_row_s) * calibration(state, source, config))
+    return math.log(floor) if floor > 0 else float("-inf")
 
 
 def size_by_confidence(tree: DraftTree, state: AdaptState, draft_s: float,

@@ -23,11 +23,14 @@ from coordinator.draft_tree import DraftTree
 
 @dataclass(frozen=True)
 class DraftBudget:
-    """The most a drafter may propose this round: nodes in total and tree depth.
-    A chain of K is DraftBudget(K, K)."""
+    """The most a drafter may propose this round: nodes in total and tree depth, and
+    for drafters with calibrated log-probs (EAGLE) the least cumulative log-prob a node
+    may have (nodes below it would not pay for their ring time). A chain of K is
+    DraftBudget(K, K)."""
 
     max_nodes: int
     max_depth: int
+    min_logprob: float = float("-inf")
 
     def __post_init__(self) -> None:
         if self.max_nodes < 0 or self.max_depth < 0:

@@ -361,7 +361,7 @@ class EagleDrafter:
             # Expand the level's likeliest; stop once none of them can still make the cut.
             level.sort(key=lambda i: -cums[i])
             cut = sorted(cums, reverse=True)[budget.max_nodes - 1] if len(cums) >= budget.max_nodes else float("-inf")
-            frontier = [i for i in level[:beam] if cums[i] > cut]
+            frontier = [i for i in level[:beam] if cums[i] > max(cut, budget.min_logprob)]
             if not frontier:
                 break
         return _best_subtree(tokens, parents, logps, cums, budget.max_nodes,

@@ -365,7 +365,8 @@ class RingJob:
                 # probabilities say pay for their ring time (or a fixed tree, if asked).
                 fixed = self.engine.config.eagle_tree
                 nodes, depth = fixed or (plan_config.confident_nodes, plan_config.confident_depth)
-                budget = DraftBudget(max(0, min(nodes, room)), max(0, min(depth, room)))
+                floor = float("-inf") if fixed else adapt.confidence_floor(self.adapt, drafter.name, plan_config)
+                budget = DraftBudget(max(0, min(nodes, room)), max(0, min(depth, room)), floor)
                 tree = drafter.propose(self.committed, budget) if budget.max_nodes else DraftTree.empty()
                 draft_s = time.perf_counter() - t0
                 if tree.num_nodes and fixed:

@@ -320,3 +320,14 @@ def test_requests_sharing_a_head_do_not_share_kv():
     alone.observe([9, 8, 7], aux_rows(3, 12))
     a.propose([1, 2, 3, 4, 5], DraftBudget(8, 3))
     assert same_tree(b.propose([9, 8, 7, 6], DraftBudget(8, 3)), alone.propose([9, 8, 7, 6], DraftBudget(8, 3)))
+
+
+def test_nodes_below_the_confidence_floor_are_not_expanded():
+    # Guards drafting time: with a floor no path can reach, only the root is expanded
+    # (one head forward), so the draft is its top-k children; with no floor it goes deep.
+    drafter = EagleDrafter(tiny_head(), EagleDraftConfig(top_k=4))
+    ids = [2, 7, 1, 8, 2, 8]
+    drafter.observe(ids[:-1], aux_rows(5, 14))
+    floored = drafter.propose(ids, DraftBudget(16, 5, min_logprob=0.0))
+    assert floored.num_nodes == 4 and floored.max_depth == 1
+    assert drafter.propose(ids, DraftBudget(16, 5)).max_depth > 1

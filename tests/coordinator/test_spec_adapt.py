@@ -216,3 +216,12 @@ def test_a_bad_eagle_tree_flag_is_refused_before_anything_loads(flag, fragment, 
 
     assert main(["serve", "--eagle-tree", flag]) == 2
     assert fragment in capsys.readouterr().err
+
+
+def test_confidence_floor_is_where_a_node_cannot_pay_for_its_row():
+    from coordinator.adapt import confidence_floor
+
+    state = _timed_state(0.2, 0.01)
+    c = calibration(state, "eagle")
+    assert math.exp(confidence_floor(state, "eagle")) == pytest.approx(0.01 / (0.21 * c), rel=1e-3)
+    assert confidence_floor(_timed_state(0.2, 0.0), "eagle") < math.log(1e-9)  # free rows: draft everything
