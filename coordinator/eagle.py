@@ -318,8 +318,8 @@ class EagleDrafter:
         k = 1 if chain else min(self.config.top_k, budget.max_nodes)
         beam = 1 if chain else min(self.config.beam, budget.max_nodes)
         root_pos, base = len(context_ids) - 1, self._committed_pairs
-        # Candidates: parallel lists; parent -1 is the root. `feats[i]` is set once node i
-        # is expanded (its pair ran through the head), `slots[i]` its KV slot.
+        # Candidates as parallel lists (parent -1 is the root). Once node i is expanded
+        # (its pair ran through the head), slot_of[i] is its KV slot and out_of[i] its output.
         tokens: list[int] = []
         parents: list[int] = []
         logps: list[float] = []
@@ -364,24 +364,11 @@ class EagleDrafter:
             frontier = [i for i in level[:beam] if cums[i] > max(cut, budget.min_logprob)]
             if not frontier:
                 break
-        return _best_subtree(tokens, parents, logps, cums, budget.max_nodes,
-                             source="eagle:chain" if chain else "eagle:tree")
-
-
-def _best_subtree(tokens: list[int], parents: list[int], logps: list[float], cums: list[float], m: int,
-                  source: str) -> DraftTree:
-    """The m candidates with the highest cumulative log-prob, in topological order (by
-    depth, siblings likeliest first). A child never beats its parent (log-probs <= 0, and
-    ties go to the earlier-created node, the parent), so the kept set is a tree."""
-    keep = sorted(range(len(tokens)), key=lambda i: (-cums[i], i))[:m]
-    depth: dict[int, int] = {-1: 0}
-    for i in range(len(tokens)):  # parents precede children in creation order
-        depth[i] = depth[parents[i]] + 1
-    keep.sort(key=lambda i: (depth[i], -cums[i], i))
-    index = {old: new for new, old in enumerate(keep)}
-    return DraftTree(torch.tensor([tokens[i] for i in keep], dtype=torch.int64),
-                     torch.tensor([index[parents[i]] if parents[i] >= 0 else -1 for i in keep], dtype=torch.int64),
-                     logprobs=torch.tensor([logps[i] for i in keep], dtype=torch.float32), source=source)
+        # Candidates were made level by level, each node's children likeliest first: a
+        # topological order in which the likeliest max_nodes form a tree.
+        return DraftTree(torch.tensor(tokens, dtype=torch.int64), torch.tensor(parents, dtype=torch.int64),
+                         logprobs=torch.tensor(logps, dtype=torch.float32),
+                         source="eagle:chain" if chain else "eagle:tree").keep_likeliest(budget.max_nodes)
 
 
 def shipped_head_dir(model_name: str) -> pathlib.Path | None:
