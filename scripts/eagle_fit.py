@@ -33,7 +33,7 @@ from shard.rope import RotaryTable
 class FitConfig:
     aux_layers: tuple[int, ...] = (2, 15, 27)
     draft_vocab: int = 4096
-    ttt_steps: int = 2
+    ttt_steps: int = 3
     lr: float = 2e-3
     warmup_steps: int = 10
     tokens_per_batch: int = 2048

@@ -1,6 +1,6 @@
 """Train the EAGLE-3 draft head of a model by self-distillation, on CPU, with no downloads.
 
-    python scripts/train_eagle.py --out coordinator/heads/smollm2-135m [--minutes 45]
+    python scripts/train_eagle.py --out coordinator/heads/smollm2-135m [--minutes 58]
 
 1. data: the target answers our own prompts (scripts/eagle_prompts.py) with its chat
    template (batched transformers generate, mostly greedy, a quarter at temperature
@@ -147,15 +147,16 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="coordinator/heads/smollm2-135m", help="head directory to write")
     ap.add_argument("--model", default="smollm2-135m", help="target model (store name or local path)")
-    ap.add_argument("--minutes", type=float, default=45.0, help="wall-clock budget for data + training")
-    ap.add_argument("--data-share", type=float, default=0.4, help="fraction of the budget spent generating data")
+    ap.add_argument("--minutes", type=float, default=58.0, help="wall-clock budget for data + training")
+    ap.add_argument("--data-share", type=float, default=0.75,
+                    help="fraction of the budget spent generating data (answers are the scarce part on a CPU)")
     ap.add_argument("--work-dir", default="/tmp/eagle_work", help="data shards and checkpoints (reused)")
     ap.add_argument("--phase", choices=("all", "data", "train"), default="all")
     ap.add_argument("--aux-layers", default="2,15,27", help="low, middle, high target layers")
     ap.add_argument("--batch", type=int, default=24, help="prompts per generate batch")
     ap.add_argument("--max-new-tokens", type=int, default=160)
     ap.add_argument("--draft-vocab", type=int, default=4096)
-    ap.add_argument("--ttt-steps", type=int, default=2, help="training-time-test unroll (EAGLE-3 uses up to 7)")
+    ap.add_argument("--ttt-steps", type=int, default=3, help="training-time-test unroll (EAGLE-3 uses up to 7)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--lr", type=float, default=2e-3)
