@@ -27,6 +27,7 @@ from coordinator.receipt_check import JobReceipts, ReceiptChecker
 from coordinator import adapt
 from coordinator.accept import GreedyRows, accept_greedy_lazy, accept_sampling
 from coordinator.draft_tree import DraftTree
+from coordinator.draft_round import draft_round, is_confident
 from coordinator.drafting import DraftBudget, Drafter, NgramDrafter
 from coordinator.eagle import EagleDrafter, EagleHead, shipped_head_dir
 from coordinator.prefill import prefill_chunks
@@ -77,12 +78,6 @@ def parse_tree(text: str | None) -> tuple[int, int] | None:
     except ValueError:
         raise ValueError(f"--eagle-tree takes NODES,DEPTH (two integers), got {text!r}") from None
     return nodes, depth
-
-
-# When the planner finds drafting not worth it, a small probe draft every few rounds keeps
-# the acceptance estimate fresh (text changes; a drafter that missed early may fit later).
-PROBE_EVERY_ROUNDS = 8
-PROBE_NODES = 2
 
 
 class RingChanged(Exception):
@@ -341,58 +336,19 @@ class RingJob:
             self.undrafted_rounds = 0 if tree.num_nodes else self.undrafted_rounds + 1
             if tree.num_nodes:
                 self.drafted[tree.source.split(":")[0]] = self.drafted.get(tree.source.split(":")[0], 0) + 1
-                predicted = sum(adapt.path_probabilities(tree)) if self._confident(tree.source) else None
+                predicted = sum(adapt.path_probabilities(tree)) if is_confident(self.drafters, tree.source) else None
                 self.adapt = adapt.apply(adapt.RoundVerified(
                     source=tree.source, nodes=tree.num_nodes, tried=acc.tried, accepted=len(acc.nodes),
                     traversal_s=traversal_s, draft_s=draft_s, predicted=predicted), self.adapt)
             yield tokens
 
     def _draft(self, limit: int) -> tuple[DraftTree, float]:
-        """The next round's draft: each drafter proposes within the shape the adaptive
-        planner picks for it, and the router keeps the draft likely to commit the most
-        tokens per second of ring time (the hybrid mode when there are several)."""
+        """The next round's draft (coordinator.draft_round; none before the prefill)."""
         if not self.drafters or self.traversals == 0:
             return DraftTree.empty(), 0.0
-        room = limit - len(self.committed) - 1
-        # Only a drafter that needs no target features (n-gram) can draft a round ahead.
-        ahead = self.engine.config.pipeline and any(not getattr(d, "aux_layers", ()) for d in self.drafters)
-        plan_config = adapt.AdaptConfig() if ahead else adapt.AdaptConfig(max_pipeline_depth=1)
-        candidates = []
-        for drafter in self.drafters:
-            t0 = time.perf_counter()
-            if getattr(drafter, "confidence", False):
-                # Draft generously, then keep the likeliest nodes the head's own
-                # probabilities say pay for their ring time (or a fixed tree, if asked).
-                fixed = self.engine.config.eagle_tree
-                nodes, depth = fixed or (plan_config.confident_nodes, plan_config.confident_depth)
-                floor = float("-inf") if fixed else adapt.confidence_floor(self.adapt, drafter.name, plan_config)
-                budget = DraftBudget(max(0, min(nodes, room)), max(0, min(depth, room)), floor)
-                tree = drafter.propose(self.committed, budget) if budget.max_nodes else DraftTree.empty()
-                draft_s = time.perf_counter() - t0
-                if tree.num_nodes and fixed:
-                    candidates.append(adapt.DraftCandidate(tree, draft_s))
-                elif tree.num_nodes:
-                    m, expected = adapt.size_by_confidence(tree, self.adapt, draft_s, plan_config)
-                    if m:
-                        candidates.append(adapt.DraftCandidate(tree.keep_likeliest(m), draft_s, expected))
-                continue
-            shape = adapt.plan(self.adapt, plan_config, source=getattr(drafter, "name", adapt.ALL_SOURCES))
-            nodes, depth = shape.nodes, shape.depth
-            if nodes == 0 and self.undrafted_rounds >= PROBE_EVERY_ROUNDS:
-                nodes = depth = PROBE_NODES  # keep measuring acceptance, or it can never recover
-            budget = DraftBudget(max(0, min(nodes, room)), max(0, min(depth, room)))
-            tree = drafter.propose(self.committed, budget) if budget.max_nodes else DraftTree.empty()
-            if tree.num_nodes:
-                candidates.append(adapt.DraftCandidate(tree, time.perf_counter() - t0))
-        if not candidates:
-            return DraftTree.empty(), 0.0
-        best = candidates[adapt.route(candidates, self.adapt)] if len(candidates) > 1 else candidates[0]
-        return best.tree, sum(c.draft_s for c in candidates)
-
-    def _confident(self, source: str) -> bool:
-        """Whether `source`'s drafter reports log-probs that estimate acceptance (EAGLE)."""
-        family = source.split(":")[0]
-        return any(getattr(d, "confidence", False) and d.name == family for d in self.drafters)
+        return draft_round(self.drafters, self.committed, self.adapt, room=limit - len(self.committed) - 1,
+                           pipeline=self.engine.config.pipeline, undrafted_rounds=self.undrafted_rounds,
+                           fixed_tree=self.engine.config.eagle_tree)
 
     def _observe(self, fed, tree: DraftTree, acc, tree_aux, root_slot: int) -> None:
         """Hand drafters that read the target's features (EAGLE) the aux rows of every
