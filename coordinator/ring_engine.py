@@ -286,6 +286,7 @@ class RingJob:
     adapt: adapt.AdaptState = field(default_factory=adapt.AdaptState)
     pending_commit: tuple[tuple[int, ...], int] = ((), 0)  # (slots to gather, first destination)
     drafted: dict[str, int] = field(default_factory=dict)  # rounds per drafter
+    drafted_tokens: dict[str, int] = field(default_factory=dict)  # tokens those rounds committed
     ahead: Ahead | None = None  # a pipelined round in flight
     pipelined: int = 0  # traversals whose round was sent ahead and turned out valid
     undrafted_rounds: int = 0  # rounds since the last one that carried a draft
@@ -335,7 +336,9 @@ class RingJob:
                 self.ttft_s = time.monotonic() - self.started_s
             self.undrafted_rounds = 0 if tree.num_nodes else self.undrafted_rounds + 1
             if tree.num_nodes:
-                self.drafted[tree.source.split(":")[0]] = self.drafted.get(tree.source.split(":")[0], 0) + 1
+                family = tree.source.split(":")[0]
+                self.drafted[family] = self.drafted.get(family, 0) + 1
+                self.drafted_tokens[family] = self.drafted_tokens.get(family, 0) + len(tokens)
                 predicted = sum(adapt.path_probabilities(tree)) if is_confident(self.drafters, tree.source) else None
                 self.adapt = adapt.apply(adapt.RoundVerified(
                     source=tree.source, nodes=tree.num_nodes, tried=acc.tried, accepted=len(acc.nodes),
@@ -527,6 +530,7 @@ class RingJob:
         return {"traversals": self.traversals, "tokens_per_traversal": generated / self.traversals if self.traversals else 0.0,
                 "ring_epoch": self.ring_epoch, "ttft_s": self.ttft_s, "resumes": self.resumes,
                 "drafter": self.engine.config.draft, "draft_rounds": dict(self.drafted),
+                "draft_round_tokens": dict(self.drafted_tokens),
                 "pipelined_rounds": self.pipelined,
                 "job_id": self.job_id}
 

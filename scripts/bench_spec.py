@@ -88,6 +88,7 @@ async def run_prompt(ring, ids: list[int], max_tokens: int) -> dict:
     decode_s = times[n - 1] - times[0]
     return {"tokens": out[:n], "decode_tokens": n - 1, "decode_s": decode_s, "traversals": stats["traversals"],
             "tau": stats["tokens_per_traversal"], "draft_rounds": stats["draft_rounds"],
+            "draft_round_tokens": stats["draft_round_tokens"],
             "draft_s": draft_spent[0] - at_first[1], "decode_bytes": ring.probe.total_bytes() - at_first[0],
             "ttft_s": stats["ttft_s"]}
 
@@ -139,13 +140,18 @@ def aggregate(runs: list[dict]) -> dict:
     dec = sum(r["decode_tokens"] for r in runs)
     dec_s = sum(r["decode_s"] for r in runs)
     rounds: dict[str, int] = {}
+    committed: dict[str, int] = {}
     for r in runs:
         for k, v in r["draft_rounds"].items():
             rounds[k] = rounds.get(k, 0) + v
+        for k, v in r.get("draft_round_tokens", {}).items():
+            committed[k] = committed.get(k, 0) + v
     return {"prompts": len(runs), "tokens": gen, "tau": gen / max(sum(r["traversals"] for r in runs), 1),
             "decode_tok_per_s": dec / dec_s if dec_s > 0 else None,
             "draft_time_share": sum(r["draft_s"] for r in runs) / dec_s if dec_s > 0 else None,
-            "wire_bytes_per_token": sum(r["decode_bytes"] for r in runs) / max(dec, 1), "draft_rounds": rounds}
+            "wire_bytes_per_token": sum(r["decode_bytes"] for r in runs) / max(dec, 1), "draft_rounds": rounds,
+            # tokens per traversal of each drafter's own rounds: its acceptance, whatever the router's mix
+            "tau_by_drafter": {k: committed[k] / rounds[k] for k in committed if rounds.get(k)}}
 
 
 def summarise(results: dict, main_wire: str) -> dict:
@@ -197,6 +203,12 @@ def targets(table: dict, main_wire: str, fp8_wire: str | None) -> list[dict]:
             if ref and mode != "none":
                 change = abs(t["all"]["tau"] - ref["tau"]) / ref["tau"]
                 add(f"fp8 vs {main_wire} wire: relative tau change ({mode})", round(change, 4), "< 0.05", change < 0.05)
+                for family, tau in t["all"].get("tau_by_drafter", {}).items():
+                    base = ref.get("tau_by_drafter", {}).get(family)
+                    if base and len(t["all"]["tau_by_drafter"]) > 1:
+                        change = abs(tau - base) / base
+                        add(f"fp8 vs {main_wire} wire: relative tau change of {family} rounds ({mode})",
+                            round(change, 4), "< 0.05", change < 0.05)
     return rows
 
 

@@ -198,6 +198,8 @@ def test_confident_and_eagle_drafting_reproduce_plain_greedy(tiny_llama_store, t
                     assert got[:NEW_TOKENS] == plain[tuple(p)], (name, p)
                     for family, rounds in stats["draft_rounds"].items():
                         drafted[(name, family)] = drafted.get((name, family), 0) + rounds
+                        # every round commits its accepted path plus the bonus token
+                        assert stats["draft_round_tokens"][family] >= rounds, stats
             return drafted
 
     drafted = trio.run(main)
