@@ -42,6 +42,11 @@ async def _run_node(store, coordinator: str, node_config: dict, task_status=trio
 
 async def generate_greedy(engine, prompt: list[int], n: int) -> list[int]:
     """The first `n` greedy tokens of one job on `engine` (the job is closed after)."""
+    return (await generate_greedy_with_stats(engine, prompt, n))[0]
+
+
+async def generate_greedy_with_stats(engine, prompt: list[int], n: int) -> tuple[list[int], dict]:
+    """`generate_greedy`, and the job's stats once the n tokens are in."""
     job = await engine.open_job(prompt, SamplingParams(temperature=0.0))
     out: list[int] = []
     try:
@@ -50,9 +55,10 @@ async def generate_greedy(engine, prompt: list[int], n: int) -> list[int]:
                 out += block
                 if len(out) >= n:
                     break
+        stats = job.stats()
     finally:
         await job.aclose()
-    return out[:n]
+    return out[:n], stats
 
 
 def memory_for_stages(store, stages: int) -> int:

@@ -10,7 +10,6 @@ the cases where a wrong commit or a stale KV slot would change the output.
 from __future__ import annotations
 
 import random
-from contextlib import aclosing
 from collections.abc import Sequence
 
 import pytest
@@ -20,8 +19,7 @@ import trio
 from coordinator.draft_tree import DraftTree
 from coordinator.drafting import DraftBudget, NgramDrafter
 from coordinator.ring_engine import EngineConfig
-from coordinator.sampling import SamplingParams
-from tests.e2e.ringkit import generate_greedy, open_local_ring
+from tests.e2e.ringkit import generate_greedy, generate_greedy_with_stats, open_local_ring
 
 PROMPTS = [[1, 40, 41, 42, 40, 41, 42, 40, 41], [1, 100, 7, 200, 33], [1] + list(range(3, 60))]
 NEW_TOKENS = 24
@@ -91,16 +89,7 @@ def test_speculation_commits_several_tokens_per_traversal(tiny_llama_store):
             engine = ring.engine
             plain = {tuple(PROMPTS[0]): await generate(engine, PROMPTS[0])}
             engine.make_drafters = lambda: [NoisyOracleDrafter(plain, tree=True, seed=3)]
-            job = await engine.open_job(PROMPTS[0], SamplingParams(temperature=0.0))
-            n = 0
-            async with aclosing(job.next_tokens()) as blocks:
-                async for block in blocks:
-                    n += len(block)
-                    if n >= NEW_TOKENS:
-                        break
-            stats = job.stats()
-            await job.aclose()
-            return stats
+            return (await generate_greedy_with_stats(engine, PROMPTS[0], NEW_TOKENS))[1]
 
     stats = trio.run(main)
     assert stats["tokens_per_traversal"] > 1.5, stats
@@ -118,16 +107,8 @@ def test_pipelined_rounds_are_used_and_lossless(tiny_llama_store):
             engine.make_drafters = lambda: [NoisyOracleDrafter(plain, tree=False, seed=5, accuracy=0.97)]
             out, stats = {}, []
             for p in PROMPTS[:2]:
-                job = await engine.open_job(p, SamplingParams(temperature=0.0))
-                got = []
-                async with aclosing(job.next_tokens()) as blocks:
-                    async for block in blocks:
-                        got += block
-                        if len(got) >= NEW_TOKENS:
-                            break
-                stats.append(job.stats())
-                await job.aclose()
-                out[tuple(p)] = got[:NEW_TOKENS]
+                out[tuple(p)], job_stats = await generate_greedy_with_stats(engine, p, NEW_TOKENS)
+                stats.append(job_stats)
             return plain, out, stats
 
     plain, out, stats = trio.run(main)
@@ -186,16 +167,8 @@ def test_confident_and_eagle_drafting_reproduce_plain_greedy(tiny_llama_store, t
             for name, make in modes.items():
                 engine.make_drafters = make
                 for p in PROMPTS:
-                    job = await engine.open_job(p, SamplingParams(temperature=0.0))
-                    got = []
-                    async with aclosing(job.next_tokens()) as blocks:
-                        async for block in blocks:
-                            got += block
-                            if len(got) >= NEW_TOKENS:
-                                break
-                    stats = job.stats()
-                    await job.aclose()
-                    assert got[:NEW_TOKENS] == plain[tuple(p)], (name, p)
+                    got, stats = await generate_greedy_with_stats(engine, p, NEW_TOKENS)
+                    assert got == plain[tuple(p)], (name, p)
                     for family, rounds in stats["draft_rounds"].items():
                         drafted[(name, family)] = drafted.get((name, family), 0) + rounds
                         # every round commits its accepted path plus the bonus token
