@@ -255,8 +255,8 @@ def test_shipped_head_drafts_smollm2_chains_above_plain_decoding(smollm2_store):
     # and observes the root and accepted rows. Guards that the shipped head is trained for
     # this target and wired the way the engine drives it (a mis-shifted feature or
     # position drops tau to ~1.0). Prompts are not in the training set. The shipped head
-    # measures 1.31 here (docs/eagle.md); the target of 1.5 is not met yet, so
-    # the floor is set to catch wiring bugs, not to claim the target.
+    # measures 1.38 here (docs/eagle.md; the previous head 1.31): the floor is set to catch
+    # wiring bugs, not to claim a target.
     from transformers import AutoTokenizer
 
     from coordinator.accept import accept_greedy
