@@ -36,27 +36,28 @@ def draft_round(drafters: Sequence[Drafter], committed: Sequence[int], state: ad
     candidates = []
     for drafter in drafters:
         t0 = time.perf_counter()
-        if getattr(drafter, "confidence", False):
+        confident = getattr(drafter, "confidence", False)
+        floor = float("-inf")
+        if confident:
             nodes, depth = fixed_tree or (config.confident_nodes, config.confident_depth)
-            floor = float("-inf") if fixed_tree else adapt.confidence_floor(state, drafter.name, config)
-            budget = DraftBudget(max(0, min(nodes, room)), max(0, min(depth, room)), floor)
-            tree = drafter.propose(committed, budget) if budget.max_nodes else DraftTree.empty()
-            draft_s = time.perf_counter() - t0
-            if tree.num_nodes and fixed_tree:
-                candidates.append(adapt.DraftCandidate(tree, draft_s))
-            elif tree.num_nodes:
-                m, expected = adapt.size_by_confidence(tree, state, draft_s, config)
-                if m:
-                    candidates.append(adapt.DraftCandidate(tree.keep_likeliest(m), draft_s, expected))
-            continue
-        shape = adapt.plan(state, config, source=getattr(drafter, "name", adapt.ALL_SOURCES))
-        nodes, depth = shape.nodes, shape.depth
-        if nodes == 0 and undrafted_rounds >= PROBE_EVERY_ROUNDS:
-            nodes = depth = PROBE_NODES
-        budget = DraftBudget(max(0, min(nodes, room)), max(0, min(depth, room)))
+            if not fixed_tree:
+                floor = adapt.confidence_floor(state, drafter.name, config)
+        else:
+            shape = adapt.plan(state, config, source=getattr(drafter, "name", adapt.ALL_SOURCES))
+            nodes, depth = shape.nodes, shape.depth
+            if nodes == 0 and undrafted_rounds >= PROBE_EVERY_ROUNDS:
+                nodes = depth = PROBE_NODES
+        budget = DraftBudget(max(0, min(nodes, room)), max(0, min(depth, room)), floor)
         tree = drafter.propose(committed, budget) if budget.max_nodes else DraftTree.empty()
-        if tree.num_nodes:
-            candidates.append(adapt.DraftCandidate(tree, time.perf_counter() - t0))
+        draft_s = time.perf_counter() - t0
+        if not tree.num_nodes:
+            continue
+        if confident and not fixed_tree:  # keep the likeliest nodes that pay for their rows
+            m, expected = adapt.size_by_confidence(tree, state, draft_s, config)
+            if m:
+                candidates.append(adapt.DraftCandidate(tree.keep_likeliest(m), draft_s, expected))
+        else:
+            candidates.append(adapt.DraftCandidate(tree, draft_s))
     if not candidates:
         return DraftTree.empty(), 0.0
     best = candidates[adapt.route(candidates, state)] if len(candidates) > 1 else candidates[0]

@@ -8,7 +8,7 @@ with depth 1 for the root's children. A chain is the tree whose parents are i-1.
 
 The tree also records how each node's children were chosen (`ChildSampling`), because
 speculative sampling needs the proposal distribution every child was drawn from.
-`grow_best_first` builds a tree from a model drafter's per-node candidates.
+`keep_likeliest` prunes a GREEDY tree to its likeliest nodes by draft log-prob.
 
 This module does not know about models, logits of the target, the wire, or which
 drafter made a tree beyond the `source` label; it never touches the network.
@@ -17,8 +17,7 @@ drafter made a tree beyond the `source` label; it never touches the network.
 from __future__ import annotations
 
 import enum
-import heapq
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -209,7 +208,11 @@ class DraftTree:
     def keep_likeliest(self, m: int) -> DraftTree:
         """The m nodes with the highest cumulative draft log-prob (needs `logprobs`), in
         their original order. A child never beats its parent (log-probs <= 0; a tie goes
-        to the lower index, the parent), so the kept nodes form a tree."""
+        to the lower index, the parent), so the kept nodes form a tree. GREEDY trees only:
+        dropping sampled siblings could keep a later draw without an earlier one, which
+        speculative sampling cannot verify exactly."""
+        if self.sampling is not ChildSampling.GREEDY:
+            raise DraftShapeError("sampling", "GREEDY children to prune", self.sampling.value)
         if m >= self.num_nodes:
             return self
         cum = self.cumulative_logprobs().tolist()
@@ -218,96 +221,5 @@ class DraftTree:
         parents = self._parent_list
         return DraftTree(self.tokens[keep], torch.tensor([index[parents[i]] if parents[i] >= 0 else -1 for i in keep],
                                                          dtype=torch.int64),
-                         logprobs=self.logprobs[keep], probs=None if self.probs is None else self.probs[[0, *(i + 1 for i in keep)]],
-                         sampling=self.sampling, source=self.source)
+                         logprobs=self.logprobs[keep], source=self.source)
 
-
-@dataclass(frozen=True)
-class Expansion:
-    """A model drafter's candidate children for one node, in the order they were drawn.
-
-    For GREEDY trees the candidates are the top-k, sorted by log-prob. For sampled trees
-    they are the draws (with or without replacement) and `probs` is the (V,) draft
-    distribution they were drawn from.
-    """
-
-    tokens: Sequence[int]
-    logprobs: Sequence[float]
-    probs: torch.Tensor | None = None
-
-
-def grow_best_first(
-    expand: Callable[[int, list[int]], Expansion],
-    max_nodes: int,
-    max_depth: int,
-    sampling: ChildSampling = ChildSampling.GREEDY,
-    source: str = "",
-) -> DraftTree:
-    """Best-first tree: repeatedly add the frontier candidate with the highest
-    cumulative draft log-prob until `max_nodes` nodes or nothing is left.
-
-    `expand(node, path_tokens)` gives `node`'s candidates (-1 = root). Expansion is lazy:
-    a node is expanded at most once, only when its own cumulative log-prob (an upper
-    bound on its children's) reaches the top of the heap, and never at max_depth. A node's
-    i-th candidate enters the heap only after candidate i-1 joined the tree, so the
-    children kept are always a prefix of the draw order; speculative sampling of
-    without-replacement draws is exact only for such prefixes.
-    """
-    tokens: list[int] = []
-    parents: list[int] = []
-    logprobs: list[float] = []
-    rows: dict[int, torch.Tensor] = {}  # node -> q it drew its children from (-1 = root)
-    expansions: dict[int, Expansion] = {}
-    cumulative = {-1: 0.0}
-    counter = 0  # heap tie-break: first pushed wins, so the result is deterministic
-    # Entries: (-score, counter, node, rank); rank -1 means "expand node".
-    heap: list[tuple[float, int, int, int]] = [(0.0, 0, -1, -1)]
-    while heap and len(tokens) < max_nodes:
-        _, _, node, rank = heapq.heappop(heap)
-        if rank < 0:
-            exp = expand(node, [tokens[i] for i in _path(parents, node)])
-            if len(exp.tokens) != len(exp.logprobs):
-                raise DraftShapeError("expansion", "as many log-probs as tokens", (len(exp.tokens), len(exp.logprobs)))
-            expansions[node] = exp
-            if exp.probs is not None:
-                rows[node] = exp.probs
-            rank = -1
-        else:
-            exp = expansions[node]
-            child = len(tokens)
-            tokens.append(int(exp.tokens[rank]))
-            parents.append(node)
-            logprobs.append(float(exp.logprobs[rank]))
-            cumulative[child] = cumulative[node] + logprobs[-1]
-            if len(_path(parents, child)) < max_depth:
-                counter += 1
-                heapq.heappush(heap, (-cumulative[child], counter, child, -1))
-        if rank + 1 < len(exp.tokens):  # next candidate of `node` (the first one after expanding)
-            counter += 1
-            heapq.heappush(heap, (-(cumulative[node] + float(exp.logprobs[rank + 1])), counter, node, rank + 1))
-    m = len(tokens)
-    probs = None
-    if rows:
-        vocab = next(iter(rows.values())).shape[-1]
-        probs = torch.zeros(m + 1, vocab, dtype=torch.float32)
-        for node, row in rows.items():
-            if node < m:
-                probs[node + 1] = row
-    if sampling is not ChildSampling.GREEDY and probs is None:
-        raise DraftShapeError("expansion probs", f"a (V,) draft distribution for {sampling.value} children", None)
-    return DraftTree(
-        torch.tensor(tokens, dtype=torch.int64),
-        torch.tensor(parents, dtype=torch.int64),
-        logprobs=torch.tensor(logprobs, dtype=torch.float32),
-        probs=probs,
-        sampling=sampling,
-        source=source,
-    )
-
-
-def _path(parents: list[int], node: int) -> list[int]:
-    out: list[int] = []
-    while node >= 0:
-        out.append(node)
-        node = parents[node]
-    return out[::-1]

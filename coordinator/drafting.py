@@ -8,7 +8,7 @@ Its index is updated incrementally as tokens commit, so a call costs
 O(max_n + branches * depth), not O(context).
 
 This module does not know about the target model, logits, acceptance or the ring; model
-drafters (EAGLE) live elsewhere and build their trees with `draft_tree.grow_best_first`.
+drafters (EAGLE) live elsewhere.
 """
 
 from __future__ import annotations

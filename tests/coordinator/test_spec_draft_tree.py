@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from coordinator.draft_tree import ChildSampling, DraftShapeError, DraftTree, Expansion, grow_best_first
+from coordinator.draft_tree import ChildSampling, DraftShapeError, DraftTree
 
 
 @st.composite
@@ -73,65 +72,6 @@ def test_invalid_structure_is_rejected_with_fields():
         DraftTree.chain([1], sampling=ChildSampling.IID)
 
 
-def sorted_expander(width: int, seed: int):
-    """Deterministic top-`width` candidates per node, log-probs sorted descending."""
-    calls = []
-
-    def expand(node: int, path: list[int]) -> Expansion:
-        calls.append(node)
-        g = torch.Generator().manual_seed(seed * 1000 + len(path) * 37 + sum(path))
-        lp = torch.log_softmax(torch.randn(16, generator=g), -1)
-        top = torch.topk(lp, width)
-        return Expansion(top.indices.tolist(), top.values.tolist())
-
-    return expand, calls
-
-
-def all_cumulative(expand, depth: int, path=(), base=0.0) -> list[float]:
-    """Cumulative log-probs of every node of the full tree to `depth` (brute force)."""
-    if len(path) == depth:
-        return []
-    exp = expand(-1, list(path))
-    out = []
-    for tok, lp in zip(exp.tokens, exp.logprobs):
-        out.append(base + lp)
-        out += all_cumulative(expand, depth, path + (tok,), base + lp)
-    return out
-
-
-@settings(max_examples=25, deadline=None)
-@given(st.integers(1, 20), st.integers(1, 4), st.integers(1, 3), st.integers(0, 50))
-def test_best_first_keeps_the_most_probable_nodes(max_nodes, max_depth, width, seed):
-    # Bug guarded: a frontier that is not best-first (or expands leaves needlessly).
-    # Sound: with sorted candidates any prefix-closed set's best M is the global top M of
-    # the full tree, computed here by enumeration.
-    expand, calls = sorted_expander(width, seed)
-    tree = grow_best_first(expand, max_nodes, max_depth)
-    brute = sorted(all_cumulative(sorted_expander(width, seed)[0], max_depth), reverse=True)[:max_nodes]
-    got = sorted(tree.cumulative_logprobs().tolist(), reverse=True)
-    assert got == pytest.approx(brute, abs=1e-5)
-    assert tree.max_depth <= max_depth
-    assert all(a >= b - 1e-6 for a, b in zip(tree.cumulative_logprobs().tolist(), tree.cumulative_logprobs().tolist()[1:]))
-    # Lazy expansion: each node at most once, never one at max_depth.
-    assert len(calls) == len(set(calls)) <= tree.num_nodes + 1
-    assert all(c < 0 or int(tree.depths[c]) < max_depth for c in calls)
-
-
-def test_best_first_keeps_a_prefix_of_each_nodes_draws():
-    # Bug guarded: keeping draw 3 of a node without draw 2 (unsorted without-replacement
-    # draws) breaks exact speculative sampling. Draw 2 is improbable but draw 3 is likely.
-    q = torch.full((8,), 0.1)
-
-    def expand(node, path):
-        return Expansion([1, 2, 3], [math.log(0.5), math.log(0.01), math.log(0.4)], probs=q)
-
-    tree = grow_best_first(expand, max_nodes=3, max_depth=1, sampling=ChildSampling.WITHOUT_REPLACEMENT)
-    assert tree.tokens.tolist() == [1, 2, 3]  # 3 only after 2, although 2 scores lower
-    tree = grow_best_first(expand, max_nodes=2, max_depth=2, sampling=ChildSampling.WITHOUT_REPLACEMENT)
-    assert tree.tokens.tolist() == [1, 1] and tree.parents.tolist() == [-1, 0]
-    assert torch.equal(tree.probs[0], q) and torch.equal(tree.probs[1], q)
-
-
 def test_keep_likeliest_keeps_a_tree_of_the_best_paths():
     #        root
     #      a(-0.1)      b(-1.0)
@@ -147,3 +87,7 @@ def test_keep_likeliest_keeps_a_tree_of_the_best_paths():
     assert four.tokens.tolist() == [10, 20, 30, 40] and four.parents.tolist() == [-1, -1, 0, 0]
     assert four.logprobs.tolist() == pytest.approx([-0.1, -1.0, -0.2, 0.0]) and four.source == "eagle:tree"
     assert tree.keep_likeliest(9) is tree
+    sampled = DraftTree(tree.tokens, tree.parents, logprobs=tree.logprobs, probs=torch.ones(6, 4) / 4,
+                        sampling=ChildSampling.WITHOUT_REPLACEMENT)
+    with pytest.raises(DraftShapeError, match="bad sampling: expected GREEDY children to prune"):
+        sampled.keep_likeliest(2)
