@@ -3,7 +3,9 @@
 Rows, each timed side by side in one process on the same fp32 weights of the default model
 (SmolLM2-135M-Instruct from the model store): full-model decode step at a 128-token context,
 8- and 16-token verify frames, a 512-token prefill, the time to load all layers vs one
-third of them, and wire bytes per token for f32 / bf16 / fp8 hidden states.
+third of them, and wire bytes per token for f32 / bf16 / fp8 hidden states. Then our own
+stage with its weights reordered for oneDNN (the default, shard.linear) against torch's
+default layout, on verify frames of 1-64 rows and a 512-token prefill, with the LM head.
 Usage: python scripts/bench_stage.py [--json OUT] [--reps N] [--model smollm2-135m]
 """
 
@@ -22,6 +24,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
 from shard.kvcache import KVCache
 from shard.layers import LayerRange
+from shard.linear import onednn_packing_works
 from shard.stage import OutputHead, Stage
 from shard.store import prepare
 
@@ -55,10 +58,49 @@ def build_transformers(store):
     return model.eval()
 
 
-def build_ours(store, r: LayerRange):
+def build_ours(store, r: LayerRange, *, pack_weights: bool = True):
     cfg = store.config
-    stage = Stage(cfg, r, store.load_layers(r), embedding=store.load_embedding() if r.start == 0 else None)
+    stage = Stage(cfg, r, store.load_layers(r), embedding=store.load_embedding() if r.start == 0 else None,
+                  pack_weights=pack_weights)
     return stage
+
+
+def build_head(store, *, pack_weights: bool = True) -> OutputHead:
+    norm, lm_head = store.load_head()
+    return OutputHead(store.config, norm, lm_head if lm_head is not None else store.load_embedding(),
+                      pack_weights=pack_weights)
+
+
+def layout_rows(store, ctx: int, reps: int) -> list[dict]:
+    """Reordered (oneDNN) weights against torch's default layout on the frames a ring sees:
+    tree-shaped verify frames of T rows over a `ctx`-token context (all layers, then the LM
+    head on every row), and a 512-token prefill (LM head on its last row)."""
+    cfg, full = store.config, LayerRange(0, store.num_layers)
+    sides = {packed: (build_ours(store, full, pack_weights=packed), build_head(store, pack_weights=packed))
+             for packed in (True, False)}
+    cache = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, torch.float32, 1 << 32)
+    ids = torch.randint(0, cfg.vocab_size, (ctx + 512,))
+    jobs = {}
+    for packed, (stage, _) in sides.items():
+        jobs[packed] = cache.open(f"layout-{packed}", ctx + 512)
+        stage.forward(jobs[packed], ids[:ctx], ctx_len=0, positions=torch.arange(ctx))
+    rows = []
+    for t in (1, 2, 3, 4, 8, 16, 32, 64, 512):
+        prefill = t == 512
+        frame, pos = (ids[:t], torch.arange(t)) if prefill else (ids[ctx:ctx + t], torch.arange(ctx, ctx + t))
+        parents = None if prefill or t == 1 else torch.tensor([-1] + [(i - 1) // 2 for i in range(1, t)])  # binary tree
+
+        def run(packed, frame=frame, pos=pos, parents=parents, prefill=prefill):
+            stage, head = sides[packed]
+            h, _ = stage.forward(jobs[packed], frame, ctx_len=0 if prefill else ctx, positions=pos, tree_parents=parents)
+            head.logits(h[-1:] if prefill else h)
+
+        packed_s, default_s = paired_s(lambda: run(True), lambda: run(False), max(3, reps // 3) if prefill else reps)
+        name = "prefill 512 tokens" if prefill else f"verify tree of {t} rows, ctx {ctx}"
+        rows.append({"row": name, "tokens": t, "default_layout_s": default_s, "onednn_layout_s": packed_s,
+                     "speedup": default_s / packed_s})
+        print(f"{name:<32} default {default_s * 1e3:8.2f} ms   oneDNN {packed_s * 1e3:8.2f} ms   ratio {default_s / packed_s:5.2f}")
+    return rows
 
 
 def main(argv=None) -> int:
@@ -75,7 +117,7 @@ def main(argv=None) -> int:
     full = LayerRange(0, cfg.num_layers)
     hf = build_transformers(store)
     ours = build_ours(store, full)
-    head = OutputHead(cfg, *(lambda n, h: (n, h if h is not None else store.load_embedding()))(*store.load_head()))
+    head = build_head(store)
     cache = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, torch.float32, 1 << 32)
     ctx = 128
     ids = torch.randint(0, cfg.vocab_size, (1, ctx + 512))
@@ -129,6 +171,8 @@ def main(argv=None) -> int:
 
     from shard.wire import dtypes as wire_dtypes
 
+    print("weight layout (our stage + LM head, all layers):")
+    layout = layout_rows(store, ctx, args.reps)
     wire = {name: wire_dtypes.wire_bytes_per_token(cfg.hidden_size, name) for name in ("f32", "bf16", "f8_e4m3fn")}
     print(f"wire bytes/token: {wire}  fp8/bf16 = {wire['f8_e4m3fn'] / wire['bf16']:.3f}")
 
@@ -140,10 +184,12 @@ def main(argv=None) -> int:
             "timing": "best of reps, the two sides run alternately", "load_average": os.getloadavg(),
             "git_revision": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
             "note": "prefill row: transformers computes logits for every position, shard for the last only",
+            "onednn_packing": onednn_packing_works(),
         },
         "rows": rows,
         "load": {"all_layers_s": load_full, "third_layers_s": load_third, "ratio": load_third / load_full,
                  "layers_all": len(full), "layers_third": len(third)},
+        "weight_layout_rows": layout,
         "wire_bytes_per_token": wire,
         "fp8_over_bf16": wire["f8_e4m3fn"] / wire["bf16"],
     }

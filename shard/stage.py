@@ -3,8 +3,9 @@
 Plain Llama-family maths (RMSNorm, rotary, grouped-query attention, SwiGLU), written to
 be read in one sitting. Knows nothing of the wire, fp8, peers or rings: callers hand it
 tensors and slot bookkeeping, it hands back hidden states. Weights arrive as the store's
-per-layer dicts; q/k/v and gate/up are fused into single matmuls at load (a transform on
-the weights, not a branch in the forward).
+per-layer dicts; q/k/v and gate/up are fused into single matmuls at load, and every
+matmul weight is laid out for its device (shard.linear): transforms on the weights, not
+branches in the forward.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from shard.arch import ModelConfig
 from shard.errors import ShardError
 from shard.kvcache import JobCache
 from shard.layers import LayerRange
+from shard.linear import Linear
 from shard.rope import RotaryTable, apply_rotary
 
 
@@ -40,15 +42,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor  # (H,)
-    wqkv: torch.Tensor  # ((Hq + 2 Hkv) * D, H)
-    bqkv: torch.Tensor | None  # ((Hq + 2 Hkv) * D,)
-    wo: torch.Tensor  # (H, Hq * D)
+    qkv: Linear  # H -> (Hq + 2 Hkv) * D, with the bias when the model has one
+    o: Linear  # Hq * D -> H
     post_norm: torch.Tensor  # (H,)
-    w_gate_up: torch.Tensor  # (2 I, H)
-    w_down: torch.Tensor  # (H, I)
+    gate_up: Linear  # H -> 2 I
+    down: Linear  # I -> H
 
     @classmethod
-    def fuse(cls, t: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device | str) -> "LayerWeights":
+    def fuse(cls, t: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device | str,
+             *, pack: bool = True) -> "LayerWeights":
         def get(name: str) -> torch.Tensor:
             return t[name].to(device=device, dtype=dtype)
 
@@ -57,12 +59,11 @@ class LayerWeights:
             bias = torch.cat([get(f"self_attn.{p}_proj.bias") for p in "qkv"])
         return cls(
             input_norm=get("input_layernorm.weight"),
-            wqkv=torch.cat([get(f"self_attn.{p}_proj.weight") for p in "qkv"]).contiguous(),
-            bqkv=bias,
-            wo=get("self_attn.o_proj.weight"),
+            qkv=Linear(torch.cat([get(f"self_attn.{p}_proj.weight") for p in "qkv"]), bias, pack=pack),
+            o=Linear(get("self_attn.o_proj.weight"), pack=pack),
             post_norm=get("post_attention_layernorm.weight"),
-            w_gate_up=torch.cat([get("mlp.gate_proj.weight"), get("mlp.up_proj.weight")]).contiguous(),
-            w_down=get("mlp.down_proj.weight"),
+            gate_up=Linear(torch.cat([get("mlp.gate_proj.weight"), get("mlp.up_proj.weight")]), pack=pack),
+            down=Linear(get("mlp.down_proj.weight"), pack=pack),
         )
 
 
@@ -95,14 +96,17 @@ class Stage:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         embedding: torch.Tensor | None = None,
+        pack_weights: bool = True,
     ) -> None:
+        """`pack_weights=False` keeps the weights in torch's default layout (shard.linear):
+        for benchmarks that compare the two."""
         if layers.end > cfg.num_layers:
             raise StageInputError("layer range end", cfg.num_layers, layers.end)
         missing = [i for i in layers if i not in weights]
         if missing:
             raise StageInputError("layers missing from the weights", f"{layers}", missing)
         self.cfg, self.layers, self.dtype, self.device = cfg, layers, dtype, torch.device(device)
-        self.blocks = [LayerWeights.fuse(weights[i], dtype, device) for i in layers]
+        self.blocks = [LayerWeights.fuse(weights[i], dtype, device, pack=pack_weights) for i in layers]
         self.embedding = embedding.to(device=device, dtype=dtype) if embedding is not None else None
         self.rotary = RotaryTable(cfg, dtype, device)
 
@@ -165,7 +169,7 @@ class Stage:
     def _attention(self, job, local, x, w: LayerWeights, ctx_len, cos, sin, mask, causal) -> torch.Tensor:
         cfg = self.cfg
         t, d, hq, hkv = x.shape[0], cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
-        qkv = F.linear(x, w.wqkv, w.bqkv)  # (T, (Hq + 2 Hkv) D)
+        qkv = w.qkv(x)  # (T, (Hq + 2 Hkv) D)
         q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
         q = apply_rotary(q.view(t, hq, d).transpose(0, 1), cos, sin)  # (Hq, T, D)
         k = apply_rotary(k.view(t, hkv, d).transpose(0, 1), cos, sin)  # (Hkv, T, D)
@@ -182,24 +186,25 @@ class Stage:
             # GQA and masked frames fall back to the slow reference path).
             out = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=mask, is_causal=causal,
                                                  enable_gqa=hq != hkv)[0]  # (Hq, T, D)
-        return F.linear(out.transpose(0, 1).reshape(t, hq * d), w.wo)  # (T, H)
+        return w.o(out.transpose(0, 1).reshape(t, hq * d))  # (T, H)
 
     @staticmethod
     def _mlp(x: torch.Tensor, w: LayerWeights) -> torch.Tensor:
-        gate, up = F.linear(x, w.w_gate_up).chunk(2, dim=-1)  # (T, I) each
-        return F.linear(F.silu(gate) * up, w.w_down)  # (T, H)
+        gate, up = w.gate_up(x).chunk(2, dim=-1)  # (T, I) each
+        return w.down(F.silu(gate) * up)  # (T, H)
 
 
 class OutputHead:
     """Final RMSNorm and LM head (tied to the embedding when the model ties them)."""
 
-    def __init__(self, cfg: ModelConfig, norm: torch.Tensor, lm_head: torch.Tensor, *, dtype=torch.float32, device="cpu") -> None:
+    def __init__(self, cfg: ModelConfig, norm: torch.Tensor, lm_head: torch.Tensor, *, dtype=torch.float32, device="cpu",
+                 pack_weights: bool = True) -> None:
         self.cfg = cfg
         self.norm = norm.to(device=device, dtype=dtype)
-        self.lm_head = lm_head.to(device=device, dtype=dtype)  # (V, H)
+        self.lm_head = Linear(lm_head.to(device=device, dtype=dtype), pack=pack_weights)  # H -> V
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden (T, H) -> logits (T, V) in fp32."""
         h = rms_norm(hidden.to(self.norm.dtype), self.norm, self.cfg.rms_norm_eps)
-        return F.linear(h, self.lm_head).float()
+        return self.lm_head(h).float()

@@ -1,0 +1,50 @@
+"""shard.linear: a weight reordered for oneDNN multiplies like F.linear on the plain one.
+
+Guards the stage's matmuls (every layer's q/k/v, o, gate/up, down and the LM head go
+through `Linear`): a reordered weight read in the wrong layout, a dropped bias, a
+non-contiguous input read as contiguous, or an empty frame would all give wrong hidden
+states. The oracle is F.linear on the same weight, to f32 rounding.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from shard.linear import Linear, onednn_packing_works
+
+
+def test_this_torch_build_packs_f32_weights_for_onednn():
+    # The pinned CPU torch (2.13) has the reorder; if a build stops having it the stage
+    # silently falls back to the slower layout, which this makes visible.
+    assert onednn_packing_works()
+    assert Linear(torch.randn(8, 4)).packed
+
+
+@settings(max_examples=40, deadline=None)
+@given(out_features=st.integers(1, 300), in_features=st.integers(1, 200), rows=st.integers(0, 70),
+       with_bias=st.booleans(), transposed_input=st.booleans(), seed=st.integers(0, 2**16))
+def test_packed_linear_equals_f_linear(out_features, in_features, rows, with_bias, transposed_input, seed):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(out_features, in_features, generator=g)
+    b = torch.randn(out_features, generator=g) if with_bias else None
+    # A transposed view has the right shape but strides a contiguous read would misread.
+    x = torch.randn(in_features, rows, generator=g).t() if transposed_input else torch.randn(rows, in_features, generator=g)
+    want = F.linear(x, w, b)
+    got = Linear(w.clone(), None if b is None else b.clone())(x)
+    assert got.shape == (rows, out_features)
+    scale = want.abs().max().item() if want.numel() else 1.0
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5 * max(scale, 1.0))
+
+
+def test_other_dtypes_and_pack_false_keep_the_plain_weight():
+    w = torch.randn(16, 8)
+    x = torch.randn(3, 8)
+    plain = Linear(w, pack=False)
+    assert not plain.packed and plain.weight is w
+    assert torch.equal(plain(x), F.linear(x, w))
+    half = Linear(w.bfloat16())
+    assert not half.packed
+    assert torch.equal(half(x.bfloat16()), F.linear(x.bfloat16(), w.bfloat16()))
