@@ -114,6 +114,10 @@ class RingEngine:
         self._send_lock = trio.Lock()
         self._links: trio.Nursery | None = None  # set by serve(); needed only for link emulation
         self.hop_times: dict[str, float] = {}
+        # What finished jobs measured (acceptance per drafter, calibration, traversal time)
+        # and on which ring epoch: a new job starts from it rather than from the priors,
+        # which a 50-token request would otherwise spend most of its rounds unlearning.
+        self.learned_adapt: tuple[int, adapt.AdaptState] = (-1, adapt.AdaptState())
         swarm.job_error_handler = self._deliver
         swarm.ring_listeners.append(self._on_ring_change)
 
@@ -147,10 +151,17 @@ class RingEngine:
         job_id = os.urandom(8).hex()
         send, recv = trio.open_memory_channel(256)
         self._jobs[job_id] = send
-        job = RingJob(self, job_id, list(prompt_ids), params, recv, drafters=self.make_drafters())
+        job = RingJob(self, job_id, list(prompt_ids), params, recv, drafters=self.make_drafters(),
+                      adapt=self.starting_adapt(self.swarm.ring.epoch))
         if self.receipts is not None:
             job.receipts = self.receipts.open_job(job_id, job.nonce, job.prompt_ids)
         return job
+
+    def starting_adapt(self, epoch: int) -> adapt.AdaptState:
+        """The planner state a job on ring `epoch` starts from: what earlier jobs learned,
+        without their traversal times if those were measured on another ring."""
+        learned_epoch, state = self.learned_adapt
+        return state if learned_epoch == epoch else adapt.apply(adapt.RingChanged(), state)
 
     def bundle(self, job_id: str) -> dict[str, Any] | None:
         """The signed receipt bundle of a finished job as JSON, None if unknown."""
@@ -378,6 +389,7 @@ class RingJob:
             if ring.epoch != self.ring_epoch:
                 if self.traversals:
                     self.resumes += 1
+                    self.adapt = adapt.apply(adapt.RingChanged(), self.adapt)  # its timing is new
                     log.info("job %s resumes on ring epoch %d (re-prefill %d tokens)", self.job_id, ring.epoch, len(self.committed))
                 self.ring_epoch, self.ring_ctx, self.pending_commit = ring.epoch, 0, ((), 0)
             try:
@@ -539,6 +551,8 @@ class RingJob:
             return
         self.closed = True
         self.engine.close_job(self.job_id)
+        if self.adapt.rounds:
+            self.engine.learned_adapt = (self.ring_epoch, self.adapt)
         if self.receipts is not None:
             self.receipts.finish(self.committed[len(self.prompt_ids):])
         ring = self.engine.swarm.ring

@@ -19,6 +19,7 @@ import trio
 from coordinator.draft_tree import DraftTree
 from coordinator.drafting import DraftBudget, NgramDrafter
 from coordinator.ring_engine import EngineConfig
+from coordinator.sampling import SamplingParams
 from tests.e2e.ringkit import generate_greedy, generate_greedy_with_stats, open_local_ring
 
 PROMPTS = [[1, 40, 41, 42, 40, 41, 42, 40, 41], [1, 100, 7, 200, 33], [1] + list(range(3, 60))]
@@ -114,6 +115,30 @@ def test_pipelined_rounds_are_used_and_lossless(tiny_llama_store):
     plain, out, stats = trio.run(main)
     assert out == plain
     assert sum(s["pipelined_rounds"] for s in stats) > 0, stats
+
+
+def test_a_new_job_starts_from_what_finished_jobs_learned(tiny_llama_store):
+    # A short request would spend most of its rounds unlearning the planner's priors, so
+    # the engine hands each new job the acceptance and traversal times of the last finished
+    # one; traversal times measured on another ring epoch must not carry over (another ring
+    # is other links and other stages), acceptance does (same model, same drafter).
+    async def main():
+        async with open_local_ring(tiny_llama_store, 2, engine=EngineConfig(draft="none")) as ring:
+            engine = ring.engine
+            plain = {tuple(PROMPTS[0]): await generate(engine, PROMPTS[0])}
+            assert engine.learned_adapt[1].rounds == 0  # plain decoding teaches the planner nothing
+            engine.make_drafters = lambda: [NoisyOracleDrafter(plain, tree=False, seed=6)]
+            await generate(engine, PROMPTS[0])
+            epoch, learned = engine.learned_adapt
+            job = await engine.open_job(PROMPTS[0], SamplingParams(temperature=0.0))
+            await job.aclose()
+            return epoch, ring.engine.swarm.ring.epoch, learned, job.adapt, engine.starting_adapt(epoch + 1)
+
+    epoch, ring_epoch, learned, started, elsewhere = trio.run(main)
+    assert epoch == ring_epoch and learned.rounds > 0 and learned.traversal is not None
+    assert learned.acceptance["noisy"].tried > 0
+    assert started is learned
+    assert elsewhere.traversal is None and elsewhere.acceptance == learned.acceptance
 
 
 class ConfidentNoisyDrafter(NoisyOracleDrafter):
