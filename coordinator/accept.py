@@ -70,6 +70,16 @@ def accept_greedy_lazy(tree: DraftTree, target_choice: Callable[[int], int]) -> 
     return Acceptance(tuple(nodes), tuple(toks[n] for n in nodes) + (target_choice(node + 1),), tried)
 
 
+def accept_as_committed(tree: DraftTree, committed: Sequence[int]) -> Acceptance:
+    """The outcome greedy acceptance of `tree` would have had in a round that committed
+    `committed` (accepted tokens then the bonus): used to judge each drafter's part of a
+    merged draft on its own nodes. At temperature 0 the target chose exactly these tokens
+    along the accepted path, and a part's walk never leaves that path, so this equals
+    `accept_greedy` on the part; with sampling it scores the part against the draws."""
+    depths = tree.depths.tolist()
+    return accept_greedy_lazy(tree, lambda row: committed[0 if row == 0 else depths[row - 1]])
+
+
 class GreedyRows:
     """The target's argmax at verify rows, computed on demand by `logits_of(rows) ->
     (len(rows), V)`: at first the root and the draft's first-child path in one batch (the

@@ -29,6 +29,12 @@ The calibration c is an EWMA ratio of accepted nodes to the sum of P_i over the 
 sent, per drafter family, so an over- or under-confident head is corrected within a
 few rounds and a confident round is not judged by an unconfident one's rate.
 
+Merged drafts (hybrid): when several drafters propose, `route` also scores their drafts
+merged into one tree. Parts that branch apart are exclusive, so the merge's expected
+tokens are 1 + the sum over its nodes of the best per-node chance any part gives; after
+the round each part is judged on its own nodes (`RoundVerified.parts`), so every
+drafter's statistics stay its own.
+
 This module does not know about tokens, logits, the ring's members or the network.
 """
 
@@ -73,7 +79,9 @@ class AdaptConfig:
     prior_acceptance: float = 0.5
     prior_traversal_s: float = 0.2  # fixed part of one traversal (latency)
     prior_per_node_s: float = 0.002  # marginal ring time of one more draft row
-    max_chain: int = 8
+    # A long quote: 16 nodes at 0.95 acceptance commit 11.6 tokens a round (8 nodes: 7.3),
+    # and on the CPU ring 8 more rows cost about 3 ms each (bench_stage).
+    max_chain: int = 16
     tree_nodes: tuple[int, ...] = (8, 16, 32, 64)
     tree_depths: tuple[int, ...] = (3, 4, 6, 8)
     kinds: tuple[DraftKind, ...] = (DraftKind.CHAIN, DraftKind.TREE)
@@ -129,6 +137,16 @@ class AdaptState:
 
 
 @dataclass(frozen=True)
+class DraftOutcome:
+    """How one drafter's part of a merged draft fared, judged on its own nodes."""
+
+    source: str
+    tried: int
+    accepted: int
+    predicted: float | None = None
+
+
+@dataclass(frozen=True)
 class RoundVerified:
     """One round came back and was verified."""
 
@@ -139,6 +157,9 @@ class RoundVerified:
     traversal_s: float  # send to return, ring only
     draft_s: float  # coordinator time spent drafting this round
     predicted: float | None = None  # sum of the sent nodes' path probabilities (confident drafters)
+    # A merged draft (hybrid): each drafter's own outcome, which the acceptance statistics
+    # learn from instead of the round's source, tried, accepted and predicted.
+    parts: tuple[DraftOutcome, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -159,12 +180,17 @@ def apply(event: Event, state: AdaptState, config: AdaptConfig = AdaptConfig()) 
         return replace(state, traversal=None)
     alpha = config.ewma_alpha
     acceptance = dict(state.acceptance)
-    family = event.source.split(":")[0]
-    for key in dict.fromkeys((event.source, family, ALL_SOURCES)):  # unique, in order
-        old = acceptance.get(key, AcceptanceStats(config.prior_acceptance, 1.0))
-        acceptance[key] = AcceptanceStats(
-            _ewma(old.accepted, event.accepted, alpha), _ewma(old.tried, event.tried, alpha)
-        )
+    confidence = dict(state.confidence)
+    outcomes = event.parts or (DraftOutcome(event.source, event.tried, event.accepted, event.predicted),)
+    for out in outcomes:
+        family = out.source.split(":")[0]
+        for key in dict.fromkeys((out.source, family, ALL_SOURCES)):  # unique, in order
+            old = acceptance.get(key, AcceptanceStats(config.prior_acceptance, 1.0))
+            acceptance[key] = AcceptanceStats(_ewma(old.accepted, out.accepted, alpha), _ewma(old.tried, out.tried, alpha))
+        if out.predicted is not None:
+            old = confidence.get(family)
+            confidence[family] = (AcceptanceStats(out.accepted, out.predicted) if old is None else AcceptanceStats(
+                _ewma(old.accepted, out.accepted, alpha), _ewma(old.tried, out.predicted, alpha)))
     n, t = float(event.nodes + 1), event.traversal_s
     fit = state.traversal
     if fit is None:  # first measurement on this ring: start the moments there, not at 0
@@ -175,11 +201,6 @@ def apply(event: Event, state: AdaptState, config: AdaptConfig = AdaptConfig()) 
         )
     per_node = event.draft_s / max(event.nodes, 1)
     draft = per_node if state.rounds == 0 else _ewma(state.draft_s_per_node, per_node, alpha)
-    confidence = dict(state.confidence)
-    if event.predicted is not None:
-        old = confidence.get(family)
-        confidence[family] = (AcceptanceStats(event.accepted, event.predicted) if old is None else AcceptanceStats(
-            _ewma(old.accepted, event.accepted, alpha), _ewma(old.tried, event.predicted, alpha)))
     return AdaptState(acceptance, fit, draft, state.rounds + 1, confidence)
 
 
@@ -246,13 +267,37 @@ def expected_tokens_chain(a: float, k: int) -> float:
     return sum(a**d for d in range(k + 1))
 
 
-def expected_tokens(tree: DraftTree, a: float) -> float:
-    """1 + sum over nodes of P(node accepted) under the rank model (module docstring)."""
+def rank_reach(tree: DraftTree, a: float) -> list[float]:
+    """Each node's probability of being accepted under the rank model (module docstring)."""
     reach: list[float] = []
     for p, rank in zip(tree.parents.tolist(), tree.sibling_ranks()):
         here = a * (1 - a) ** rank
         reach.append(here if p < 0 else reach[p] * here)
-    return 1.0 + sum(reach)
+    return reach
+
+
+def confident_reach(tree: DraftTree, state: AdaptState, config: AdaptConfig = AdaptConfig()) -> list[float]:
+    """Each node's probability of being accepted by a confident drafter's own estimate:
+    its path probability times the drafter's calibration, at most 1."""
+    c = calibration(state, tree.source, config)
+    return [min(1.0, c * p) for p in path_probabilities(tree)]
+
+
+def expected_tokens(tree: DraftTree, a: float) -> float:
+    """1 + sum over nodes of P(node accepted) under the rank model (module docstring)."""
+    return 1.0 + sum(rank_reach(tree, a))
+
+
+def merged_expected_tokens(reach: Sequence[Sequence[float]], where: Sequence[Sequence[int]], nodes: int) -> float:
+    """Expected tokens of a merged draft (`DraftTree.merge`): 1 + the sum over its nodes of
+    the likeliest acceptance any part gives that node. Parts that branch apart at a node
+    are exclusive (the target takes one child), so their nodes' chances add; a node two
+    parts share counts once, at the higher estimate."""
+    best = [0.0] * nodes
+    for part_reach, part_where in zip(reach, where):
+        for r, node in zip(part_reach, part_where):
+            best[node] = max(best[node], r)
+    return 1.0 + sum(best)
 
 
 def best_tree_tokens(a: float, nodes: int, depth: int) -> float:

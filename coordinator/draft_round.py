@@ -4,7 +4,9 @@ the router keeps the draft likely to commit the most tokens per second of ring t
 A drafter with calibrated log-probs (`confidence = True`, EAGLE) drafts a generous tree
 and keeps the likeliest nodes that pay for their ring rows (`adapt.size_by_confidence`),
 or a fixed tree when one is pinned; the others draft the shape `adapt.plan` picks from
-their acceptance. Several drafters (hybrid) are routed per round.
+their acceptance. Several drafters (hybrid) are routed per round among their own drafts
+and the merge of all of them (one tree, verified in one traversal: when the drafters
+disagree, whichever is right commits its tokens).
 
 This module does not know the ring, frames or the wire: it sees the job's drafters, its
 committed tokens, the planner's state and how much context is left.
@@ -16,13 +18,14 @@ import time
 from collections.abc import Sequence
 
 from coordinator import adapt
-from coordinator.draft_tree import DraftTree
+from coordinator.draft_tree import ChildSampling, DraftTree
 from coordinator.drafting import DraftBudget, Drafter
 
 # When the planner finds drafting not worth it, a small probe draft every few rounds keeps
 # the acceptance estimate fresh (text changes; a drafter that missed early may fit later).
 PROBE_EVERY_ROUNDS = 8
 PROBE_NODES = 2
+MERGED_SOURCE = "merged"  # the source of a merged draft; its parts keep their own
 
 
 def draft_round(drafters: Sequence[Drafter], committed: Sequence[int], state: adapt.AdaptState, *, room: int,
@@ -37,7 +40,7 @@ def draft_round(drafters: Sequence[Drafter], committed: Sequence[int], state: ad
     for drafter in drafters:
         t0 = time.perf_counter()
         confident = getattr(drafter, "confidence", False)
-        floor = float("-inf")
+        floor, probe = float("-inf"), False
         if confident:
             nodes, depth = fixed_tree or (config.confident_nodes, config.confident_depth)
             if not fixed_tree:
@@ -45,10 +48,19 @@ def draft_round(drafters: Sequence[Drafter], committed: Sequence[int], state: ad
         else:
             shape = adapt.plan(state, config, source=getattr(drafter, "name", adapt.ALL_SOURCES))
             nodes, depth = shape.nodes, shape.depth
-            if nodes == 0 and undrafted_rounds >= PROBE_EVERY_ROUNDS:
+            probe = nodes == 0 and undrafted_rounds >= PROBE_EVERY_ROUNDS
+            if probe:
                 nodes = depth = PROBE_NODES
         budget = DraftBudget(max(0, min(nodes, room)), max(0, min(depth, room)), floor)
         tree = drafter.propose(committed, budget) if budget.max_nodes else DraftTree.empty()
+        if tree.num_nodes and not confident and not probe:
+            # The draft names its evidence (an n-gram draft its match length): draft again
+            # in the shape that evidence's own acceptance asks for, when it differs from
+            # the drafter's average (1-token matches fare far worse than 4-token ones).
+            own = adapt.plan(state, config, source=tree.source)
+            if (own.nodes, own.depth) != (nodes, depth):
+                budget = DraftBudget(max(0, min(own.nodes, room)), max(0, min(own.depth, room)))
+                tree = drafter.propose(committed, budget) if budget.max_nodes else DraftTree.empty()
         draft_s = time.perf_counter() - t0
         if not tree.num_nodes:
             continue
@@ -60,8 +72,24 @@ def draft_round(drafters: Sequence[Drafter], committed: Sequence[int], state: ad
             candidates.append(adapt.DraftCandidate(tree, draft_s))
     if not candidates:
         return DraftTree.empty(), 0.0
+    drafted_s = sum(c.draft_s for c in candidates)
+    if len(candidates) > 1 and all(c.tree.sampling is ChildSampling.GREEDY for c in candidates):
+        merged = merged_candidate(drafters, candidates, state, config)
+        if merged.tree.num_nodes <= room:
+            candidates.append(merged)
     best = candidates[adapt.route(candidates, state)] if len(candidates) > 1 else candidates[0]
-    return best.tree, sum(c.draft_s for c in candidates)
+    return best.tree, drafted_s
+
+
+def merged_candidate(drafters: Sequence[Drafter], candidates: Sequence[adapt.DraftCandidate],
+                     state: adapt.AdaptState, config: adapt.AdaptConfig) -> adapt.DraftCandidate:
+    """The drafters' drafts as one tree, with its expected tokens from each part's own
+    per-node estimates (confidence for confident drafters, the rank model otherwise)."""
+    merged, where = DraftTree.merge([c.tree for c in candidates], source=MERGED_SOURCE)
+    reach = [adapt.confident_reach(c.tree, state, config) if is_confident(drafters, c.tree.source)
+             else adapt.rank_reach(c.tree, adapt.acceptance_rate(state, c.tree.source, config)) for c in candidates]
+    expected = adapt.merged_expected_tokens(reach, where, merged.num_nodes)
+    return adapt.DraftCandidate(merged, sum(c.draft_s for c in candidates), expected)
 
 
 def is_confident(drafters: Sequence[Drafter], source: str) -> bool:

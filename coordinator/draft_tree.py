@@ -8,7 +8,8 @@ with depth 1 for the root's children. A chain is the tree whose parents are i-1.
 
 The tree also records how each node's children were chosen (`ChildSampling`), because
 speculative sampling needs the proposal distribution every child was drawn from.
-`keep_likeliest` prunes a GREEDY tree to its likeliest nodes by draft log-prob.
+`keep_likeliest` prunes a GREEDY tree to its likeliest nodes by draft log-prob; `merge`
+unites several drafters' GREEDY trees into one (hybrid rounds verify them together).
 
 This module does not know about models, logits of the target, the wire, or which
 drafter made a tree beyond the `source` label; it never touches the network.
@@ -57,6 +58,7 @@ class DraftTree:
     probs: torch.Tensor | None = None  # (M+1, V) float: q at the root and at each node
     sampling: ChildSampling = ChildSampling.GREEDY
     source: str = field(default="")  # which drafter and evidence, e.g. "ngram:3"
+    merged_from: tuple["DraftTree", ...] = ()  # the drafts a merged tree unites, in merge order
 
     def __post_init__(self) -> None:
         if self.tokens.dim() != 1 or self.tokens.dtype != torch.int64:
@@ -118,6 +120,33 @@ class DraftTree:
                     child_of[(node, tok)] = nxt
                 node = nxt
         return cls(torch.tensor(tokens, dtype=torch.int64), torch.tensor(parents, dtype=torch.int64), source=source)
+
+    @classmethod
+    def merge(cls, trees: Sequence[DraftTree], source: str) -> tuple[DraftTree, list[list[int]]]:
+        """One tree holding every path of `trees` (GREEDY ones): nodes with the same
+        token under the same parent become one, and an earlier tree's children are tried
+        before a later one's. Returns it with, per input tree, the merged index of each of
+        its nodes. The merged tree keeps no log-probs (its nodes come from different
+        drafters); `merged_from` keeps the inputs, so each can be judged on its own."""
+        tokens: list[int] = []
+        parents: list[int] = []
+        child_of: dict[tuple[int, int], int] = {}  # (merged parent, token) -> merged node
+        where: list[list[int]] = []
+        for tree in trees:
+            if tree.sampling is not ChildSampling.GREEDY:
+                raise DraftShapeError("sampling", "GREEDY children to merge", tree.sampling.value)
+            mine: list[int] = []
+            for tok, p in zip(tree.tokens.tolist(), tree._parent_list):  # parents precede children
+                key = (mine[p] if p >= 0 else -1, tok)
+                if key not in child_of:
+                    child_of[key] = len(tokens)
+                    tokens.append(tok)
+                    parents.append(key[0])
+                mine.append(child_of[key])
+            where.append(mine)
+        merged = cls(torch.tensor(tokens, dtype=torch.int64), torch.tensor(parents, dtype=torch.int64),
+                     source=source, merged_from=tuple(trees))
+        return merged, where
 
     # -- structure ------------------------------------------------------------------
 

@@ -25,7 +25,7 @@ from receipts import sha256_digest
 from coordinator.engine import JobFailedError, NotReadyError
 from coordinator.receipt_check import JobReceipts, ReceiptChecker
 from coordinator import adapt
-from coordinator.accept import GreedyRows, accept_greedy_lazy, accept_sampling
+from coordinator.accept import GreedyRows, accept_as_committed, accept_greedy_lazy, accept_sampling
 from coordinator.draft_tree import DraftTree
 from coordinator.draft_round import draft_round, is_confident
 from coordinator.drafting import DraftBudget, Drafter, NgramDrafter
@@ -350,11 +350,20 @@ class RingJob:
                 family = tree.source.split(":")[0]
                 self.drafted[family] = self.drafted.get(family, 0) + 1
                 self.drafted_tokens[family] = self.drafted_tokens.get(family, 0) + len(tokens)
-                predicted = sum(adapt.path_probabilities(tree)) if is_confident(self.drafters, tree.source) else None
                 self.adapt = adapt.apply(adapt.RoundVerified(
                     source=tree.source, nodes=tree.num_nodes, tried=acc.tried, accepted=len(acc.nodes),
-                    traversal_s=traversal_s, draft_s=draft_s, predicted=predicted), self.adapt)
+                    traversal_s=traversal_s, draft_s=draft_s, predicted=self._predicted(tree),
+                    parts=tuple(self._outcome(part, acc.tokens) for part in tree.merged_from)), self.adapt)
             yield tokens
+
+    def _predicted(self, tree: DraftTree) -> float | None:
+        """A confident drafter's own estimate of how many of `tree`'s nodes it gets accepted."""
+        return sum(adapt.path_probabilities(tree)) if is_confident(self.drafters, tree.source) else None
+
+    def _outcome(self, part: DraftTree, committed: tuple[int, ...]) -> adapt.DraftOutcome:
+        """How one drafter's part of a merged draft fared, judged on its own nodes."""
+        acc = accept_as_committed(part, committed)
+        return adapt.DraftOutcome(part.source, acc.tried, len(acc.nodes), self._predicted(part))
 
     def _draft(self, limit: int) -> tuple[DraftTree, float]:
         """The next round's draft (coordinator.draft_round; none before the prefill)."""

@@ -13,7 +13,14 @@ import random
 import pytest
 import torch
 
-from coordinator.accept import GreedyRows, accept_greedy, accept_greedy_lazy, accept_sampling, truncate_at_stop
+from coordinator.accept import (
+    GreedyRows,
+    accept_as_committed,
+    accept_greedy,
+    accept_greedy_lazy,
+    accept_sampling,
+    truncate_at_stop,
+)
 from coordinator.draft_tree import DraftTree
 from coordinator.drafting import DraftBudget, NgramDrafter
 
@@ -161,3 +168,28 @@ def test_rows_on_demand_accept_the_same_and_compute_little(seed):
         first_path.append(node + 1)
     assert asked[0] == first_path and all(len(rows) == 1 for rows in asked[1:])
     assert len(asked) - 1 <= len(lazy.nodes) + 1
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_each_part_of_a_merged_draft_is_judged_as_if_verified_alone(seed):
+    # Guards the hybrid's statistics: after a merged round the engine scores each
+    # drafter's own tree against the committed tokens; that must be exactly what greedy
+    # verification of that tree alone would have accepted and tried (else the router
+    # learns the wrong drafter's acceptance). Sound: accept_greedy on the part is the oracle.
+    rng = random.Random(seed)
+    parts = [DraftTree.from_branches([[rng.randrange(4) for _ in range(rng.randint(1, 5))]
+                                      for _ in range(rng.randint(1, 3))], 10) for _ in range(2)]
+    merged, where = DraftTree.merge(parts, source="merged")
+    # One target: a fixed next token per context (path tokens), as a deterministic model gives.
+    table: dict[tuple[int, ...], int] = {}
+
+    def choice(path: tuple[int, ...]) -> int:
+        return table.setdefault(path, rng.randrange(4))
+
+    def logits_for(tree: DraftTree) -> torch.Tensor:
+        rows = [()] + [tuple(tree.path_tokens(i)) for i in range(tree.num_nodes)]
+        return torch.nn.functional.one_hot(torch.tensor([choice(r) for r in rows]), 4).float()
+
+    committed = accept_greedy(merged, logits_for(merged)).tokens
+    for part in parts:
+        assert accept_as_committed(part, committed) == accept_greedy(part, logits_for(part))

@@ -16,6 +16,7 @@ from coordinator.adapt import (
     AdaptState,
     DraftCandidate,
     DraftKind,
+    DraftOutcome,
     RingChanged,
     RoundVerified,
     acceptance_rate,
@@ -24,6 +25,7 @@ from coordinator.adapt import (
     calibration,
     expected_tokens,
     expected_tokens_chain,
+    merged_expected_tokens,
     plan,
     route,
     size_by_confidence,
@@ -225,3 +227,28 @@ def test_confidence_floor_is_where_a_node_cannot_pay_for_its_row():
     c = calibration(state, "eagle")
     assert math.exp(confidence_floor(state, "eagle")) == pytest.approx(0.01 / (0.21 * c), rel=1e-3)
     assert confidence_floor(_timed_state(0.2, 0.0), "eagle") < math.log(1e-9)  # free rows: draft everything
+
+
+def test_a_merged_round_teaches_each_part_not_the_merge():
+    # Guards hybrid's statistics: a merged round's acceptance belongs to the drafters
+    # whose nodes were accepted, per source, and the calibration to the confident one;
+    # learning it under the merge's own source would leave the router comparing the
+    # n-gram and EAGLE drafts on stale rates. Sound: the parts are separate EWMA keys.
+    state = AdaptState()
+    parts = (DraftOutcome("ngram:3", tried=4, accepted=3), DraftOutcome("eagle:tree", tried=2, accepted=0, predicted=1.5))
+    state = apply(RoundVerified("merged", 12, 5, 3, 0.3, 0.01, parts=parts), state)
+    assert "merged" not in state.acceptance
+    assert state.acceptance["ngram:3"].accepted > AdaptConfig().prior_acceptance * (1 - AdaptConfig().ewma_alpha)
+    assert acceptance_rate(state, "ngram:3") > acceptance_rate(state, "eagle:tree")
+    assert state.confidence["eagle"] == AcceptanceStats(0, 1.5) and "ngram" not in state.confidence
+    assert state.traversal is not None and state.traversal.n == 13  # the round's rows, once
+
+
+def test_merged_expectation_adds_exclusive_branches_and_counts_shared_nodes_once():
+    # Two parts whose first nodes differ are exclusive (the target takes one child): their
+    # chances add. A node both parts hold counts once, at the higher estimate.
+    merged, where = DraftTree.merge([DraftTree.chain([1, 2]), DraftTree.chain([3])], source="merged")
+    assert merged_expected_tokens([[0.5, 0.25], [0.3]], where, merged.num_nodes) == pytest.approx(1 + 0.5 + 0.25 + 0.3)
+    merged, where = DraftTree.merge([DraftTree.chain([1, 2]), DraftTree.chain([1, 4])], source="merged")
+    assert merged.num_nodes == 3
+    assert merged_expected_tokens([[0.5, 0.25], [0.6, 0.1]], where, 3) == pytest.approx(1 + 0.6 + 0.25 + 0.1)

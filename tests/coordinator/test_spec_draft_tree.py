@@ -91,3 +91,33 @@ def test_keep_likeliest_keeps_a_tree_of_the_best_paths():
                         sampling=ChildSampling.WITHOUT_REPLACEMENT)
     with pytest.raises(DraftShapeError, match="bad sampling: expected GREEDY children to prune"):
         sampled.keep_likeliest(2)
+
+
+def paths_of(tree: DraftTree) -> set[tuple[int, ...]]:
+    return {tuple(tree.path_tokens(i)) for i in range(tree.num_nodes)}
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(trees(), min_size=1, max_size=3))
+def test_merge_holds_every_path_once_and_maps_each_part(parts):
+    # Bug guarded: a hybrid round verifies the merge of several drafters' trees; a lost
+    # path would hide a drafter's right guess, a duplicated (parent, token) child would
+    # waste a ring row, and a wrong map would credit the wrong drafter with its accepted
+    # nodes. Sound: paths compared as token tuples, recomputed by walking parents.
+    merged, where = DraftTree.merge(parts, source="merged")
+    assert merged.merged_from == tuple(parts) and merged.source == "merged"
+    assert paths_of(merged) == set().union(*(paths_of(p) for p in parts))
+    assert len(paths_of(merged)) == merged.num_nodes  # no two nodes share a path
+    for part, mine in zip(parts, where):
+        assert len(mine) == part.num_nodes
+        for i, j in enumerate(mine):
+            assert merged.path_tokens(j) == part.path_tokens(i)
+    # the first part's children are tried first
+    if parts[0].num_nodes:
+        assert merged.children(-1)[0] == where[0][parts[0].children(-1)[0]]
+
+
+def test_merge_refuses_sampled_children():
+    sampled = DraftTree.chain([1, 2], probs=torch.full((3, 4), 0.25), sampling=ChildSampling.IID)
+    with pytest.raises(DraftShapeError, match="GREEDY children to merge"):
+        DraftTree.merge([DraftTree.chain([1]), sampled], source="merged")

@@ -172,7 +172,8 @@ def random_eagle_head(store, path) -> None:
 def test_confident_and_eagle_drafting_reproduce_plain_greedy(tiny_llama_store, tmp_path):
     # Guards the confidence planner's path through the engine (wide draft, likeliest
     # nodes kept, calibration) and EAGLE in the ring (aux rows from the stages, observe
-    # after prefill chunks and verify rounds), alone and routed against n-gram.
+    # after prefill chunks and verify rounds), alone and routed against n-gram or merged
+    # with its draft (accepted paths then run through either drafter's nodes).
     random_eagle_head(tiny_llama_store, tmp_path / "head")
 
     async def main():
@@ -202,3 +203,5 @@ def test_confident_and_eagle_drafting_reproduce_plain_greedy(tiny_llama_store, t
 
     drafted = trio.run(main)
     assert drafted.get(("confident", "confident"), 0) > 0 and drafted.get(("eagle", "eagle"), 0) > 0, drafted
+    # hybrid rounds that verified both drafters' trees merged into one
+    assert drafted.get(("confident+ngram", "merged"), 0) > 0, drafted
