@@ -87,3 +87,5 @@ def test_a_draft_is_shaped_by_its_own_evidence_not_its_drafters_average():
         lengths[source] = tree.num_nodes
         family_nodes = drafter.budgets[0].max_nodes
     assert lengths["ngram:1"] < family_nodes < lengths["ngram:4"], (lengths, family_nodes)
+    # ...but poor evidence still sends one node, so its estimate can recover
+    assert lengths["ngram:1"] == 1
