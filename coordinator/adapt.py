@@ -80,7 +80,7 @@ class AdaptConfig:
     prior_traversal_s: float = 0.2  # fixed part of one traversal (latency)
     prior_per_node_s: float = 0.002  # marginal ring time of one more draft row
     # A long quote: 16 nodes at 0.95 acceptance commit 11.6 tokens a round (8 nodes: 7.3),
-    # and on the CPU ring 8 more rows cost about 3 ms each (bench_stage).
+    # and on the CPU ring 8 more rows cost about 4 ms each (bench_stage, 8 -> 16 rows).
     max_chain: int = 16
     tree_nodes: tuple[int, ...] = (8, 16, 32, 64)
     tree_depths: tuple[int, ...] = (3, 4, 6, 8)
