@@ -11,11 +11,6 @@ order and each succeeds with probability a). A chain of K then commits
 1 + a + ... + a^K = (1 - a^(K+1)) / (1 - a) tokens per traversal on average, and `a`
 is estimated as accepted / tried nodes, the maximum-likelihood estimate under that model.
 
-Chains keep two rates per source besides: the first node's and the later nodes' (given
-their parent was accepted). An n-gram match is right for many tokens or wrong at the
-first, so one geometric rate undervalues long chains behind a good first guess; a chain
-of K then commits 1 + a1 (1 + a2 + ... + a2^(K-1)) tokens on average.
-
 Pipelining model: with P rounds in flight, round r+1 leaves before round r returns,
 assuming r's top path and a guessed bonus are all accepted (probability s = a^(depth+1));
 otherwise it is discarded. A run of rounds ends at the first one that is not fully
@@ -139,9 +134,6 @@ class AdaptState:
     rounds: int = 0
     # per drafter family: EWMAs of accepted nodes and of the draft's predicted acceptances
     confidence: Mapping[str, AcceptanceStats] = field(default_factory=dict)
-    # per source, over chain rounds: the first node's acceptance and the later nodes'
-    chain_first: Mapping[str, AcceptanceStats] = field(default_factory=dict)
-    chain_later: Mapping[str, AcceptanceStats] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -152,7 +144,6 @@ class DraftOutcome:
     tried: int
     accepted: int
     predicted: float | None = None
-    chain: bool = False  # the part was a chain (its first and later nodes are learned apart)
 
 
 @dataclass(frozen=True)
@@ -169,7 +160,6 @@ class RoundVerified:
     # A merged draft (hybrid): each drafter's own outcome, which the acceptance statistics
     # learn from instead of the round's source, tried, accepted and predicted.
     parts: tuple[DraftOutcome, ...] = ()
-    chain: bool = False  # the draft was a chain
 
 
 @dataclass(frozen=True)
@@ -191,17 +181,12 @@ def apply(event: Event, state: AdaptState, config: AdaptConfig = AdaptConfig()) 
     alpha = config.ewma_alpha
     acceptance = dict(state.acceptance)
     confidence = dict(state.confidence)
-    chain_first, chain_later = dict(state.chain_first), dict(state.chain_later)
-    outcomes = event.parts or (DraftOutcome(event.source, event.tried, event.accepted, event.predicted, event.chain),)
+    outcomes = event.parts or (DraftOutcome(event.source, event.tried, event.accepted, event.predicted),)
     for out in outcomes:
         family = out.source.split(":")[0]
         for key in dict.fromkeys((out.source, family, ALL_SOURCES)):  # unique, in order
             old = acceptance.get(key, AcceptanceStats(config.prior_acceptance, 1.0))
             acceptance[key] = AcceptanceStats(_ewma(old.accepted, out.accepted, alpha), _ewma(old.tried, out.tried, alpha))
-            if out.chain and out.tried:  # a chain tries its first node, then one more per acceptance
-                chain_first[key] = _ewma_stats(chain_first.get(key), float(out.accepted > 0), 1.0, config)
-                if out.tried > 1:
-                    chain_later[key] = _ewma_stats(chain_later.get(key), out.accepted - 1, out.tried - 1, config)
         if out.predicted is not None:
             old = confidence.get(family)
             confidence[family] = (AcceptanceStats(out.accepted, out.predicted) if old is None else AcceptanceStats(
@@ -216,13 +201,7 @@ def apply(event: Event, state: AdaptState, config: AdaptConfig = AdaptConfig()) 
         )
     per_node = event.draft_s / max(event.nodes, 1)
     draft = per_node if state.rounds == 0 else _ewma(state.draft_s_per_node, per_node, alpha)
-    return AdaptState(acceptance, fit, draft, state.rounds + 1, confidence, chain_first, chain_later)
-
-
-def _ewma_stats(old: AcceptanceStats | None, accepted: float, tried: float, config: AdaptConfig) -> AcceptanceStats:
-    if old is None:
-        old = AcceptanceStats(config.prior_acceptance, 1.0)
-    return AcceptanceStats(_ewma(old.accepted, accepted, config.ewma_alpha), _ewma(old.tried, tried, config.ewma_alpha))
+    return AdaptState(acceptance, fit, draft, state.rounds + 1, confidence)
 
 
 def calibration(state: AdaptState, source: str, config: AdaptConfig = AdaptConfig()) -> float:
@@ -270,32 +249,6 @@ def acceptance_rate(state: AdaptState, source: str = ALL_SOURCES, config: AdaptC
         if key in state.acceptance:
             return min(state.acceptance[key].rate, config.max_acceptance)
     return min(config.prior_acceptance, config.max_acceptance)
-
-
-def chain_rates(state: AdaptState, source: str = ALL_SOURCES, config: AdaptConfig = AdaptConfig()) -> tuple[float, float]:
-    """(first node's, later nodes') acceptance of `source`'s chains, with the same fallbacks
-    as `acceptance_rate`; a source with no chain rounds yet gets its per-node rate for both."""
-    for key in (source, source.split(":")[0], ALL_SOURCES):
-        if key in state.chain_first:
-            later = state.chain_later.get(key)
-            a1 = state.chain_first[key].rate
-            a2 = later.rate if later is not None and later.tried > 0 else acceptance_rate(state, source, config)
-            return min(a1, config.max_acceptance), min(a2, config.max_acceptance)
-    a = acceptance_rate(state, source, config)
-    return a, a
-
-
-def chain_reach(a1: float, a2: float, k: int) -> list[float]:
-    """Each node's chance of acceptance in a chain of k: a1, a1 a2, a1 a2^2, ..."""
-    return [a1 * a2**i for i in range(k)]
-
-
-def draft_reach(tree: DraftTree, state: AdaptState, config: AdaptConfig = AdaptConfig()) -> list[float]:
-    """Each node's chance of acceptance for a drafter without confidence: chains by their
-    first and later rates, trees by the rank model."""
-    if tree.is_chain:
-        return chain_reach(*chain_rates(state, tree.source, config), tree.num_nodes)
-    return rank_reach(tree, acceptance_rate(state, tree.source, config))
 
 
 def traversal_line(state: AdaptState, config: AdaptConfig = AdaptConfig()) -> tuple[float, float]:
@@ -367,13 +320,11 @@ def best_tree_tokens(a: float, nodes: int, depth: int) -> float:
 
 
 def tokens_per_s(
-    expected: float, a: float, depth: int, round_s: float, floor_s: float, pipeline_depth: int,
-    success: float | None = None,
+    expected: float, a: float, depth: int, round_s: float, floor_s: float, pipeline_depth: int
 ) -> float:
     """Committed tokens per second (module docstring): round_s is draft + traversal,
-    floor_s the shortest launch interval (draft + ring compute); `success` the chance the
-    whole round and the guessed bonus are accepted (default a^(depth+1))."""
-    s = a ** (depth + 1) if success is None else success
+    floor_s the shortest launch interval (draft + ring compute)."""
+    s = a ** (depth + 1)
     interval = max(round_s / pipeline_depth, floor_s)
     return expected / (round_s * (1 - s) + s * interval)
 
@@ -391,23 +342,19 @@ def plan(state: AdaptState, config: AdaptConfig = AdaptConfig(), source: str = A
     """The shape (and pipelining depth) with the most expected tokens per second.
     Ties keep the earlier shape in `_shapes` order: chains, then smaller trees."""
     a = acceptance_rate(state, source, config)
-    a1, a2 = chain_rates(state, source, config)
     fixed_s, per_row_s = traversal_line(state, config)
     best, best_rate = DraftShape(DraftKind.CHAIN, 0, 0, 1), -1.0
     for kind, nodes, depth in _shapes(config):
-        if kind is DraftKind.CHAIN:  # all of it and the guessed bonus: first, then later nodes
-            expected, success = 1.0 + sum(chain_reach(a1, a2, nodes)), a1 * a2**nodes if nodes else a1
-        else:
-            expected, success = best_tree_tokens(a, nodes, depth), None
+        expected = expected_tokens_chain(a, nodes) if kind is DraftKind.CHAIN else best_tree_tokens(a, nodes, depth)
         draft_s = state.draft_s_per_node * nodes
         round_s = draft_s + fixed_s + per_row_s * (nodes + 1)
         floor_s = draft_s + per_row_s * (nodes + 1)
-        pipeline, rate = 1, tokens_per_s(expected, a, depth, round_s, floor_s, 1, success)
+        pipeline, rate = 1, tokens_per_s(expected, a, depth, round_s, floor_s, 1)
         # Only a chain's round can be sent ahead: it is assumed accepted, and a round with
         # no draft or a tree (which path?) gives nothing to build the next one on.
         deepest = config.max_pipeline_depth if kind is DraftKind.CHAIN and nodes else 1
         while pipeline < deepest:
-            deeper = tokens_per_s(expected, a, depth, round_s, floor_s, pipeline + 1, success)
+            deeper = tokens_per_s(expected, a, depth, round_s, floor_s, pipeline + 1)
             if deeper <= rate * (1 + config.min_pipeline_gain):
                 break
             pipeline, rate = pipeline + 1, deeper
@@ -434,7 +381,8 @@ def route(candidates: Sequence[DraftCandidate], state: AdaptState, config: Adapt
     fixed_s, per_row_s = traversal_line(state, config)
     scores = []
     for c in candidates:
-        expected = c.expected if c.expected is not None else 1.0 + sum(draft_reach(c.tree, state, config))
+        expected = c.expected if c.expected is not None else expected_tokens(
+            c.tree, acceptance_rate(state, c.tree.source, config))
         round_s = c.draft_s + fixed_s + per_row_s * (c.tree.num_nodes + 1)
         scores.append(expected / round_s)
     return max(range(len(scores)), key=lambda i: (scores[i], -i))

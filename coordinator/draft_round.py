@@ -86,10 +86,10 @@ def draft_round(drafters: Sequence[Drafter], committed: Sequence[int], state: ad
 def merged_candidate(drafters: Sequence[Drafter], candidates: Sequence[adapt.DraftCandidate],
                      state: adapt.AdaptState, config: adapt.AdaptConfig) -> adapt.DraftCandidate:
     """The drafters' drafts as one tree, with its expected tokens from each part's own
-    per-node estimates (confidence for confident drafters, acceptance rates otherwise)."""
+    per-node estimates (confidence for confident drafters, the rank model otherwise)."""
     merged, where = DraftTree.merge([c.tree for c in candidates], source=MERGED_SOURCE)
     reach = [adapt.confident_reach(c.tree, state, config) if is_confident(drafters, c.tree.source)
-             else adapt.draft_reach(c.tree, state, config) for c in candidates]
+             else adapt.rank_reach(c.tree, adapt.acceptance_rate(state, c.tree.source, config)) for c in candidates]
     expected = adapt.merged_expected_tokens(reach, where, merged.num_nodes)
     return adapt.DraftCandidate(merged, sum(c.draft_s for c in candidates), expected)
 

@@ -352,7 +352,7 @@ class RingJob:
                 self.drafted_tokens[family] = self.drafted_tokens.get(family, 0) + len(tokens)
                 self.adapt = adapt.apply(adapt.RoundVerified(
                     source=tree.source, nodes=tree.num_nodes, tried=acc.tried, accepted=len(acc.nodes),
-                    traversal_s=traversal_s, draft_s=draft_s, predicted=self._predicted(tree), chain=tree.is_chain,
+                    traversal_s=traversal_s, draft_s=draft_s, predicted=self._predicted(tree),
                     parts=tuple(self._outcome(part, acc.tokens) for part in tree.merged_from)), self.adapt)
             yield tokens
 
@@ -363,7 +363,7 @@ class RingJob:
     def _outcome(self, part: DraftTree, committed: tuple[int, ...]) -> adapt.DraftOutcome:
         """How one drafter's part of a merged draft fared, judged on its own nodes."""
         acc = accept_as_committed(part, committed)
-        return adapt.DraftOutcome(part.source, acc.tried, len(acc.nodes), self._predicted(part), part.is_chain)
+        return adapt.DraftOutcome(part.source, acc.tried, len(acc.nodes), self._predicted(part))
 
     def _draft(self, limit: int) -> tuple[DraftTree, float]:
         """The next round's draft (coordinator.draft_round; none before the prefill)."""

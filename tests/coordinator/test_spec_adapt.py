@@ -23,8 +23,6 @@ from coordinator.adapt import (
     apply,
     best_tree_tokens,
     calibration,
-    chain_rates,
-    chain_reach,
     expected_tokens,
     expected_tokens_chain,
     merged_expected_tokens,
@@ -254,31 +252,3 @@ def test_merged_expectation_adds_exclusive_branches_and_counts_shared_nodes_once
     merged, where = DraftTree.merge([DraftTree.chain([1, 2]), DraftTree.chain([1, 4])], source="merged")
     assert merged.num_nodes == 3
     assert merged_expected_tokens([[0.5, 0.25], [0.6, 0.1]], where, 3) == pytest.approx(1 + 0.6 + 0.25 + 0.1)
-
-
-def test_chains_learn_their_first_and_later_nodes_apart():
-    # An n-gram match is right for many tokens or wrong at once: half the rounds accept all
-    # 8 nodes, half none. One geometric rate (8 accepted per 9 tried) says a chain of 8
-    # commits 5.9 tokens; the truth is 1 + 0.5 * 8 = 5. Learned apart, the first node is
-    # 0.5 and the later ones 1.0 (capped at max_acceptance). Sound: the EWMAs of two fixed
-    # patterns (the EWMA of alternating 0 and 1 swings about 0.5), and the closed forms.
-    state = AdaptState()
-    for i in range(60):
-        accepted = 8 if i % 2 else 0
-        state = apply(RoundVerified("ngram:4", 8, min(accepted + 1, 8), accepted, 0.3, 0.0, chain=True), state)
-    a1, a2 = chain_rates(state, "ngram:4")
-    assert a1 == pytest.approx(0.5, abs=0.1) and a2 == AdaptConfig().max_acceptance
-    assert chain_rates(state, "eagle:chain") == (a1, a2)  # falls back to the pooled rates
-    two_rates = 1 + sum(chain_reach(a1, a2, 8))
-    assert abs(two_rates - 5.0) < 0.5 < abs(expected_tokens_chain(acceptance_rate(state, "ngram:4"), 8) - 5.0)
-
-
-def test_a_good_first_guess_buys_a_longer_chain():
-    # Same per-node average, but one source is right at the first node half the time and
-    # then nearly always: its chains should run longer than the geometric model's.
-    config = AdaptConfig(kinds=(DraftKind.CHAIN,), max_pipeline_depth=1, prior_traversal_s=0.2, prior_per_node_s=0.004)
-    average = AcceptanceStats(0.6, 1.0)
-    geometric = AdaptState(acceptance={"ngram:4": average})
-    bimodal = AdaptState(acceptance={"ngram:4": average}, chain_first={"ngram:4": AcceptanceStats(0.5, 1.0)},
-                         chain_later={"ngram:4": AcceptanceStats(0.95, 1.0)})
-    assert plan(bimodal, config, "ngram:4").nodes > plan(geometric, config, "ngram:4").nodes
