@@ -76,14 +76,14 @@ def draft_round(drafters: Sequence[Drafter], committed: Sequence[int], state: ad
         return DraftTree.empty(), 0.0
     drafted_s = sum(c.draft_s for c in candidates)
     if len(candidates) > 1 and all(c.tree.sampling is ChildSampling.GREEDY for c in candidates):
-        merged = merged_candidate(drafters, candidates, state, config)
+        merged = merged_candidate(drafters, candidates, drafted_s, state, config)
         if merged.tree.num_nodes <= room:
             candidates.append(merged)
     best = candidates[adapt.route(candidates, state)] if len(candidates) > 1 else candidates[0]
     return best.tree, drafted_s
 
 
-def merged_candidate(drafters: Sequence[Drafter], candidates: Sequence[adapt.DraftCandidate],
+def merged_candidate(drafters: Sequence[Drafter], candidates: Sequence[adapt.DraftCandidate], draft_s: float,
                      state: adapt.AdaptState, config: adapt.AdaptConfig) -> adapt.DraftCandidate:
     """The drafters' drafts as one tree, with its expected tokens from each part's own
     per-node estimates (confidence for confident drafters, the rank model otherwise)."""
@@ -91,7 +91,7 @@ def merged_candidate(drafters: Sequence[Drafter], candidates: Sequence[adapt.Dra
     reach = [adapt.confident_reach(c.tree, state, config) if is_confident(drafters, c.tree.source)
              else adapt.rank_reach(c.tree, adapt.acceptance_rate(state, c.tree.source, config)) for c in candidates]
     expected = adapt.merged_expected_tokens(reach, where, merged.num_nodes)
-    return adapt.DraftCandidate(merged, sum(c.draft_s for c in candidates), expected)
+    return adapt.DraftCandidate(merged, draft_s, expected)
 
 
 def is_confident(drafters: Sequence[Drafter], source: str) -> bool:

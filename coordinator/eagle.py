@@ -107,10 +107,8 @@ MATMUL_WEIGHTS = ("fc.weight", "wqkv.weight", "wo.weight", "w_gate_up.weight", "
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor | Linear) -> torch.Tensor:
-    """x (..., in) -> (..., out) through a weight tensor or a Linear (which takes rows)."""
-    if isinstance(weight, Linear):
-        return weight(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], weight.out_features)
-    return F.linear(x, weight)
+    """x (..., in) -> (..., out) through a weight tensor or a Linear."""
+    return weight(x) if isinstance(weight, Linear) else F.linear(x, weight)
 
 
 def fuse(w: dict[str, torch.Tensor], aux: torch.Tensor) -> torch.Tensor:
@@ -180,7 +178,7 @@ class EagleHead:
         self.config, self.target = config, target
         self.w = {name: weights[name].float() for name in shapes}  # what training and save_head read
         # The same weights for drafting, the matrices laid out for the device (shard.linear):
-        # a 48-node, depth-8 tree drafted in 27 ms instead of 38 (1 thread, dev VM).
+        # the engine's 48-node, depth-8 tree drafted in 19-33 ms instead of 38 (1 thread, dev VM).
         self.infer_w = {name: Linear(t) if name in MATMUL_WEIGHTS else t for name, t in self.w.items()}
         self.d2t = d2t.long()
         self.embedding = embedding.float()

@@ -43,7 +43,7 @@ def onednn_packing_works() -> bool:
 
 
 class Linear:
-    """y (T, out) = x (T, in) @ weight.T + bias, for a weight fixed at construction."""
+    """y (..., out) = x (..., in) @ weight.T + bias, for a weight fixed at construction."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, *, pack: bool = True) -> None:
         self.out_features, self.in_features = weight.shape
@@ -54,6 +54,8 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if not self.packed:
             return F.linear(x, self.weight, self.bias)
-        if x.shape[0] == 0:  # oneDNN wants at least one row
-            return x.new_zeros(0, self.out_features)
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.weight, self.bias, "none", [], "")
+        rows = x.reshape(-1, self.in_features)  # oneDNN takes a (T, in) matrix
+        if rows.shape[0] == 0:  # and at least one row
+            return x.new_zeros(*x.shape[:-1], self.out_features)
+        y = torch.ops.mkldnn._linear_pointwise(rows.contiguous(), self.weight, self.bias, "none", [], "")
+        return y.reshape(*x.shape[:-1], self.out_features)

@@ -48,3 +48,15 @@ def test_other_dtypes_and_pack_false_keep_the_plain_weight():
     half = Linear(w.bfloat16())
     assert not half.packed
     assert torch.equal(half(x.bfloat16()), F.linear(x.bfloat16(), w.bfloat16()))
+
+
+def test_leading_dimensions_pass_through():
+    # The EAGLE head's functions take (..., T, in) batches; a packed weight must multiply
+    # them like F.linear does, empty ones included.
+    w, b = torch.randn(12, 8), torch.randn(12)
+    packed = Linear(w.clone(), b.clone())
+    for shape in ((2, 5, 8), (3, 0, 8), (1, 1, 1, 8)):
+        x = torch.randn(shape)
+        got = packed(x)
+        assert got.shape == (*shape[:-1], 12)
+        torch.testing.assert_close(got, F.linear(x, w, b), rtol=0, atol=1e-5)
