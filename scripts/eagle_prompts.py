@@ -21,6 +21,24 @@ TOPICS = (
     "the Olympic Games", "submarines", "mushrooms", "the French Revolution", "rainbows",
     "penguins", "3D printing", "the stock market", "tea ceremonies", "lightning",
     "libraries", "the Amazon river", "robots in factories", "sleep", "maps and cartography",
+    "the telescope", "wolves", "ocean currents", "the Renaissance", "bread baking at home",
+    "hurricanes", "the Eiffel Tower", "whales", "the steam engine", "composting",
+    "the metric system", "spiders", "the Vikings", "batteries", "owls",
+    "the Industrial Revolution", "snowflakes", "trains", "the human brain", "kites",
+    "the Sahara desert", "nuclear power", "elephants", "the Mayan civilisation", "bridges",
+    "clouds", "the violin", "antibiotics", "the Arctic", "skyscrapers",
+    "butterflies", "the printing of money", "climate change", "hot air balloons", "ants",
+    "the Pyramids of Giza", "microscopes", "gardening", "satellites", "the piano",
+    "rivers", "the Wright brothers", "cheese making", "volunteering", "bats",
+    "the postal service", "magnets", "the ancient Greeks", "board games", "dolphins",
+    "fire fighting", "volcanic islands", "the Roman Empire", "tornadoes", "sharks",
+    "wind and sailing ships", "the camera", "vegetarian cooking", "mountain climbing", "frogs",
+    "the periodic table", "castles", "public transport", "the Northern Lights", "knitting",
+    "the heart of a city park", "space stations", "caves", "running a marathon", "salt",
+    "the history of writing", "parrots", "rain gauges and weather stations", "video games", "forests in winter",
+    "the compass", "tigers", "learning a new language", "the Mediterranean Sea", "windmills",
+    "the first aeroplanes", "coral islands", "clocks", "chocolate", "horses",
+    "museums", "earthworms", "the Great Barrier Reef", "paper making", "saving money",
 )
 
 OPEN_WRITING = (
@@ -30,6 +48,10 @@ OPEN_WRITING = (
     "Write a letter to a friend describing a day spent learning about {topic}.",
     "Describe {topic} as if you were a tour guide.",
     "Write a short speech for a school assembly about {topic}.",
+    "Write a diary entry by someone who has just discovered {topic}.",
+    "Write a short news report about a new exhibition on {topic}.",
+    "Write a dialogue between a teacher and a student about {topic}.",
+    "Write an email to a colleague suggesting a team outing related to {topic}.",
 )
 
 QA = (
@@ -39,6 +61,10 @@ QA = (
     "Explain {topic} to a ten-year-old.",
     "What are the main advantages and disadvantages of {topic}?",
     "How has {topic} changed over time?",
+    "What are some common misconceptions about {topic}?",
+    "Explain step by step how {topic} works.",
+    "Write a short quiz with answers about {topic}.",
+    "What should a beginner know about {topic}?",
 )
 
 CODE_TASKS = (
@@ -54,12 +80,26 @@ CODE_TASKS = (
     "finds the second smallest number in a list",
     "checks whether two strings are anagrams",
     "computes the sum of the digits of an integer",
+    "finds the longest word in a sentence",
+    "converts a binary string to an integer",
+    "flattens a nested list",
+    "returns the common elements of two lists",
+    "capitalises the first letter of every word",
+    "computes the average of a list of numbers",
+    "checks whether a year is a leap year",
+    "rotates a list by k positions",
+    "counts the lines in a text file",
+    "finds the greatest common divisor of two numbers",
+    "sorts a list of dictionaries by a given key",
+    "checks whether brackets in a string are balanced",
 )
 CODE = (
     "Write a Python function that {task}.",
     "Write a Python function that {task}, and explain how it works.",
     "Write a JavaScript function that {task}.",
     "Write a Python function with a docstring that {task}, and show an example call.",
+    "Write a Python function that {task}, and add unit tests for it.",
+    "Explain how you would write a program that {task}, then write it in Python.",
 )
 
 PASSAGES = (
@@ -129,6 +169,10 @@ SUMMARISE = (
     "Summarise this text in one paragraph.\n\n{passage}",
     "Give three bullet points that summarise the passage below.\n\n{passage}",
     "What is the main idea of this passage?\n\n{passage}",
+    "{passage}\n\nSummarise the passage above in three sentences.",
+    "Explain this passage to a child in a few sentences.\n\n{passage}",
+    "{passage}\n\nWrite a one-sentence summary of this text, then list its key facts.",
+    "Rewrite the following passage as a short summary for a newsletter.\n\n{passage}",
 )
 QUOTE = (
     "Quote the first two sentences of the passage below exactly.\n\n{passage}",
@@ -136,6 +180,10 @@ QUOTE = (
     "Find the sentence that mentions a year and quote it exactly.\n\n{passage}",
     "Repeat the passage below, then give it a title.\n\n{passage}",
     "Quote the sentence of this passage that you find most surprising, exactly as written.\n\n{passage}",
+    "{passage}\n\nQuote the second and third sentences of this passage word for word.",
+    "{passage}\n\nWhich sentences mention a number? Copy them exactly.",
+    "Repeat this passage exactly, then say in one sentence what it is about.\n\n{passage}",
+    "{passage}\n\nCopy the passage above, then list the people or places it names.",
 )
 
 MATH = (
@@ -146,6 +194,10 @@ MATH = (
     "Sara has {c} apples. She gives {a} to her friend and buys {b} more. How many apples does she have now?",
     "A rectangle is {a} cm long and {b} cm wide. What are its area and perimeter?",
     "What is {a} percent of {c}? Show the steps.",
+    "A tank holds {c} litres and fills at {a} litres per minute. How long does it take to fill? Explain.",
+    "Tom is {a} years old and his sister is {b} years older. How old will she be in {a} years?",
+    "A class of {c} students is split into groups of {a}. How many full groups are there, and how many students are left over?",
+    "A ticket costs {a} dollars and a family buys {b} tickets with a {a} percent discount. What do they pay?",
 )
 
 
@@ -166,7 +218,7 @@ def build_prompts(seed: int = 0) -> list[tuple[str, str]]:
             out.append(("summarisation", template.format(passage=passage)))
         for template in QUOTE:
             out.append(("quoting", template.format(passage=passage)))
-    for _ in range(120):
+    for _ in range(360):
         a, b = rng.randint(2, 60), rng.randint(2, 30)
         out.append(("math", rng.choice(MATH).format(a=a, b=b, c=a * rng.randint(2, 9) + b)))
     rng.shuffle(out)
