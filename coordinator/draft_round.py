@@ -79,7 +79,7 @@ def draft_round(drafters: Sequence[Drafter], committed: Sequence[int], state: ad
         merged = merged_candidate(drafters, candidates, drafted_s, state, config)
         if merged.tree.num_nodes <= room:
             candidates.append(merged)
-    best = candidates[adapt.route(candidates, state)] if len(candidates) > 1 else candidates[0]
+    best = candidates[adapt.route(candidates, state, config)] if len(candidates) > 1 else candidates[0]
     return best.tree, drafted_s
 
 

@@ -17,7 +17,7 @@ token leaves the reference (the target's next choice off the reference is unknow
 tau = 1 + accepted tokens. Also reported: how often each wire's greedy token differs from
 the fp32 reference (the target's own disagreement).
 
-    python scripts/bench_wire_tau.py --json OUT [--quick] [--wires bf16,f8_e4m3fn]
+    python scripts/bench_wire_tau.py --json OUT [--quick] [--wires bf16,f8_e4m3fn,bf16@f8_e4m3fn]
 """
 
 from __future__ import annotations
@@ -66,21 +66,24 @@ class Pipeline:
         norm, lm_head = store.load_head()
         self.head = OutputHead(cfg, norm, lm_head if lm_head is not None else emb)
 
-    def forward(self, ids: list[int], wire: str | None, aux_layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, ids: list[int], wire: str | None, aux_layers: tuple[int, ...],
+                tail_wire: str | None = "", aux_wire: str | None = "") -> tuple[torch.Tensor, torch.Tensor]:
         """Teacher-forced pass over `ids` (None: no wire, fp32 throughout) ->
-        (greedy next token at each position (T,), aux features (T, k*H) as the coordinator decodes them)."""
+        (greedy next token at each position (T,), aux features (T, k*H) as the coordinator decodes them).
+        `tail_wire` / `aux_wire`, when not "", are the dtypes of the last edge's hidden
+        states / of the aux features alone (what-ifs: the nodes use one dtype for all)."""
         t = len(ids)
         x: torch.Tensor = torch.tensor(ids)
         aux, aux_scale = None, None
-        for stage, r in zip(self.stages, self.ranges):
+        for n, (stage, r) in enumerate(zip(self.stages, self.ranges)):
             job = KVCache(len(r), self.cfg.num_kv_heads, self.cfg.head_dim, torch.float32, 1 << 31).open("j", t)
             wanted = [layer for layer in aux_layers if layer in r]
             h, captured = stage.forward(job, x, ctx_len=0, positions=torch.arange(t), capture=wanted)
             if captured:  # as StageWorker._aux: decode what rides, append, re-encode
                 parts = [] if aux is None else [from_wire(aux, aux_scale, torch.float32)]
                 parts += [captured[layer].float() for layer in aux_layers if layer in captured]
-                aux, aux_scale = _wire(torch.cat(parts, dim=-1), wire)
-            hidden, scale = _wire(h, wire)
+                aux, aux_scale = _wire(torch.cat(parts, dim=-1), aux_wire if aux_wire != "" else wire)
+            hidden, scale = _wire(h, tail_wire if tail_wire != "" and n == len(self.stages) - 1 else wire)
             x = from_wire(hidden, scale, torch.float32)
         greedy = self.head.logits(x).argmax(dim=-1)
         return greedy, from_wire(aux, aux_scale, torch.float32)
@@ -124,10 +127,15 @@ def walk(tree: DraftTree, root: int, ref: list[int], greedy: list[int]) -> int:
     return n
 
 
-def measure(pipe, head, texts: list[tuple[str, list[int], int]], wire: str | None) -> dict:
+def measure(pipe, head, texts: list[tuple[str, list[int], int]], wire: str) -> dict:
+    """Per category: roots, how often the target differs from the reference, accepted
+    tokens per budget. `wire` is HIDDEN[/TAIL][@AUX]: the hidden states' dtype, and
+    optionally the last edge's hidden states' and the aux features' own dtypes."""
     per_cat: dict[str, dict] = {}
+    spec, _, aux_wire = wire.partition("@")
+    edges, _, tail = spec.partition("/")
     for category, ids, start in texts:
-        greedy_t, aux = pipe.forward(ids, wire, head.config.aux_layers if head else ())
+        greedy_t, aux = pipe.forward(ids, edges, head.config.aux_layers if head else (), tail, aux_wire)
         greedy = greedy_t.tolist()
         rec = per_cat.setdefault(category, {"roots": 0, "target_differs": 0, "accepted": {n: 0 for n in BUDGETS}})
         eagle, ngram = (EagleDrafter(head) if head else None), NgramDrafter()
@@ -167,7 +175,9 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="one prompt per category, 16 tokens")
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--head", default="", help="EAGLE head directory (default: the shipped one)")
-    ap.add_argument("--wires", default="bf16,f8_e4m3fn")
+    ap.add_argument("--wires", default="bf16,f8_e4m3fn",
+                    help="comma-separated, the first the baseline; each HIDDEN[/TAIL][@AUX] (what-ifs: the last "
+                         "edge's hidden states in TAIL, the aux features in AUX)")
     ap.add_argument("--tokens", type=int, default=None, help="reference answer length (default 48, quick 16)")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args(argv)
@@ -192,17 +202,17 @@ def main(argv=None) -> int:
         print(f"{wire}: {json.dumps(results[wire]['all'])} ({time.perf_counter() - t1:.0f} s)", flush=True)
     wires = args.wires.split(",")
     change = {}
-    if len(wires) == 2:
-        a, b = (results[w] for w in wires)
-        change = {group: {name: round(b[group][name] / a[group][name] - 1, 4) for name in BUDGETS}
-                  for group in ("open_ended", "grounded", "all")}
-        print(f"tau change {wires[1]} vs {wires[0]}: {json.dumps(change)}")
+    for other in wires[1:]:  # against the first wire
+        a, b = results[wires[0]], results[other]
+        change[other] = {group: {name: round(b[group][name] / a[group][name] - 1, 4) for name in BUDGETS}
+                         for group in ("open_ended", "grounded", "all")}
+        print(f"tau change {other} vs {wires[0]}: {json.dumps(change[other])}")
     out = {"benchmark": "bench_wire_tau", "conditions": base_conditions(store) | {
         "stages": [[r.start, r.end] for r in pipe.ranges], "reference": "fp32 pipeline greedy", "answer_tokens": tokens,
         "prompts": len(texts), "eagle_head": str(head_dir) if head_dir else None,
         "head_sha256": json.loads((pathlib.Path(head_dir) / "manifest.json").read_text())["sha256"] if head_dir else None,
         "threads": args.threads, "wall_s": round(time.perf_counter() - t0, 1)},
-        "tau": results, "relative_change": change}
+        "tau": results, "relative_change_vs_first_wire": change}
     with open(args.json, "w") as f:
         json.dump(out, f, indent=1)
     return 0

@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", default="coordinator/heads/smollm2-135m", help="head directory to write")
     ap.add_argument("--model", default="smollm2-135m", help="target model (store name or local path)")
     ap.add_argument("--minutes", type=float, default=58.0, help="wall-clock budget for data + training")
-    ap.add_argument("--data-share", type=float, default=0.75,
+    ap.add_argument("--data-share", type=float, default=0.65,
                     help="fraction of the budget spent generating data (answers are the scarce part on a CPU)")
     ap.add_argument("--work-dir", default="/tmp/eagle_work", help="data shards and checkpoints (reused)")
     ap.add_argument("--phase", choices=("all", "data", "train"), default="all")
