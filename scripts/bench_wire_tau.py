@@ -207,7 +207,9 @@ def main(argv=None) -> int:
         change[other] = {group: {name: round(b[group][name] / a[group][name] - 1, 4) for name in BUDGETS}
                          for group in ("open_ended", "grounded", "all")}
         print(f"tau change {other} vs {wires[0]}: {json.dumps(change[other])}")
-    out = {"benchmark": "bench_wire_tau", "conditions": base_conditions(store) | {
+    conditions = {k: v for k, v in base_conditions(store).items() if k != "receipts"}  # no ring, no receipts here
+    out = {"benchmark": "bench_wire_tau", "conditions": conditions | {
+        "process": "one process, no network: the stages called in turn, each edge's wire conversion as the nodes do",
         "stages": [[r.start, r.end] for r in pipe.ranges], "reference": "fp32 pipeline greedy", "answer_tokens": tokens,
         "prompts": len(texts), "eagle_head": str(head_dir) if head_dir else None,
         "head_sha256": json.loads((pathlib.Path(head_dir) / "manifest.json").read_text())["sha256"] if head_dir else None,
