@@ -3,8 +3,9 @@
 bench_spec compares bf16 and fp8 rings end to end, but there the two wires generate
 different texts (fp8 moves the target's own near-ties) and the planner sizes drafts from
 measured time, so its tau difference mixes the wire's effect with the text's. This
-benchmark holds the text fixed. It runs the default model's real stages (the same
-4-stage split as the emulated ring, in one process, no network), converting the hidden
+benchmark holds the text fixed. It runs the default model's real stages (4 stages of
+near-equal layer counts, as the emulated ring's equal nodes get by measured speed, which
+bench_spec does not record; in one process, no network), converting the hidden
 states and the EAGLE aux features to and from the wire dtype at every stage edge exactly
 as the nodes do (`shard.activations.to_wire` / `from_wire`, aux re-encoded by each stage
 that appends a layer), over a reference text: the fp32 pipeline's greedy answer to each
@@ -33,6 +34,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from coordinator.accept import accept_greedy_lazy  # noqa: E402
 from coordinator.draft_tree import DraftTree  # noqa: E402
 from coordinator.drafting import DraftBudget, NgramDrafter  # noqa: E402
 from coordinator.eagle import EagleDrafter, EagleHead, shipped_head_dir  # noqa: E402
@@ -114,17 +116,17 @@ def reference(pipe: Pipeline, prompt_ids: list[int], max_tokens: int, eos: int) 
 
 
 def walk(tree: DraftTree, root: int, ref: list[int], greedy: list[int]) -> int:
-    """Draft tokens accepted below position `root` (see the module docstring)."""
-    node, n = -1, 0
-    while root + n < len(greedy):
-        want = greedy[root + n]
-        kids = [c for c in tree.children(node) if int(tree.tokens[c]) == want]
-        if not kids:
-            break
-        node, n = kids[0], n + 1
-        if root + n >= len(ref) or ref[root + n] != want:
-            break  # accepted, but off the reference from here
-    return n
+    """Draft tokens accepted below position `root` (see the module docstring): the
+    engine's greedy acceptance, with the target's choice at a node that left the
+    reference (or ran past the text) unknown, so nothing matches it."""
+    depths, toks = tree.depths.tolist(), tree.tokens.tolist()
+
+    def target_choice(row: int) -> int:  # row 0 = the root, row i + 1 = node i
+        at = root + (depths[row - 1] if row else 0)  # the text position of that row
+        if at >= len(greedy) or (row and toks[row - 1] != ref[at]):
+            return -1
+        return greedy[at]
+    return len(accept_greedy_lazy(tree, target_choice).nodes)
 
 
 def measure(pipe, head, texts: list[tuple[str, list[int], int]], wire: str) -> dict:
