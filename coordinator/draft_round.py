@@ -29,13 +29,14 @@ MERGED_SOURCE = "merged"  # the source of a merged draft; its parts keep their o
 
 
 def draft_round(drafters: Sequence[Drafter], committed: Sequence[int], state: adapt.AdaptState, *, room: int,
-                pipeline: bool, undrafted_rounds: int, fixed_tree: tuple[int, int] | None = None
+                max_pipeline_depth: int, undrafted_rounds: int, fixed_tree: tuple[int, int] | None = None
                 ) -> tuple[DraftTree, float]:
     """(the draft to verify next, seconds spent drafting). `room`: draft nodes the
-    context still has space for; `pipeline`: whether rounds may be sent ahead."""
+    context still has space for; `max_pipeline_depth`: most rounds the engine keeps in
+    flight (1: none sent ahead)."""
     # Only a drafter that needs no target features (n-gram) can draft a round ahead.
-    ahead = pipeline and any(not getattr(d, "aux_layers", ()) for d in drafters)
-    config = adapt.AdaptConfig() if ahead else adapt.AdaptConfig(max_pipeline_depth=1)
+    ahead = any(not getattr(d, "aux_layers", ()) for d in drafters)
+    config = adapt.AdaptConfig(max_pipeline_depth=max_pipeline_depth if ahead else 1)
     candidates = []
     for drafter in drafters:
         t0 = time.perf_counter()

@@ -52,15 +52,18 @@ class EngineConfig:
     draft: str = "hybrid"  # none | ngram | eagle | hybrid (n-gram and EAGLE, routed per round)
     eagle_head: str | None = None  # head directory; default: the one shipped for the model
     eagle_tree: tuple[int, int] | None = None  # fixed (nodes, depth); default: sized by the head's confidence
-    pipeline: bool = True  # send the next round before this one is verified (when likely to pay)
+    max_pipeline_depth: int = 4  # most rounds in flight (later ones sent before earlier are verified); 1 = off
 
     def __post_init__(self) -> None:
+        if not 1 <= self.max_pipeline_depth <= MAX_PIPELINE_DEPTH:
+            raise ValueError(f"max_pipeline_depth needs 1..{MAX_PIPELINE_DEPTH}, got {self.max_pipeline_depth}")
         if self.eagle_tree is not None and not (1 <= self.eagle_tree[1] <= self.eagle_tree[0] <= MAX_EAGLE_TREE):
             raise ValueError(f"eagle_tree (nodes, depth) needs 1 <= depth <= nodes <= {MAX_EAGLE_TREE}, "
                              f"got {self.eagle_tree}")
 
 
 MAX_EAGLE_TREE = 256  # draft nodes in one verify frame
+MAX_PIPELINE_DEPTH = 8  # rounds in flight for one job
 
 
 def parse_tree(text: str | None) -> tuple[int, int] | None:

@@ -2,9 +2,9 @@
 
 A RingJob brings the ring's K/V up to its committed tokens and runs one verify round per
 traversal (the root plus a draft; the accepted path and bonus token come back as one
-block), sends the next round ahead when a chain is likely to be accepted whole, hands the
-drafters what they observe, and starts over on whichever ring is current when its ring
-changes. It receives through its own channel from the RingEngine, which owns the streams.
+block), keeps up to the planner's pipeline depth of rounds in flight when chains are
+likely to be accepted whole, hands the drafters what they observe, and starts over on
+whichever ring is current when its ring changes. It receives through its own channel from the RingEngine, which owns the streams.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import dataclasses
 import logging
 import os
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -91,8 +92,10 @@ class RingJob:
     pending_commit: tuple[tuple[int, ...], int] = ((), 0)  # (slots to gather, first destination)
     drafted: dict[str, int] = field(default_factory=dict)  # rounds per drafter
     drafted_tokens: dict[str, int] = field(default_factory=dict)  # tokens those rounds committed
-    ahead: Ahead | None = None  # a pipelined round in flight
+    ahead: deque[Ahead] = field(default_factory=deque)  # rounds sent ahead of the awaited one, oldest first
     pipelined: int = 0  # traversals whose round was sent ahead and turned out valid
+    most_in_flight: int = 1  # the most rounds this job had in the ring at once
+    discarded: int = 0  # rounds sent ahead on an assumption that failed (their results ignored)
     undrafted_rounds: int = 0  # rounds since the last one that carried a draft
     receipts: JobReceipts | None = None
 
@@ -112,8 +115,12 @@ class RingJob:
         generator = make_generator(self.params.seed)
         limit = self.engine.max_context_tokens
         while len(self.committed) < limit:
-            ahead, self.ahead = self.ahead, None
-            got = await self._collect_ahead(ahead, limit) if ahead is not None and self._still_valid(ahead) else None
+            ahead = self.ahead.popleft() if self.ahead else None
+            got = None
+            if ahead is not None and self._still_valid(ahead):
+                got = await self._collect_ahead(ahead, limit)
+            else:  # every round still in flight was built on a context that did not happen
+                self._discard_ahead(ahead)
             if got is not None:
                 tree, draft_s = ahead.tree, ahead.draft_s
                 rows, traversal_s, fed, tree_aux = got
@@ -163,7 +170,7 @@ class RingJob:
         if not self.drafters or self.traversals == 0:
             return DraftTree.empty(), 0.0
         return draft_round(self.drafters, self.committed, self.adapt, room=limit - len(self.committed) - 1,
-                           pipeline=self.engine.config.pipeline, undrafted_rounds=self.undrafted_rounds,
+                           max_pipeline_depth=self.engine.config.max_pipeline_depth, undrafted_rounds=self.undrafted_rounds,
                            fixed_tree=self.engine.config.eagle_tree)
 
     def _observe(self, fed, tree: DraftTree, acc, tree_aux, root_slot: int) -> None:
@@ -200,7 +207,8 @@ class RingJob:
                 # Whatever happened, the ring may no longer hold this job's K/V: start over
                 # from the committed tokens on whichever ring is current next time round.
                 log.warning("job %s: round failed on ring epoch %d (%s); resuming", self.job_id, ring.epoch, exc)
-                self.ring_epoch, self.ring_ctx, self.pending_commit, self.ahead = -1, 0, ((), 0), None
+                self.ring_epoch, self.ring_ctx, self.pending_commit = -1, 0, ((), 0)
+                self._discard_ahead()
                 if not isinstance(exc, RingChanged):
                     await self.engine.swarm.wait_change(ring.epoch, self.engine.config.resume_wait_s)
         raise JobFailedError(f"job {self.job_id} lost its ring {self.engine.config.max_resumes + 1} times")
@@ -252,27 +260,48 @@ class RingJob:
         return self.engine.hidden(last)[-(tree.num_nodes + 1):], traversal_s, fed, tree_aux
 
     async def _send_ahead(self, ring: RingState, base: DraftTree, base_root: int, limit: int) -> None:
-        """Pipelined rounds: while a chain is in the ring, draft the next round on the
-        assumption that the whole chain is accepted and the bonus token is what the
-        drafter predicts, and send it at once. If the assumption fails, its result is
-        simply ignored and the next frame overwrites its K/V slots (lossless either way).
-        Only drafters that need no target features can draft that far ahead (n-gram)."""
-        if not self.engine.config.pipeline or not base.num_nodes or not base.is_chain:
+        """Pipelined rounds: while the chain `base` (root at slot `base_root`) is in the
+        ring, keep up to the planner's pipeline depth of rounds in flight, each drafted on
+        the assumption that every round before it is accepted whole with the bonus token
+        the drafter predicts, and sent at once. A round whose assumption fails is simply
+        ignored with all those built on it, and the next frame overwrites their K/V slots
+        (lossless either way). Only drafters that need no target features can draft that
+        far ahead (n-gram)."""
+        depth = self.engine.config.max_pipeline_depth
+        if depth < 2 or not base.num_nodes or not base.is_chain:
             return
         drafter = next((d for d in self.drafters if not getattr(d, "aux_layers", ())), None)
-        if drafter is None or adapt.plan(self.adapt, source=base.source).pipeline_depth < 2:
+        if drafter is None:
             return
-        t0 = time.perf_counter()
+        depth = min(depth, adapt.plan(self.adapt, adapt.AdaptConfig(max_pipeline_depth=depth),
+                                      source=base.source).pipeline_depth)
+        # The context the next round assumes: the awaited chain, then each round in flight
+        # after it (its assumed root token and its chain).
         assumed = [*self.committed, *base.tokens.tolist()]
-        k = min(base.num_nodes, limit - len(assumed) - 2)
-        guess = drafter.propose(assumed, DraftBudget.chain(k + 1)) if k > 0 else DraftTree.empty()
-        if guess.num_nodes < 2 or not guess.is_chain:
-            return
-        root_token, drafts = int(guess.tokens[0]), guess.tokens[1:].tolist()
-        tree = DraftTree.chain(drafts, source=guess.source)
-        root = base_root + 1 + base.num_nodes
-        round_id = await self._send(ring, self._verify_frame(ring, root, root_token, tree))
-        self.ahead = Ahead(round_id, ring.epoch, tree, root, root_token, time.monotonic(), time.perf_counter() - t0)
+        tail, tail_root = base, base_root
+        for a in self.ahead:
+            assumed += [a.root_token, *a.tree.tokens.tolist()]
+            tail, tail_root = a.tree, a.root
+        while 1 + len(self.ahead) < depth:
+            t0 = time.perf_counter()
+            k = min(tail.num_nodes, limit - len(assumed) - 2)
+            guess = drafter.propose(assumed, DraftBudget.chain(k + 1)) if k > 0 else DraftTree.empty()
+            if guess.num_nodes < 2 or not guess.is_chain:
+                return
+            root_token, drafts = int(guess.tokens[0]), guess.tokens[1:].tolist()
+            tree = DraftTree.chain(drafts, source=guess.source)
+            root = tail_root + 1 + tail.num_nodes
+            round_id = await self._send(ring, self._verify_frame(ring, root, root_token, tree))
+            self.ahead.append(Ahead(round_id, ring.epoch, tree, root, root_token, time.monotonic(),
+                                    time.perf_counter() - t0))
+            self.most_in_flight = max(self.most_in_flight, 1 + len(self.ahead))
+            assumed += [root_token, *drafts]
+            tail, tail_root = tree, root
+
+    def _discard_ahead(self, popped: Ahead | None = None) -> None:
+        """Forget the rounds in flight (and `popped`, taken off the queue already)."""
+        self.discarded += len(self.ahead) + (popped is not None)
+        self.ahead.clear()
 
     def _still_valid(self, ahead: "Ahead") -> bool:
         """The in-flight round was built on exactly the context now committed."""
@@ -281,9 +310,10 @@ class RingJob:
 
     async def _collect_ahead(self, ahead: "Ahead", limit: int):
         """Receive an in-flight round's result (None if the ring changed meanwhile: the
-        caller then drafts afresh). Keeps the pipeline full by sending the next one first."""
+        caller then drafts afresh). Keeps the pipeline full by topping it up first."""
         ring = self.engine.swarm.ring
         if ring is None or ring.epoch != ahead.epoch:
+            self._discard_ahead(ahead)
             return None
         try:
             await self._send_ahead(ring, ahead.tree, ahead.root, limit)
@@ -291,7 +321,8 @@ class RingJob:
                 result = await self._receive(ring, ahead.round)
         except (RingChanged, JobFailedError, TransportError, trio.TooSlowError) as exc:
             log.warning("job %s: pipelined round failed (%s); resuming", self.job_id, exc)
-            self.ring_epoch, self.ring_ctx, self.pending_commit, self.ahead = -1, 0, ((), 0), None
+            self.ring_epoch, self.ring_ctx, self.pending_commit = -1, 0, ((), 0)
+            self._discard_ahead(ahead)
             return None
         self.traversals += 1
         self.pipelined += 1
@@ -345,7 +376,8 @@ class RingJob:
                 "ring_epoch": self.ring_epoch, "ttft_s": self.ttft_s, "resumes": self.resumes,
                 "drafter": self.engine.config.draft, "draft_rounds": dict(self.drafted),
                 "draft_round_tokens": dict(self.drafted_tokens),
-                "pipelined_rounds": self.pipelined,
+                "pipelined_rounds": self.pipelined, "most_rounds_in_flight": self.most_in_flight,
+                "pipelined_rounds_discarded": self.discarded,
                 "job_id": self.job_id}
 
     async def aclose(self) -> None:

@@ -52,6 +52,8 @@ class CoordConfig:
     eagle_head: str | None = _opt(None, "EAGLE head directory (default: the head shipped for the model)")
     eagle_tree: str | None = _opt(None, "fixed EAGLE tree NODES,DEPTH (default: each round sized by the head's "
                                         "confidence and the measured ring time)")
+    pipeline_depth: int = _opt(EngineConfig.max_pipeline_depth, "most speculative rounds in flight per request, "
+                               "later ones sent before earlier ones are verified (1 = no pipelining)")
     prefill_chunk_tokens: int = _opt(EngineConfig.prefill_chunk_tokens,
                                      "largest prefill chunk; chunks are pipelined through the ring")
     prefill_edge_chunk_tokens: int = _opt(EngineConfig.prefill_edge_chunk_tokens,
@@ -84,6 +86,7 @@ async def serve_coordinator(config: CoordConfig, task_status=trio.TASK_STATUS_IG
         engine = RingEngine(swarm, host, tokenizer, EngineConfig(
             prefill_chunk_tokens=config.prefill_chunk_tokens, prefill_edge_chunk_tokens=config.prefill_edge_chunk_tokens,
             draft=config.draft, eagle_head=config.eagle_head, eagle_tree=parse_tree(config.eagle_tree),
+            max_pipeline_depth=config.pipeline_depth,
             link_latency_ms=config.link_latency_ms,
             link_upload_mbps=config.link_upload_mbps, link_jitter_ms=config.link_jitter_ms), receipts=checker)
         host.set_handler(CONTROL_PROTOCOL, swarm.handle_control)

@@ -11,7 +11,9 @@ per committed token (every edge), and whether the output equals plain decoding. 
 the engine does not support are reported as unavailable, never faked. The main wire is
 bf16; fp8 reruns the drafting modes to show what it does to acceptance.
 
-    python scripts/bench_spec.py --json OUT [--quick] [--modes none,ngram,eagle,hybrid,eagle-tree]
+    python scripts/bench_spec.py --json OUT [--quick] [--no-fp8] [--modes none,ngram,eagle,hybrid,eagle-tree]
+
+A mode may carry '@pN' to cap the rounds in flight at N (ngram@p1: no pipelining).
 """
 
 from __future__ import annotations
@@ -90,15 +92,18 @@ async def run_prompt(ring, ids: list[int], max_tokens: int) -> dict:
             "tau": stats["tokens_per_traversal"], "draft_rounds": stats["draft_rounds"],
             "draft_round_tokens": stats["draft_round_tokens"],
             "draft_s": draft_spent[0] - at_first[1], "decode_bytes": ring.probe.total_bytes() - at_first[0],
-            "ttft_s": stats["ttft_s"]}
+            "ttft_s": stats["ttft_s"], "pipelined_rounds": stats["pipelined_rounds"]}
 
 
 def engine_config(mode: str, eagle_tree: tuple[int, int]) -> EngineConfig:
     """'eagle-tree' is EAGLE with a fixed tree (what the head can commit per traversal);
-    the other modes are the engine's own, trees sized per round by the planner."""
+    the other modes are the engine's own, trees sized per round by the planner. A suffix
+    '@pN' caps the rounds in flight at N ('ngram@p1': no pipelining)."""
+    mode, _, cap = mode.partition("@p")
+    depth = {"max_pipeline_depth": int(cap)} if cap else {}
     if mode == "eagle-tree":
-        return EngineConfig(draft="eagle", eagle_tree=eagle_tree)
-    return EngineConfig(draft=mode)
+        return EngineConfig(draft="eagle", eagle_tree=eagle_tree, **depth)
+    return EngineConfig(draft=mode, **depth)
 
 
 async def run_mode(store, tokenizer, wire: str, mode: str, prompts: list[tuple[str, list[int]]], max_tokens: int,
@@ -150,6 +155,7 @@ def aggregate(runs: list[dict]) -> dict:
             "decode_tok_per_s": dec / dec_s if dec_s > 0 else None,
             "draft_time_share": sum(r["draft_s"] for r in runs) / dec_s if dec_s > 0 else None,
             "wire_bytes_per_token": sum(r["decode_bytes"] for r in runs) / max(dec, 1), "draft_rounds": rounds,
+            "pipelined_rounds": sum(r.get("pipelined_rounds", 0) for r in runs),
             # tokens per traversal of each drafter's own rounds: its acceptance, whatever the router's mix
             "tau_by_drafter": {k: committed[k] / rounds[k] for k in committed if rounds.get(k)}}
 
@@ -223,6 +229,7 @@ def main(argv=None) -> int:
     ap.add_argument("--per-category", type=int, default=3, help="prompts per category (at most 3)")
     ap.add_argument("--tokens", type=int, default=None, help="max new tokens per prompt (default 48, quick 16)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (the stages take turns on them)")
+    ap.add_argument("--no-fp8", action="store_true", help="skip the fp8 reruns (comparisons on the bf16 wire only)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     from transformers import AutoTokenizer
@@ -242,7 +249,9 @@ def main(argv=None) -> int:
                   "prompt_tokens": {cat: [len(i) for c, i in prompts if c == cat] for cat in spec_prompts.CATEGORIES},
                   "max_new_tokens": max_tokens, "stop": "EOS or max_new_tokens", "sampling": "greedy",
                   "modes": modes, "eagle_tree_mode": f"EAGLE, fixed tree of {eagle_tree[0]} nodes, depth {eagle_tree[1]}",
-                  "main_wire_dtype": main_wire, "fp8_rerun": "drafting modes only" + (" (first available)" if args.quick else ""),
+                  "main_wire_dtype": main_wire, "fp8_rerun": "none" if args.no_fp8 else "drafting modes only" + (
+                      " (first available)" if args.quick else ""), "pipeline": "mode@pN: at most N rounds in flight "
+                      f"(default {EngineConfig.max_pipeline_depth})",
                   "decode_tok_per_s": "tokens after the first / time from first to last token, summed over prompts",
                   "draft_time_share": "drafter propose+observe seconds after the first token / decode seconds",
                   "wire_bytes_per_token": "bytes sent on every ring edge after the first token / decode tokens",
@@ -253,7 +262,8 @@ def main(argv=None) -> int:
         results[main_wire][mode] = trio.run(lambda: run_mode(store, tokenizer, main_wire, mode, prompts, max_tokens, eagle_tree))
         if not results[main_wire][mode]["available"]:
             print(f"  {mode}: unavailable ({results[main_wire][mode]['why']})", flush=True)
-    for mode in [m for m in modes if m != "none" and results[main_wire][m]["available"]][: 1 if args.quick else None]:
+    for mode in [m for m in modes if m != "none" and results[main_wire][m]["available"] and not args.no_fp8][
+            : 1 if args.quick else None]:
         results[fp8_wire][mode] = trio.run(lambda: run_mode(store, tokenizer, fp8_wire, mode, prompts, max_tokens, eagle_tree))
     conditions["load_avg_1_5_15_at_end"] = list(os.getloadavg())
     table = summarise(results, main_wire)

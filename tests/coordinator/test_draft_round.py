@@ -43,7 +43,7 @@ def drafters(eagle: DraftTree = EAGLE):
 
 
 def test_cheap_rows_verify_both_drafts_merged():
-    tree, _ = draft_round(drafters(), [9, 9, 9], state(per_row_s=0.001), room=64, pipeline=False, undrafted_rounds=0)
+    tree, _ = draft_round(drafters(), [9, 9, 9], state(per_row_s=0.001), room=64, max_pipeline_depth=1, undrafted_rounds=0)
     assert tree.source == MERGED_SOURCE
     assert [p.source for p in tree.merged_from] == ["ngram:3", "eagle:tree"]
     paths = {tuple(tree.path_tokens(i)) for i in range(tree.num_nodes)}
@@ -56,7 +56,7 @@ def test_dear_rows_keep_a_single_draft():
     # 0.3 s) but not on top of the chain (4.11 in 0.7 s: 5.9/s).
     weak = DraftTree.chain([5], logprobs=torch.log(torch.tensor([0.5])), source="eagle:chain")
     tree, draft_s = draft_round(drafters(weak), [9, 9, 9], state(per_row_s=0.1, ngram_rate=0.95), room=64,
-                                pipeline=False, undrafted_rounds=0)
+                                max_pipeline_depth=1, undrafted_rounds=0)
     assert tree.source == "ngram:3" and not tree.merged_from
     assert math.isfinite(draft_s) and draft_s >= 0
 
@@ -83,7 +83,7 @@ def test_a_draft_is_shaped_by_its_own_evidence_not_its_drafters_average():
     lengths = {}
     for source in ("ngram:1", "ngram:4"):
         drafter = EvidenceDrafter(source)
-        tree, _ = draft_round([drafter], [9, 9], planned, room=64, pipeline=False, undrafted_rounds=0)
+        tree, _ = draft_round([drafter], [9, 9], planned, room=64, max_pipeline_depth=1, undrafted_rounds=0)
         lengths[source] = tree.num_nodes
         family_nodes = drafter.budgets[0].max_nodes
     assert lengths["ngram:1"] < family_nodes < lengths["ngram:4"], (lengths, family_nodes)

@@ -9,6 +9,7 @@ the cases where a wrong commit or a stale KV slot would change the output.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Sequence
 
@@ -96,25 +97,38 @@ def test_speculation_commits_several_tokens_per_traversal(tiny_llama_store):
     assert stats["tokens_per_traversal"] > 1.5, stats
 
 
-def test_pipelined_rounds_are_used_and_lossless(tiny_llama_store):
-    # With WAN-like latency and a drafter that is usually right, the next round goes out
-    # before the current one is verified; wrong guesses are discarded. Output must still
-    # equal plain greedy, and some rounds must really have been pipelined.
-    async def main():
-        async with open_local_ring(tiny_llama_store, 2, engine=EngineConfig(draft="none", link_latency_ms=15),
-                                   node_config={"link_latency_ms": 15}) as ring:
-            engine = ring.engine
-            plain = {tuple(p): await generate(engine, p) for p in PROMPTS[:2]}
-            engine.make_drafters = lambda: [NoisyOracleDrafter(plain, tree=False, seed=5, accuracy=0.97)]
-            out, stats = {}, []
-            for p in PROMPTS[:2]:
-                out[tuple(p)], job_stats = await generate_greedy_with_stats(engine, p, NEW_TOKENS)
-                stats.append(job_stats)
-            return plain, out, stats
+@pytest.mark.parametrize("accuracy", [0.97, 0.85])
+def test_deep_pipelines_are_used_and_lossless(tiny_llama_store, accuracy):
+    # Several rounds in flight, each built on all before it being accepted whole: a miss
+    # (a wrong draft token or a wrong guess of the bonus token) must discard every round
+    # after it, whichever of them the miss hits, and the next fresh round overwrites
+    # their K/V slots. At 0.97 the planner keeps more than two rounds in flight; at 0.85
+    # deep pipelines are often broken midway. A depth cap of 1 sends nothing ahead.
+    tokens = 96
 
-    plain, out, stats = trio.run(main)
-    assert out == plain
-    assert sum(s["pipelined_rounds"] for s in stats) > 0, stats
+    async def main():
+        async with open_local_ring(tiny_llama_store, 2, engine=EngineConfig(draft="none", link_latency_ms=8),
+                                   node_config={"link_latency_ms": 8}) as ring:
+            engine = ring.engine
+            plain = {tuple(p): await generate_greedy(engine, p, tokens) for p in PROMPTS}
+            runs = {}
+            for depth, prompts in ((4, PROMPTS), (1, PROMPTS[:1])):
+                engine.config = dataclasses.replace(engine.config, max_pipeline_depth=depth)
+                for i, p in enumerate(prompts):
+                    engine.make_drafters = lambda i=i: [NoisyOracleDrafter(plain, tree=False, seed=20 + i, accuracy=accuracy)]
+                    runs[(depth, tuple(p))] = await generate_greedy_with_stats(engine, p, tokens)
+            return plain, runs
+
+    plain, runs = trio.run(main)
+    for (depth, p), (out, _) in runs.items():
+        assert out == plain[p], (depth, p)
+    deep = [stats for (depth, _), (_, stats) in runs.items() if depth == 4]
+    assert sum(s["pipelined_rounds"] for s in deep) > 0, deep
+    assert sum(s["pipelined_rounds_discarded"] for s in deep) > 0, deep
+    if accuracy > 0.9:
+        assert max(s["most_rounds_in_flight"] for s in deep) > 2, deep
+    off = [stats for (depth, _), (_, stats) in runs.items() if depth == 1]
+    assert all(s["pipelined_rounds"] == 0 and s["most_rounds_in_flight"] == 1 for s in off), off
 
 
 def test_a_new_job_starts_from_what_finished_jobs_learned(tiny_llama_store):
