@@ -92,7 +92,9 @@ async def run_prompt(ring, ids: list[int], max_tokens: int) -> dict:
             "tau": stats["tokens_per_traversal"], "draft_rounds": stats["draft_rounds"],
             "draft_round_tokens": stats["draft_round_tokens"],
             "draft_s": draft_spent[0] - at_first[1], "decode_bytes": ring.probe.total_bytes() - at_first[0],
-            "ttft_s": stats["ttft_s"], "pipelined_rounds": stats["pipelined_rounds"]}
+            "ttft_s": stats["ttft_s"], "pipelined_rounds": stats["pipelined_rounds"],
+            "pipelined_rounds_discarded": stats["pipelined_rounds_discarded"],
+            "most_rounds_in_flight": stats["most_rounds_in_flight"]}
 
 
 def engine_config(mode: str, eagle_tree: tuple[int, int]) -> EngineConfig:
@@ -156,6 +158,8 @@ def aggregate(runs: list[dict]) -> dict:
             "draft_time_share": sum(r["draft_s"] for r in runs) / dec_s if dec_s > 0 else None,
             "wire_bytes_per_token": sum(r["decode_bytes"] for r in runs) / max(dec, 1), "draft_rounds": rounds,
             "pipelined_rounds": sum(r.get("pipelined_rounds", 0) for r in runs),
+            "pipelined_rounds_discarded": sum(r.get("pipelined_rounds_discarded", 0) for r in runs),
+            "most_rounds_in_flight": max((r.get("most_rounds_in_flight", 1) for r in runs), default=1),
             # tokens per traversal of each drafter's own rounds: its acceptance, whatever the router's mix
             "tau_by_drafter": {k: committed[k] / rounds[k] for k in committed if rounds.get(k)}}
 

@@ -165,6 +165,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--init-from", default="", help="continue training this head directory")
+    ap.add_argument("--train-lm-head", action="store_true",
+                    help="train the draft LM head too (default: frozen at the target's rows for the draft vocabulary)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -183,7 +185,7 @@ def main(argv: list[str] | None = None) -> None:
 
         fit(store, work, pathlib.Path(args.out), deadline_s, FitConfig(
             aux_layers=aux_layers, draft_vocab=args.draft_vocab, ttt_steps=args.ttt_steps, seed=args.seed,
-            lr=args.lr, init_from=args.init_from),
+            lr=args.lr, init_from=args.init_from, train_lm_head=args.train_lm_head),
             started_s=t_start, argv=sys.argv[1:] if argv is None else argv)
 
 
