@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     config = config_from_args(CoordConfig, args)
     try:  # flags the engine checks, refused before anything loads
-        EngineConfig(eagle_tree=parse_tree(config.eagle_tree))
+        EngineConfig(eagle_tree=parse_tree(config.eagle_tree), max_pipeline_depth=config.pipeline_depth)
     except ValueError as e:
         print(f"{PROG} {args.command}: error: {e}", file=sys.stderr)
         return 2

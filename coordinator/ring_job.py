@@ -4,7 +4,8 @@ A RingJob brings the ring's K/V up to its committed tokens and runs one verify r
 traversal (the root plus a draft; the accepted path and bonus token come back as one
 block), keeps up to the planner's pipeline depth of rounds in flight when chains are
 likely to be accepted whole, hands the drafters what they observe, and starts over on
-whichever ring is current when its ring changes. It receives through its own channel from the RingEngine, which owns the streams.
+whichever ring is current when its ring changes. It receives through its own channel
+from the RingEngine, which owns the streams.
 """
 
 from __future__ import annotations

@@ -252,3 +252,11 @@ def test_merged_expectation_adds_exclusive_branches_and_counts_shared_nodes_once
     merged, where = DraftTree.merge([DraftTree.chain([1, 2]), DraftTree.chain([1, 4])], source="merged")
     assert merged.num_nodes == 3
     assert merged_expected_tokens([[0.5, 0.25], [0.6, 0.1]], where, 3) == pytest.approx(1 + 0.6 + 0.25 + 0.1)
+
+
+@pytest.mark.parametrize("depth", ["0", "9"])
+def test_a_bad_pipeline_depth_is_refused_before_anything_loads(depth, capsys):
+    from coordinator.cli import main
+
+    assert main(["serve", "--pipeline-depth", depth]) == 2
+    assert f"pipeline depth (rounds in flight) must be 1..8, got {depth}" in capsys.readouterr().err
