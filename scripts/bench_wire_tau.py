@@ -139,7 +139,8 @@ def measure(pipe, head, texts: list[tuple[str, list[int], int]], wire: str) -> d
     for category, ids, start in texts:
         greedy_t, aux = pipe.forward(ids, edges, head.config.aux_layers if head else (), tail, aux_wire)
         greedy = greedy_t.tolist()
-        rec = per_cat.setdefault(category, {"roots": 0, "target_differs": 0, "accepted": {n: 0 for n in BUDGETS}})
+        rec = per_cat.setdefault(category, {"roots": 0, "target_differs": 0, "accepted": {n: 0 for n in BUDGETS},
+                                            "whole": {n: 0 for n in BUDGETS}})
         eagle, ngram = (EagleDrafter(head) if head else None), NgramDrafter()
         seen = 0
         for root in range(start - 1, len(ids) - 1):
@@ -152,7 +153,11 @@ def measure(pipe, head, texts: list[tuple[str, list[int], int]], wire: str) -> d
                 drafter = eagle if family == "eagle" else ngram
                 if drafter is None:
                     continue
-                rec["accepted"][name] += walk(drafter.propose(ids[:root + 1], budget), root, ids, greedy)
+                tree = drafter.propose(ids[:root + 1], budget)
+                got = walk(tree, root, ids, greedy)
+                rec["accepted"][name] += got
+                # a chain accepted whole is what a pipelined round needs (and its bonus guessed)
+                rec["whole"][name] += int(tree.num_nodes == budget.max_depth == budget.max_nodes and got == tree.num_nodes)
     return per_cat
 
 
@@ -161,6 +166,8 @@ def summarise(per_cat: dict) -> dict:
         roots = sum(per_cat[c]["roots"] for c in cats if c in per_cat)
         out = {name: round(1 + sum(per_cat[c]["accepted"][name] for c in cats if c in per_cat) / max(roots, 1), 4)
                for name in BUDGETS}
+        out["chain_accepted_whole"] = {name: round(sum(per_cat[c]["whole"][name] for c in cats if c in per_cat) / max(roots, 1), 4)
+                                       for name, (_, b) in BUDGETS.items() if b.max_nodes == b.max_depth}
         out["target_differs_from_reference"] = round(sum(per_cat[c]["target_differs"] for c in cats if c in per_cat) / max(roots, 1), 4)
         out["roots"] = roots
         return out
