@@ -93,6 +93,7 @@ class AuditPlan:
     layers: LayerRange
     is_tail: bool
     wire_dtype: str
+    aux_dtype: str | None  # None: wire_dtype
     rounds: tuple[int, ...]  # every round sent on this epoch up to the last verified, in send order
     receipts: dict[int, Receipt]  # round -> this stage's verified receipt, for those rounds
 
@@ -115,7 +116,7 @@ def plan_audits(job: FinishedJob, rate: float, rng: random.Random) -> list[Audit
                         if r in job.verified and job.verified[r].epoch == epoch}
             a = view.ring.assignments[index]
             plans.append(AuditPlan(job.job_id, epoch, peer, layers, index == len(view.ring.stages) - 1,
-                                   a.wire_dtype, tuple(upto), receipts))
+                                   a.wire_dtype, a.aux_dtype, tuple(upto), receipts))
     return plans
 
 
@@ -179,7 +180,8 @@ def check_frames(stage: Stage, plan: AuditPlan, records: dict[int, tuple[bytes, 
             return Finding("structure", r, f"logged frames of round {r} are not a Forward and its output",
                            _failed_spot(tol), bytes(32))
         inputs.append(inp), outputs.append(out), rounds.append(r)
-    expected = replay(stage, plan.wire_dtype, inputs, max_replay_rows, stats)
+    expected = replay(stage, plan.wire_dtype, inputs, max_replay_rows, stats, aux_dtype=plan.aux_dtype)
+    aux_tol = TOLERANCES.get(plan.aux_dtype or plan.wire_dtype, TOLERANCES["f32"])
     for r, inp, out, replayed in zip(rounds, inputs, outputs, expected):
         if r not in plan.receipts:
             continue
@@ -191,10 +193,11 @@ def check_frames(stage: Stage, plan: AuditPlan, records: dict[int, tuple[bytes, 
         keep, hidden, aux = replayed  # (K,), (K, H), (K, k*H) or None
         t = inp.positions.shape[0]
         trimmed = plan.is_tail and inp.phase == "prefill"  # the tail returns the last prompt row only
-        claims = [("hidden", hidden, from_wire(out.hidden, out.hidden_scale, torch.float32), 1 if trimmed else t)]
+        claims = [("hidden", hidden, from_wire(out.hidden, out.hidden_scale, torch.float32), 1 if trimmed else t, tol)]
         if aux is not None or out.aux is not None:
-            claims.append(("aux", aux, None if out.aux is None else from_wire(out.aux, out.aux_scale, torch.float32), t))
-        for name, e, a, rows in claims:
+            claims.append(("aux", aux, None if out.aux is None else from_wire(out.aux, out.aux_scale, torch.float32), t,
+                           aux_tol))
+        for name, e, a, rows, claim_tol in claims:
             if e is None or a is None or a.shape != (rows, e.shape[1]):
                 return Finding("structure", r, f"'{name}' shape {None if a is None else list(a.shape)}, "
                                f"recomputed {None if e is None else [rows, e.shape[1]]}", _failed_spot(tol), bytes(32))
@@ -205,7 +208,7 @@ def check_frames(stage: Stage, plan: AuditPlan, records: dict[int, tuple[bytes, 
             if e.shape[0] == 0:
                 continue  # the tail's one row was not kept: nothing of this frame was read
             rms = e.pow(2).mean(dim=1, keepdim=True).sqrt().expand_as(e)  # (K, width): each element's row RMS
-            spot = compare_outputs(e.reshape(-1).numpy(), a.reshape(-1).numpy(), tol, scale=rms.reshape(-1).numpy())
+            spot = compare_outputs(e.reshape(-1).numpy(), a.reshape(-1).numpy(), claim_tol, scale=rms.reshape(-1).numpy())
             if not spot.passed:
                 return Finding("output_mismatch", r, f"round {r} '{name}': {spot.num_outliers}/{spot.num_elements} "
                                f"elements off (max abs error {spot.max_abs_error:.3g})", spot,

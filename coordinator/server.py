@@ -44,6 +44,8 @@ class CoordConfig:
     local_nodes: int = _opt(0, "spawn this many nodes on loopback and serve with them")
     min_nodes: int = _opt(0, "form a ring once this many nodes joined (default: local-nodes, else 1)")
     wire_dtype: str = _opt("f32", "activation dtype on the wire", choices=tuple(WIRE_DTYPE_NAMES))
+    aux_dtype: str | None = _opt(None, "dtype of the EAGLE aux features on the wire (default: the wire dtype; fp8 "
+                                       "halves a draft row's aux bytes on a 16-bit wire)", choices=tuple(WIRE_DTYPE_NAMES))
     link_latency_ms: float = _opt(0.0, "emulated one-way latency on every ring edge")
     link_upload_mbps: float = _opt(0.0, "emulated uplink of every ring sender in Mbit/s (0 = unlimited)")
     link_jitter_ms: float = _opt(0.0, "emulated jitter on every ring edge")
@@ -76,7 +78,8 @@ async def serve_coordinator(config: CoordConfig, task_status=trio.TASK_STATUS_IG
     topology = TopologyConfig(prefill_chunk_tokens=config.prefill_chunk_tokens,
                               coordinator_link_latency_s=config.link_latency_ms / 1e3)
     swarm = Swarm(store, identity_signing_key(keypair), SwarmConfig(
-        min_nodes=min_nodes, wire_dtype=WIRE_DTYPE_NAMES[config.wire_dtype], topology=topology))
+        min_nodes=min_nodes, wire_dtype=WIRE_DTYPE_NAMES[config.wire_dtype],
+        aux_dtype=WIRE_DTYPE_NAMES[config.aux_dtype] if config.aux_dtype else None, topology=topology))
     host_name, port = config.http.rsplit(":", 1)
     async with open_host(keypair, config.listen) as host:
         seed = identity_signing_key(keypair)

@@ -48,6 +48,7 @@ log = logging.getLogger("shard.coordinator")
 class SwarmConfig:
     min_nodes: int = 1  # form the first ring only once this many nodes have registered (healing ignores it)
     wire_dtype: str = "f32"
+    aux_dtype: str | None = None  # EAGLE aux features on the wire (None: wire_dtype)
     ready_timeout_s: float = 300.0  # loading a slice can take a while on a slow disk
     # Before forming, wait this long at most for newcomers' link reports: a ring chosen
     # on estimated latencies is a worse ring, but a missing report must not stall it.
@@ -312,6 +313,7 @@ class Swarm:
             successor=stages[i + 1][0] if i + 1 < len(stages) else None,
             successor_addrs=self.members[stages[i + 1][0]].register.listen_addrs[:16] if i + 1 < len(stages) else (),
             model=self.store.manifest.name, manifest_digest=self.store.digest, wire_dtype=self.config.wire_dtype,
+            aux_dtype=self.config.aux_dtype,
         )) for i, (peer, r) in enumerate(stages)]
         log.info("forming ring epoch %d: %s", epoch, ", ".join(f"{p[-6:]}{r}" for p, r in stages))
         try:
@@ -362,7 +364,7 @@ class Swarm:
             a = self._sign(Assignment(
                 epoch=epoch, peer_id=peer, role=role.kind.value, layer_start=layers.start, layer_end=layers.end,
                 predecessor=None, successor=None, model=self.store.manifest.name, manifest_digest=self.store.digest,
-                wire_dtype=self.config.wire_dtype))
+                wire_dtype=self.config.wire_dtype, aux_dtype=self.config.aux_dtype))
             old = self.members[peer].assignment if peer in self.members else None
             if old is not None and dataclasses.replace(old, signature=b"") == dataclasses.replace(a, signature=b""):
                 continue

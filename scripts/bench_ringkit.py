@@ -212,10 +212,12 @@ async def open_bench_ring(store, tokenizer, stages: int, link: LinkSpec, wire_dt
     engine_config = dataclasses.replace(engine_config, link_latency_ms=link.one_way_latency_ms,
                                         link_upload_mbps=link.upload_mbps)
     seed = os.urandom(32)
-    wire = WIRE_DTYPES.get(wire_dtype, wire_dtype)
+    hidden, _, aux = wire_dtype.partition("@")  # "bf16@fp8": hidden states bf16, EAGLE aux features fp8
+    wire = WIRE_DTYPES.get(hidden, hidden)
+    aux_dtype = WIRE_DTYPES.get(aux, aux) if aux else None
     # Every node a stage: a benchmark of an N-stage ring wants N, while ring.select_ring
     # rightly prefers fewer hops on loopback.
-    swarm = Swarm(store, seed, SwarmConfig(min_nodes=stages, wire_dtype=wire, planner="all_nodes",
+    swarm = Swarm(store, seed, SwarmConfig(min_nodes=stages, wire_dtype=wire, aux_dtype=aux_dtype, planner="all_nodes",
                                            topology=TopologyConfig(coordinator_link_latency_s=link.one_way_latency_ms / 1e3)))
     probe = FrameProbe(stages)
     async with contextlib.AsyncExitStack() as stack:

@@ -222,6 +222,21 @@ def targets(table: dict, main_wire: str, fp8_wire: str | None) -> list[dict]:
     return rows
 
 
+def aux_rows(table: dict, main_wire: str, aux_wire: str) -> list[dict]:
+    """fp8 aux features on the bf16 wire: tau change (the fp8 target) and speed, per mode."""
+    rows = []
+    for mode, t in table.get(aux_wire, {}).items():
+        ref = table.get(main_wire, {}).get(mode, {}).get("all")
+        if ref:
+            change = abs(t["all"]["tau"] - ref["tau"]) / ref["tau"]
+            rows.append({"target": f"fp8 aux on the {main_wire} wire: relative tau change ({mode})",
+                         "value": round(change, 4), "goal": "< 0.05", "pass": change < 0.05})
+            rows.append({"target": f"fp8 aux on the {main_wire} wire: decode tok/s ratio ({mode})",
+                         "value": round(t["all"]["decode_tok_per_s"] / ref["decode_tok_per_s"], 4), "goal": "report",
+                         "pass": True})
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", required=True)
@@ -234,6 +249,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=None, help="max new tokens per prompt (default 48, quick 16)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (the stages take turns on them)")
     ap.add_argument("--no-fp8", action="store_true", help="skip the fp8 reruns (comparisons on the bf16 wire only)")
+    ap.add_argument("--aux-fp8", action="store_true",
+                    help="also rerun the drafting modes with bf16 hidden states and fp8 EAGLE aux features (bf16@fp8)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     from transformers import AutoTokenizer
@@ -247,14 +264,15 @@ def main(argv=None) -> int:
     if "none" not in modes:
         modes.insert(0, "none")
     prompts = [(cat, encode_chat(tokenizer, spec_prompts.messages(p))) for cat, p in spec_prompts.prompt_set(per_category)]
-    main_wire, fp8_wire = "bf16", "fp8"
+    main_wire, fp8_wire, aux_wire = "bf16", "fp8", "bf16@fp8"
     conditions = {**base_conditions(store), "stages": STAGES, "link": EMULATED.describe(),
                   "prompts": f"scripts/spec_prompts.py, {per_category} per category, chat template",
                   "prompt_tokens": {cat: [len(i) for c, i in prompts if c == cat] for cat in spec_prompts.CATEGORIES},
                   "max_new_tokens": max_tokens, "stop": "EOS or max_new_tokens", "sampling": "greedy",
                   "modes": modes, "eagle_tree_mode": f"EAGLE, fixed tree of {eagle_tree[0]} nodes, depth {eagle_tree[1]}",
                   "main_wire_dtype": main_wire, "fp8_rerun": "none" if args.no_fp8 else "drafting modes only" + (
-                      " (first available)" if args.quick else ""), "pipeline": "mode@pN: at most N rounds in flight "
+                      " (first available)" if args.quick else ""), "aux_fp8_rerun": "drafting modes, bf16 hidden + fp8 aux (wire 'bf16@fp8')" if args.aux_fp8 else "none",
+                  "pipeline": "mode@pN: at most N rounds in flight "
                       f"(default {EngineConfig.max_pipeline_depth})",
                   "decode_tok_per_s": "tokens after the first / time from first to last token, summed over prompts",
                   "draft_time_share": "drafter propose+observe seconds after the first token / decode seconds",
@@ -269,10 +287,15 @@ def main(argv=None) -> int:
     for mode in [m for m in modes if m != "none" and results[main_wire][m]["available"] and not args.no_fp8][
             : 1 if args.quick else None]:
         results[fp8_wire][mode] = trio.run(lambda: run_mode(store, tokenizer, fp8_wire, mode, prompts, max_tokens, eagle_tree))
+    if args.aux_fp8:
+        results[aux_wire] = {}
+        for mode in [m for m in modes if m != "none" and results[main_wire][m]["available"]]:
+            results[aux_wire][mode] = trio.run(lambda: run_mode(store, tokenizer, aux_wire, mode, prompts, max_tokens, eagle_tree))
     conditions["load_avg_1_5_15_at_end"] = list(os.getloadavg())
     table = summarise(results, main_wire)
     result = {"conditions": conditions, "unavailable": {m: r["why"] for m, r in results[main_wire].items() if not r["available"]},
-              "summary": table, "targets": targets(table, main_wire, fp8_wire), "raw": results}
+              "summary": table, "targets": targets(table, main_wire, fp8_wire) + aux_rows(table, main_wire, aux_wire),
+              "raw": results}
     report(result, main_wire)
     with open(args.json, "w") as f:
         json.dump(result, f, indent=1)

@@ -31,6 +31,7 @@ DRAFT_SLACK_SLOTS = 128
 @dataclass(frozen=True)
 class WorkerConfig:
     wire_dtype: str = "f32"
+    aux_dtype: str | None = None  # the aux features' dtype on the wire (None: wire_dtype)
     is_tail: bool = False
     max_kv_bytes: int = 2 << 30
     max_context_tokens: int = 8192
@@ -116,5 +117,5 @@ class StageWorker:
         if fwd.aux is not None:
             parts.append(from_wire(fwd.aux, fwd.aux_scale, torch.float32))
         parts += [captured[layer].float() for layer in fwd.want_aux_layers if layer in captured]
-        return to_wire(torch.cat(parts, dim=-1), self.config.wire_dtype)
+        return to_wire(torch.cat(parts, dim=-1), self.config.aux_dtype or self.config.wire_dtype)
 

@@ -236,6 +236,9 @@ class Assignment:
     model: str = spec(NAME)
     manifest_digest: str = spec(NAME)
     wire_dtype: str = spec(Str(16, choices=tuple(sorted(FLOAT_NAMES))))
+    # The EAGLE aux features' own dtype (None: wire_dtype). fp8 aux on a 16-bit wire halves
+    # what every draft row carries at no measured cost in acceptance (docs/benchmarks.md).
+    aux_dtype: str | None = spec(OptionalOf(Str(16, choices=tuple(sorted(FLOAT_NAMES)))), default=None)
     signature: bytes = spec(Bytes(64), default=b"")  # Ed25519 over signing_bytes()
 
     def check(self, limits: Limits) -> None:

@@ -10,6 +10,7 @@ at the configured rate with plans reaching the last verified round.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from types import SimpleNamespace
 
@@ -107,6 +108,24 @@ def test_tree_replay_on_fp8_wire_matches_within_one_step(stages):
     for want, (keep, hidden, _) in zip(stage_outputs(stage, frames, "f8_e4m3fn"), got):
         close = torch.isclose(hidden, want[keep], atol=1e-3, rtol=0.13)  # one e4m3 step
         assert close.float().mean() > 0.999
+
+
+def test_aux_rides_in_its_own_dtype_and_replays_in_it(stages):
+    """Guards the aux dtype (Assignment.aux_dtype): a stage on a bf16 wire sends the aux
+    features it captures in fp8 with per-row scales while the hidden states stay bf16,
+    and the audit replay, told the same dtypes, reproduces both within one step."""
+    stage = stages["middle"]
+    layer = stage.layers.start
+    frames = [dataclasses.replace(f, want_aux_layers=(layer,)) for f in engine_like_frames(False, stage.cfg.hidden_size)]
+    worker = StageWorker(stage, WorkerConfig(wire_dtype="bf16", aux_dtype="f8_e4m3fn"))
+    sent = [worker.process(f) for f in frames]
+    assert all(out.hidden.dtype == torch.bfloat16 and out.hidden_scale is None for out in sent)
+    assert all(out.aux.dtype == torch.float8_e4m3fn and out.aux_scale.shape == (out.aux.shape[0],) for out in sent)
+    got = replay(stage, "bf16", frames, aux_dtype="f8_e4m3fn")
+    for out, (keep, hidden, aux) in zip(sent, got):
+        want_aux = from_wire(out.aux, out.aux_scale, torch.float32)[keep]
+        assert torch.isclose(aux, want_aux, atol=1e-3, rtol=0.13).float().mean() > 0.999
+        assert torch.isclose(hidden, from_wire(out.hidden, None, torch.float32)[keep], atol=1e-3, rtol=1.6e-2).all()
 
 
 def test_context_that_is_not_one_root_path_falls_back_to_frame_by_frame(stages):

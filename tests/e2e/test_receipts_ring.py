@@ -110,18 +110,20 @@ class CheatingNode(Node):
 
 
 async def run_ring(store, *, wire_dtype="f32", rate=1.0, requests=2, tokens=8, cheat=None, other_store=None,
-                   unsigned=False, receipts_dir=None, seed=0, draft="none", silent=False, reply_timeout_s=10):
+                   unsigned=False, receipts_dir=None, seed=0, draft="none", silent=False, reply_timeout_s=10,
+                   aux_dtype=None, eagle_head=None):
     """Start the ring, serve `requests` greedy requests, wait for audits; return what happened."""
     coord_seed = os.urandom(32)
-    swarm = Swarm(store, coord_seed, SwarmConfig(min_nodes=2, wire_dtype=wire_dtype, ready_timeout_s=30, planner="all_nodes"))
+    swarm = Swarm(store, coord_seed, SwarmConfig(min_nodes=2, wire_dtype=wire_dtype, aux_dtype=aux_dtype,
+                                                 ready_timeout_s=30, planner="all_nodes"))
     checker = ReceiptChecker(store, coord_seed, ReceiptConfig(receipts_dir=receipts_dir))
     auditor = Auditor(swarm, store, coord_seed, AuditConfig(rate=rate, reply_timeout_s=reply_timeout_s), rng=random.Random(seed))
     checker.listeners.append(auditor.submit_nowait)
     out = {"errors": [], "job_ids": [], "outputs": [], "swarm": swarm, "auditor": auditor, "checker": checker}
     with trio.fail_after(50):
         async with open_host(keypair_from_seed(coord_seed), "/ip4/127.0.0.1/tcp/0") as host:
-            engine = RingEngine(swarm, host, _tokenizer(), EngineConfig(draft=draft, frame_timeout_s=10, max_resumes=3,
-                                                                        resume_wait_s=5), receipts=checker)
+            engine = RingEngine(swarm, host, _tokenizer(), EngineConfig(draft=draft, eagle_head=eagle_head, frame_timeout_s=10,
+                                                                        max_resumes=3, resume_wait_s=5), receipts=checker)
             host.set_handler(CONTROL_PROTOCOL, swarm.handle_control)
             host.set_handler(RING_PROTOCOL, engine.handle_ring_stream)
             async with trio.open_nursery() as nursery:
@@ -248,3 +250,17 @@ def test_no_false_alarm_on_quantised_wires(tiny_llama_store, wire_dtype, draft):
     out = trio.run(lambda: run_ring(tiny_llama_store, wire_dtype=wire_dtype, rate=1.0, requests=2, draft=draft))
     assert out["errors"] == [] and out["auditor"].evidence == [] and out["swarm"].faulty == {}
     assert out["auditor"].stats.frames_compared >= 2 * 3 * (8 if draft == "none" else 2)
+
+
+def test_no_false_alarm_with_fp8_aux_on_a_bf16_wire(tiny_llama_store, tmp_path):
+    """Guards audits of EAGLE rounds whose aux features ride in their own dtype (fp8 on a
+    bf16 wire): the replay must encode them as the stages did and compare them with the
+    fp8 tolerance, or every honest stage that attaches a layer would be accused."""
+    from tests.e2e.test_spec_ring import random_eagle_head
+
+    random_eagle_head(tiny_llama_store, tmp_path / "head")
+    out = trio.run(lambda: run_ring(tiny_llama_store, wire_dtype="bf16", aux_dtype="f8_e4m3fn", rate=1.0, requests=2,
+                                    draft="eagle", eagle_head=str(tmp_path / "head")))
+    assert out["errors"] == [] and out["auditor"].evidence == [] and out["swarm"].faulty == {}
+    assert out["auditor"].stats.frames_compared >= 2 * 3 * 2
+    assert all(a.aux_dtype == "f8_e4m3fn" and a.wire_dtype == "bf16" for a in out["swarm"].ring.assignments)
