@@ -154,7 +154,7 @@ def finished_job(stages: int, sent: dict[int, list[int]], verified: dict[int, in
     epochs = {}
     for epoch in sent:
         ring = RingState(epoch, tuple((f"peer{i}", LayerRange(i, i + 1)) for i in range(stages)),
-                         tuple(SimpleNamespace(wire_dtype="bf16") for _ in range(stages)))
+                         tuple(SimpleNamespace(wire_dtype="bf16", aux_dtype=None) for _ in range(stages)))
         epochs[epoch] = EpochView(ring, {}, (), {})
     rounds = {r: VerifiedRound(e, [f"receipt{r}.{i}" for i in range(stages)]) for r, e in verified.items()}
     return FinishedJob("job", sent, rounds, epochs)
