@@ -23,18 +23,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from coordinator.drafting import DraftBudget, NgramDrafter  # noqa: E402
 from coordinator.engine import encode_chat  # noqa: E402
 from scripts import spec_prompts  # noqa: E402
+from scripts.eagle_fit import accepted_length  # noqa: E402
 from shard.store import open_or_prepare  # noqa: E402
 
 LONGEST = 16
-
-
-def accepted(draft: list[int], truth: list[int]) -> int:
-    n = 0
-    for a, b in zip(draft, truth):
-        if a != b:
-            break
-        n += 1
-    return n
 
 
 def oracle_copy(ctx: list[int], p: int) -> int:
@@ -70,9 +62,9 @@ def main(argv=None) -> int:
         drafter = NgramDrafter()
         row = table.setdefault(category, {"positions": 0, "ngram_chain16": 0, "oracle_copy": 0})
         for p in range(len(ids) - 1, len(ctx) - 1):
-            draft = drafter.propose(ctx[:p + 1], DraftBudget.chain(LONGEST)).tokens.tolist()
+            draft = drafter.propose(ctx[:p + 1], DraftBudget.chain(LONGEST))
             row["positions"] += 1
-            row["ngram_chain16"] += accepted(draft, ctx[p + 1:])
+            row["ngram_chain16"] += accepted_length(draft, ctx[p + 1:])
             row["oracle_copy"] += oracle_copy(ctx, p)
     out = {c: {"positions": r["positions"], "ngram_chain16_accepted_mean": round(r["ngram_chain16"] / r["positions"], 3),
                "oracle_copy_mean": round(r["oracle_copy"] / r["positions"], 3)} for c, r in table.items()}

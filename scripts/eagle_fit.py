@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
+from coordinator.accept import accept_as_committed
 from coordinator.draft_tree import DraftTree
 from coordinator.drafting import DraftBudget
 from coordinator.eagle import (EagleConfig, EagleDrafter, EagleDraftConfig, EagleHead, draft_logits, fuse, init_weights,
@@ -153,14 +154,10 @@ def evaluate_steps(w, cfg, eps, rotary, embedding, d2t, seqs, fit: FitConfig) ->
 
 
 def accepted_length(tree: DraftTree, continuation: list[int]) -> int:
-    """Draft tokens greedy verification accepts when the target continues with `continuation`."""
-    node, n = -1, 0
-    while n < len(continuation):
-        kids = [c for c in tree.children(node) if int(tree.tokens[c]) == continuation[n]]
-        if not kids:
-            break
-        node, n = kids[0], n + 1
-    return n
+    """Draft tokens greedy verification accepts when the target continues with
+    `continuation` (past its end the target's choice is unknown: nothing matches -1)."""
+    padded = list(continuation[:tree.max_depth]) + [-1] * (tree.max_depth + 1)
+    return len(accept_as_committed(tree, padded).nodes)
 
 
 def simulate_tau(head: EagleHead, seqs: list[dict], answer_starts: list[int], budgets: dict[str, DraftBudget],

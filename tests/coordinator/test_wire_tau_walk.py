@@ -32,3 +32,15 @@ def test_walk_stops_after_accepting_a_token_off_the_reference():
 
 def test_walk_of_an_empty_draft_is_zero():
     assert walk(DraftTree.empty(source="test"), 0, REF, [11, 12, 13, 14, 15, 0]) == 0
+
+
+def test_training_evaluation_counts_the_branch_the_target_follows_until_the_text_ends():
+    # scripts/eagle_fit.accepted_length (the training run's offline tau, and copy_ceiling's
+    # n-gram count) is greedy acceptance against a known continuation.
+    from scripts.eagle_fit import accepted_length
+
+    tree = DraftTree.from_branches([[12, 99, 7], [12, 13, 14]], 16, source="test")
+    assert accepted_length(tree, [12, 13, 14, 15]) == 3
+    assert accepted_length(tree, [12, 13]) == 2  # the text ends: nothing past it is accepted
+    assert accepted_length(tree, [50]) == 0
+    assert accepted_length(DraftTree.empty(source="test"), [12]) == 0
