@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import sys
@@ -109,14 +110,14 @@ def engine_config(mode: str, eagle_tree: tuple[int, int]) -> EngineConfig:
 
 
 async def run_mode(store, tokenizer, wire: str, mode: str, prompts: list[tuple[str, list[int]]], max_tokens: int,
-                   eagle_tree: tuple[int, int]) -> dict:
+                   eagle_tree: tuple[int, int], link: LinkSpec = EMULATED) -> dict:
     try:
         config = engine_config(mode, eagle_tree)
     except UNAVAILABLE_ERRORS as exc:
         return {"available": False, "why": f"EngineConfig(draft={mode!r}): {exc}"}
     t0 = time.perf_counter()
     try:
-        async with open_bench_ring(store, tokenizer, STAGES, EMULATED, wire, config) as ring:
+        async with open_bench_ring(store, tokenizer, STAGES, link, wire, config) as ring:
             return await _run_on_ring(ring, wire, mode, prompts, max_tokens, time.perf_counter() - t0)
     except UNAVAILABLE_ERRORS as exc:
         return {"available": False, "why": f"draft={mode!r}: {type(exc).__name__}: {exc}"}
@@ -248,6 +249,8 @@ def main(argv=None) -> int:
     ap.add_argument("--per-category", type=int, default=3, help="prompts per category (at most 3)")
     ap.add_argument("--tokens", type=int, default=None, help="max new tokens per prompt (default 48, quick 16)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (the stages take turns on them)")
+    ap.add_argument("--upload-mbps", type=float, default=EMULATED.upload_mbps,
+                    help="every sender's emulated uplink (latency stays 25 ms one-way per hop)")
     ap.add_argument("--no-fp8", action="store_true", help="skip the fp8 reruns (comparisons on the bf16 wire only)")
     ap.add_argument("--aux-fp8", action="store_true",
                     help="also rerun the drafting modes with bf16 hidden states and fp8 EAGLE aux features (bf16@fp8)")
@@ -265,7 +268,8 @@ def main(argv=None) -> int:
         modes.insert(0, "none")
     prompts = [(cat, encode_chat(tokenizer, spec_prompts.messages(p))) for cat, p in spec_prompts.prompt_set(per_category)]
     main_wire, fp8_wire, aux_wire = "bf16", "fp8", "bf16@fp8"
-    conditions = {**base_conditions(store), "stages": STAGES, "link": EMULATED.describe(),
+    link = dataclasses.replace(EMULATED, upload_mbps=args.upload_mbps)
+    conditions = {**base_conditions(store), "stages": STAGES, "link": link.describe(),
                   "prompts": f"scripts/spec_prompts.py, {per_category} per category, chat template",
                   "prompt_tokens": {cat: [len(i) for c, i in prompts if c == cat] for cat in spec_prompts.CATEGORIES},
                   "max_new_tokens": max_tokens, "stop": "EOS or max_new_tokens", "sampling": "greedy",
@@ -281,16 +285,16 @@ def main(argv=None) -> int:
     print(f"conditions: {json.dumps(conditions)}", flush=True)
     results: dict = {main_wire: {}, fp8_wire: {}}
     for mode in modes:
-        results[main_wire][mode] = trio.run(lambda: run_mode(store, tokenizer, main_wire, mode, prompts, max_tokens, eagle_tree))
+        results[main_wire][mode] = trio.run(lambda: run_mode(store, tokenizer, main_wire, mode, prompts, max_tokens, eagle_tree, link))
         if not results[main_wire][mode]["available"]:
             print(f"  {mode}: unavailable ({results[main_wire][mode]['why']})", flush=True)
     for mode in [m for m in modes if m != "none" and results[main_wire][m]["available"] and not args.no_fp8][
             : 1 if args.quick else None]:
-        results[fp8_wire][mode] = trio.run(lambda: run_mode(store, tokenizer, fp8_wire, mode, prompts, max_tokens, eagle_tree))
+        results[fp8_wire][mode] = trio.run(lambda: run_mode(store, tokenizer, fp8_wire, mode, prompts, max_tokens, eagle_tree, link))
     if args.aux_fp8:
         results[aux_wire] = {}
         for mode in [m for m in modes if m != "none" and results[main_wire][m]["available"]]:
-            results[aux_wire][mode] = trio.run(lambda: run_mode(store, tokenizer, aux_wire, mode, prompts, max_tokens, eagle_tree))
+            results[aux_wire][mode] = trio.run(lambda: run_mode(store, tokenizer, aux_wire, mode, prompts, max_tokens, eagle_tree, link))
     conditions["load_avg_1_5_15_at_end"] = list(os.getloadavg())
     table = summarise(results, main_wire)
     result = {"conditions": conditions, "unavailable": {m: r["why"] for m, r in results[main_wire].items() if not r["available"]},
