@@ -33,7 +33,6 @@ from ring import (ChurnPolicy, Constraints, InfeasibleError, Network, PeerId, Pl
 from shard.errors import WireError
 from shard.identity import peer_id_from_public_key
 from shard.layers import LayerRange
-from shard.node import CONTROL_PROTOCOL
 from shard.store import ModelStore
 from shard.transport import FramedStream, TransportError
 from shard.wire.codec import decode, encode

@@ -38,7 +38,7 @@ from shard.transport import FramedStream, Host, TransportError
 from shard.wire.codec import decode, decode_frame, encode
 from shard.wire.limits import Limits
 from shard.wire.messages import (ROLE_STAGE, Assignment, AuditReply, AuditRequest, EndJob, Forward, JobError, LinkReport,
-                                 Ping, Pong, ProbePeers, Ready, Register, Result)
+                                 Ping, Pong, ProbePeers, Ready, Register)
 
 log = logging.getLogger("shard.node")
 
