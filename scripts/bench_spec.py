@@ -250,7 +250,9 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=None, help="max new tokens per prompt (default 48, quick 16)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (the stages take turns on them)")
     ap.add_argument("--upload-mbps", type=float, default=EMULATED.upload_mbps,
-                    help="every sender's emulated uplink (latency stays 25 ms one-way per hop)")
+                    help="every sender's emulated uplink (0: unlimited)")
+    ap.add_argument("--latency-ms", type=float, default=EMULATED.one_way_latency_ms,
+                    help="emulated one-way latency per hop (0 with --upload-mbps 0: plain loopback)")
     ap.add_argument("--no-fp8", action="store_true", help="skip the fp8 reruns (comparisons on the bf16 wire only)")
     ap.add_argument("--aux-fp8", action="store_true",
                     help="also rerun the drafting modes with bf16 hidden states and fp8 EAGLE aux features (bf16@fp8)")
@@ -268,7 +270,7 @@ def main(argv=None) -> int:
         modes.insert(0, "none")
     prompts = [(cat, encode_chat(tokenizer, spec_prompts.messages(p))) for cat, p in spec_prompts.prompt_set(per_category)]
     main_wire, fp8_wire, aux_wire = "bf16", "fp8", "bf16@fp8"
-    link = dataclasses.replace(EMULATED, upload_mbps=args.upload_mbps)
+    link = LinkSpec(one_way_latency_ms=args.latency_ms, upload_mbps=args.upload_mbps)
     conditions = {**base_conditions(store), "stages": STAGES, "link": link.describe(),
                   "prompts": f"scripts/spec_prompts.py, {per_category} per category, chat template",
                   "prompt_tokens": {cat: [len(i) for c, i in prompts if c == cat] for cat in spec_prompts.CATEGORIES},
