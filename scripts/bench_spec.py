@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import json
 import os
 import sys
@@ -302,6 +301,9 @@ def main(argv=None) -> int:
     result = {"conditions": conditions, "unavailable": {m: r["why"] for m, r in results[main_wire].items() if not r["available"]},
               "summary": table, "targets": targets(table, main_wire, fp8_wire) + aux_rows(table, main_wire, aux_wire),
               "raw": results}
+    if link != EMULATED:  # the goals are stated for the default link only
+        for row in result["targets"]:
+            row["note"] = f"goal defined for {EMULATED.describe()}; this run: {link.describe()}"
     report(result, main_wire)
     with open(args.json, "w") as f:
         json.dump(result, f, indent=1)
@@ -320,7 +322,8 @@ def report(result: dict, main_wire: str) -> None:
     for mode, why in result["unavailable"].items():
         print(f"{mode}: unavailable: {why}")
     for t in result["targets"]:
-        print(f"[{'PASS' if t['pass'] else 'FAIL'}] {t['target']}: {t['value']} (goal {t['goal']})")
+        print(f"[{'PASS' if t['pass'] else 'FAIL'}] {t['target']}: {t['value']} (goal {t['goal']})"
+              + (f" [{t['note']}]" if "note" in t else ""))
 
 
 if __name__ == "__main__":
