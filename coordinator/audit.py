@@ -208,7 +208,8 @@ def check_frames(stage: Stage, plan: AuditPlan, records: dict[int, tuple[bytes, 
             if e.shape[0] == 0:
                 continue  # the tail's one row was not kept: nothing of this frame was read
             rms = e.pow(2).mean(dim=1, keepdim=True).sqrt().expand_as(e)  # (K, width): each element's row RMS
-            spot = compare_outputs(e.reshape(-1).numpy(), a.reshape(-1).numpy(), claim_tol, scale=rms.reshape(-1).numpy())
+            spot = compare_outputs(e.reshape(-1).numpy(), a.reshape(-1).numpy(), claim_tol,
+                                   scale=rms.reshape(-1).numpy())
             if not spot.passed:
                 return Finding("output_mismatch", r, f"round {r} '{name}': {spot.num_outliers}/{spot.num_elements} "
                                f"elements off (max abs error {spot.max_abs_error:.3g})", spot,

@@ -184,7 +184,8 @@ def replay(stage: Stage, wire_dtype: str, frames: list[Forward], max_rows: int =
                 **{name: _cat([_rows(getattr(f, name), keep) for f, keep in parts])
                    for name in ("positions", "tokens", "hidden", "hidden_scale", "aux", "aux_scale")}))
     slots = max((m.ctx_len + m.positions.shape[0] for m in merged), default=1)
-    worker = StageWorker(stage, WorkerConfig(wire_dtype=wire_dtype, aux_dtype=aux_dtype, is_tail=False, max_kv_bytes=1 << 40,
+    worker = StageWorker(stage, WorkerConfig(wire_dtype=wire_dtype, aux_dtype=aux_dtype, is_tail=False,
+                                             max_kv_bytes=1 << 40,
                                              max_context_tokens=max(slots - DRAFT_SLACK_SLOTS, 1)))
     out: list[Replayed | None] = [None] * len(frames)
     for fwd, seg in zip(merged, segments):

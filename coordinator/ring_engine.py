@@ -59,7 +59,8 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_pipeline_depth <= MAX_PIPELINE_DEPTH:
-            raise ValueError(f"pipeline depth (rounds in flight) must be 1..{MAX_PIPELINE_DEPTH}, got {self.max_pipeline_depth}")
+            raise ValueError(f"pipeline depth (rounds in flight) must be 1..{MAX_PIPELINE_DEPTH}, "
+                             f"got {self.max_pipeline_depth}")
         if self.eagle_tree is not None and not (1 <= self.eagle_tree[1] <= self.eagle_tree[0] <= MAX_EAGLE_TREE):
             raise ValueError(f"eagle_tree (nodes, depth) needs 1 <= depth <= nodes <= {MAX_EAGLE_TREE}, "
                              f"got {self.eagle_tree}")

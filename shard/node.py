@@ -326,7 +326,8 @@ class Node:
         if self.config.receipts and self.signing_seed is not None:
             signer = make_signer(self.signing_seed, self.store, a, self.frame_log)
         worker = StageWorker(stage, WorkerConfig(
-            wire_dtype=a.wire_dtype, aux_dtype=a.aux_dtype, is_tail=a.successor is None, max_context_tokens=self.store.config.max_context_tokens,
+            wire_dtype=a.wire_dtype, aux_dtype=a.aux_dtype, is_tail=a.successor is None,
+            max_context_tokens=self.store.config.max_context_tokens,
             max_kv_bytes=max(self.config.max_memory_bytes - self.store.layer_bytes(r), 64 << 20),
         ), signer=signer)
         self.state = EpochState(a, worker, a.predecessor or self.coordinator_id, a.successor or self.coordinator_id)
