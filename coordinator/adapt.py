@@ -13,13 +13,20 @@ is estimated as accepted / tried nodes, the maximum-likelihood estimate under th
 
 Pipelining model: with P rounds in flight, round r+1 leaves before round r returns,
 assuming r's top path and a guessed bonus are all accepted (probability s = a^(depth+1));
-otherwise it is discarded. A run of rounds ends at the first one that is not fully
-accepted, which gives tokens per second = E / (T (1 - s) + s I), where E is the expected
-tokens per round, T the round's latency and I = max(T / P, draft + ring compute) the
-launch interval. P = 1 gives E / T. Only chains of one node or more are pipelined (the
-engine sends ahead below a chain), and only when the caller's config allows it: a
-drafter that needs the target's features of the round before (EAGLE) cannot draft
-ahead, so the engine plans its rounds with max_pipeline_depth 1.
+otherwise it is discarded with every round after it. A run of rounds ends at the first
+one that is not fully accepted, which gives tokens per second
+E / (T (1 - s) + s I + (1 - s) (P - 1) Q), where E is the expected tokens per round, T
+the round's latency, Q how long one round in flight ahead of another delays it (the
+ring's busy time per round), I = max(T / P, draft + Q) the launch interval, and the last
+term the P - 1 discarded rounds the next fresh round waits behind. P = 1 gives E / T.
+Q is measured: a round sent while k others were in flight returns k Q later than the
+traversal line predicts (`RoundVerified.queued_behind`). On a latency-bound WAN ring Q is
+about the busiest stage's compute, so deep pipelines pay; where the stages share a CPU Q
+is nearly the whole round and they do not. Until measured, Q is the round's marginal row
+time (optimistic, so pipelining gets tried and measured). Only chains of one node or
+more are pipelined (the engine sends ahead below a chain), and only when the caller's
+config allows it: a drafter that needs the target's features of the round before
+(EAGLE) cannot draft ahead, so the engine plans its rounds with max_pipeline_depth 1.
 
 Confidence (EAGLE-2 style): a drafter whose log-probs estimate the target's choices
 drafts a generous tree and the planner keeps its likeliest m nodes, m chosen per round
@@ -134,6 +141,9 @@ class AdaptState:
     rounds: int = 0
     # per drafter family: EWMAs of accepted nodes and of the draft's predicted acceptances
     confidence: Mapping[str, AcceptanceStats] = field(default_factory=dict)
+    # EWMA of how long one round in flight ahead delays another (Q in the module
+    # docstring); None until a round has been sent behind another
+    queue_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -160,6 +170,10 @@ class RoundVerified:
     # A merged draft (hybrid): each drafter's own outcome, which the acceptance statistics
     # learn from instead of the round's source, tried, accepted and predicted.
     parts: tuple[DraftOutcome, ...] = ()
+    # Rounds that were in flight ahead of this one when it was sent (pipelined rounds,
+    # and discarded ones still in the ring): its traversal then measures the queue, not
+    # the line, and does not move the traversal fit.
+    queued_behind: int = 0
 
 
 @dataclass(frozen=True)
@@ -177,7 +191,7 @@ def _ewma(old: float, new: float, alpha: float) -> float:
 def apply(event: Event, state: AdaptState, config: AdaptConfig = AdaptConfig()) -> AdaptState:
     """Fold one event into the state; returns a new state."""
     if isinstance(event, RingChanged):
-        return replace(state, traversal=None)
+        return replace(state, traversal=None, queue_s=None)
     alpha = config.ewma_alpha
     acceptance = dict(state.acceptance)
     confidence = dict(state.confidence)
@@ -192,8 +206,13 @@ def apply(event: Event, state: AdaptState, config: AdaptConfig = AdaptConfig()) 
             confidence[family] = (AcceptanceStats(out.accepted, out.predicted) if old is None else AcceptanceStats(
                 _ewma(old.accepted, out.accepted, alpha), _ewma(old.tried, out.predicted, alpha)))
     n, t = float(event.nodes + 1), event.traversal_s
-    fit = state.traversal
-    if fit is None:  # first measurement on this ring: start the moments there, not at 0
+    fit, queue = state.traversal, state.queue_s
+    if event.queued_behind:
+        if fit is not None:  # the queue is what the line does not explain
+            fixed_s, per_row_s = traversal_line(state, config)
+            delay = max(0.0, t - fixed_s - per_row_s * n) / event.queued_behind
+            queue = delay if queue is None else _ewma(queue, delay, alpha)
+    elif fit is None:  # first measurement on this ring: start the moments there, not at 0
         fit = TraversalFit(n, t, n * n, n * t)
     else:
         fit = TraversalFit(
@@ -201,7 +220,7 @@ def apply(event: Event, state: AdaptState, config: AdaptConfig = AdaptConfig()) 
         )
     per_node = event.draft_s / max(event.nodes, 1)
     draft = per_node if state.rounds == 0 else _ewma(state.draft_s_per_node, per_node, alpha)
-    return AdaptState(acceptance, fit, draft, state.rounds + 1, confidence)
+    return AdaptState(acceptance, fit, draft, state.rounds + 1, confidence, queue)
 
 
 def calibration(state: AdaptState, source: str, config: AdaptConfig = AdaptConfig()) -> float:
@@ -320,13 +339,15 @@ def best_tree_tokens(a: float, nodes: int, depth: int) -> float:
 
 
 def tokens_per_s(
-    expected: float, a: float, depth: int, round_s: float, floor_s: float, pipeline_depth: int
+    expected: float, a: float, depth: int, round_s: float, floor_s: float, pipeline_depth: int,
+    queue_s: float = 0.0,
 ) -> float:
     """Committed tokens per second (module docstring): round_s is draft + traversal,
-    floor_s the shortest launch interval (draft + ring compute)."""
+    floor_s the shortest launch interval (draft + Q), queue_s (Q) what each discarded
+    round in flight costs the next fresh one."""
     s = a ** (depth + 1)
     interval = max(round_s / pipeline_depth, floor_s)
-    return expected / (round_s * (1 - s) + s * interval)
+    return expected / (round_s * (1 - s) + s * interval + (1 - s) * (pipeline_depth - 1) * queue_s)
 
 
 def _shapes(config: AdaptConfig) -> list[tuple[DraftKind, int, int]]:
@@ -348,13 +369,14 @@ def plan(state: AdaptState, config: AdaptConfig = AdaptConfig(), source: str = A
         expected = expected_tokens_chain(a, nodes) if kind is DraftKind.CHAIN else best_tree_tokens(a, nodes, depth)
         draft_s = state.draft_s_per_node * nodes
         round_s = draft_s + fixed_s + per_row_s * (nodes + 1)
-        floor_s = draft_s + per_row_s * (nodes + 1)
+        queue_s = state.queue_s if state.queue_s is not None else per_row_s * (nodes + 1)
+        floor_s = draft_s + queue_s
         pipeline, rate = 1, tokens_per_s(expected, a, depth, round_s, floor_s, 1)
         # Only a chain's round can be sent ahead: it is assumed accepted, and a round with
         # no draft or a tree (which path?) gives nothing to build the next one on.
         deepest = config.max_pipeline_depth if kind is DraftKind.CHAIN and nodes else 1
         while pipeline < deepest:
-            deeper = tokens_per_s(expected, a, depth, round_s, floor_s, pipeline + 1)
+            deeper = tokens_per_s(expected, a, depth, round_s, floor_s, pipeline + 1, queue_s)
             if deeper <= rate * (1 + config.min_pipeline_gain):
                 break
             pipeline, rate = pipeline + 1, deeper

@@ -69,6 +69,7 @@ class Ahead:
     root_token: int  # the bonus token it assumed the previous round would commit
     sent_s: float
     draft_s: float
+    queued_behind: int  # rounds of this job in flight ahead of it when it was sent
 
 
 @dataclass
@@ -118,16 +119,19 @@ class RingJob:
         while len(self.committed) < limit:
             ahead = self.ahead.popleft() if self.ahead else None
             got = None
+            discarded = self.discarded
             if ahead is not None and self._still_valid(ahead):
                 got = await self._collect_ahead(ahead, limit)
             else:  # every round still in flight was built on a context that did not happen
                 self._discard_ahead(ahead)
             if got is not None:
-                tree, draft_s = ahead.tree, ahead.draft_s
+                tree, draft_s, queued_behind = ahead.tree, ahead.draft_s, ahead.queued_behind
                 rows, traversal_s, fed, tree_aux = got
-            else:
+            else:  # a fresh round queues behind the discarded ones still in the ring
                 tree, draft_s = self._draft(limit)
+                epoch = self.ring_epoch
                 rows, traversal_s, fed, tree_aux = await self._verify(tree, limit)
+                queued_behind = self.discarded - discarded if self.ring_epoch == epoch else 0
             head = self.engine.head
             if self.params.greedy:  # LM-head rows only along the accepted path
                 acc = await trio.to_thread.run_sync(
@@ -154,7 +158,8 @@ class RingJob:
                 self.adapt = adapt.apply(adapt.RoundVerified(
                     source=tree.source, nodes=tree.num_nodes, tried=acc.tried, accepted=len(acc.nodes),
                     traversal_s=traversal_s, draft_s=draft_s, predicted=self._predicted(tree),
-                    parts=tuple(self._outcome(part, acc.tokens) for part in tree.merged_from)), self.adapt)
+                    parts=tuple(self._outcome(part, acc.tokens) for part in tree.merged_from),
+                    queued_behind=queued_behind), self.adapt)
             yield tokens
 
     def _predicted(self, tree: DraftTree) -> float | None:
@@ -294,7 +299,7 @@ class RingJob:
             root = tail_root + 1 + tail.num_nodes
             round_id = await self._send(ring, self._verify_frame(ring, root, root_token, tree))
             self.ahead.append(Ahead(round_id, ring.epoch, tree, root, root_token, time.monotonic(),
-                                    time.perf_counter() - t0))
+                                    time.perf_counter() - t0, queued_behind=1 + len(self.ahead)))
             self.most_in_flight = max(self.most_in_flight, 1 + len(self.ahead))
             assumed += [root_token, *drafts]
             tail, tail_root = tree, root

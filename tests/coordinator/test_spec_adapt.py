@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -144,6 +145,37 @@ def test_pipelining_rate_model():
     assert tokens_per_s(3.0, 0.5, 2, 0.2, 0.01, 1) == pytest.approx(15.0)
     assert tokens_per_s(5.0, 1.0, 4, 0.2, 0.01, 4) == pytest.approx(5.0 / 0.05)
     assert tokens_per_s(5.0, 1.0, 4, 0.2, 0.1, 4) == pytest.approx(5.0 / 0.1)  # launch floor
+    # A run ends with probability 1 - s = 0.75 a round, and then the P - 1 = 2 rounds in
+    # flight behind it are discarded, each delaying the next fresh round by Q = 0.1 s.
+    s = 0.5**2
+    expected_denominator = 0.2 * (1 - s) + s * max(0.2 / 3, 0.01) + (1 - s) * 2 * 0.1
+    assert tokens_per_s(5.0, 0.5, 1, 0.2, 0.01, 3, 0.1) == pytest.approx(5.0 / expected_denominator)
+
+
+def test_queue_is_measured_by_rounds_sent_behind_others_and_leaves_the_line_alone():
+    state = _timed_state(0.2, 0.001)
+    line = traversal_line(state)
+    assert state.queue_s is None
+    # 9 rows: the line predicts 0.209 s; sent behind 2 rounds it took 0.109 s longer.
+    behind = apply(RoundVerified("ngram:4", 8, 8, 8, 0.209 + 0.109, 0.0, queued_behind=2), state)
+    assert behind.queue_s == pytest.approx(0.0545)
+    assert traversal_line(behind) == pytest.approx(line)
+    faster = apply(RoundVerified("ngram:4", 8, 8, 8, 0.1, 0.0, queued_behind=1), behind)
+    assert faster.queue_s == pytest.approx(0.8 * 0.0545)  # never negative
+    assert apply(RingChanged(), faster).queue_s is None  # a new ring queues differently
+
+
+def test_pipeline_depth_follows_the_measured_queue():
+    # Sound: acceptance 0.95 on a 200 ms latency-bound ring whose rounds delay each other
+    # by 5 ms pays for deep pipelines; where a round ahead delays the next by nearly the
+    # whole round (stages sharing one CPU), the discarded rounds cost more than the
+    # overlap buys, so nothing is sent ahead.
+    timed = _timed_state(0.2, 0.001)
+    fast = replace(timed, acceptance={"": AcceptanceStats(0.95, 1.0)}, queue_s=0.005)
+    busy = replace(fast, queue_s=0.19)
+    assert plan(fast).pipeline_depth >= 3
+    assert plan(busy).pipeline_depth == 1
+    assert plan(busy).nodes >= 1  # it still drafts: only sending ahead stopped paying
 
 
 def test_router_prefers_a_trusted_free_ngram_match_and_falls_back_to_eagle():

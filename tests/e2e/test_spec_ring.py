@@ -17,6 +17,7 @@ import pytest
 import torch
 import trio
 
+from coordinator import adapt
 from coordinator.draft_tree import DraftTree
 from coordinator.drafting import DraftBudget, NgramDrafter
 from coordinator.ring_engine import EngineConfig
@@ -117,9 +118,15 @@ def test_deep_pipelines_are_used_and_lossless(tiny_llama_store, accuracy):
                 for i, p in enumerate(prompts):
                     engine.make_drafters = lambda i=i: [NoisyOracleDrafter(plain, tree=False, seed=20 + i, accuracy=accuracy)]
                     runs[(depth, tuple(p))] = await generate_greedy_with_stats(engine, p, tokens)
-            return plain, runs
+                if depth > 1:
+                    learned = engine.learned_adapt[1]
+                    queue_s, line = learned.queue_s, adapt.traversal_line(learned)
+            return plain, runs, queue_s, line
 
-    plain, runs = trio.run(main)
+    plain, runs, queue_s, (fixed_s, _) = trio.run(main)
+    # Rounds sent behind others measured how long one delays the next: on this
+    # latency-bound ring (three 8 ms hops, tiny stages) less than a whole traversal.
+    assert queue_s is not None and 0.0 <= queue_s < fixed_s, (queue_s, fixed_s)
     for (depth, p), (out, _) in runs.items():
         assert out == plain[p], (depth, p)
     deep = [stats for (depth, _), (_, stats) in runs.items() if depth == 4]
