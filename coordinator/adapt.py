@@ -394,6 +394,28 @@ class DraftCandidate:
     expected: float | None = None  # expected tokens, when the drafter's confidence gave it
 
 
+def side_draft_can_pay(best: DraftCandidate, side_tokens: float, side_draft_s: float, state: AdaptState,
+                       config: AdaptConfig = AdaptConfig()) -> bool:
+    """Whether another drafter, whose rounds lately committed `side_tokens` tokens each
+    (its accepted nodes plus the bonus) and whose draft takes `side_draft_s`, could beat
+    the chain `best` alone, either by itself or merged with it. Merged, it adds tokens
+    only where `best` is rejected, so at most (1 - P(best accepted whole)) * (side_tokens - 1);
+    both bounds leave out the side draft's ring rows, so False means it cannot pay under
+    this model and need not be drafted (a long trusted n-gram match: EAGLE's tree would
+    cost its drafting time for a few hundredths of a token)."""
+    if not best.tree.is_chain or not best.tree.num_nodes:
+        return True
+    fixed_s, per_row_s = traversal_line(state, config)
+    a = acceptance_rate(state, best.tree.source, config)
+    expected = best.expected if best.expected is not None else expected_tokens(best.tree, a)
+    round_s = best.draft_s + fixed_s + per_row_s * (best.tree.num_nodes + 1)
+    rate = expected / round_s
+    whole = rank_reach(best.tree, a)[-1]
+    merged = (expected + (1 - whole) * max(0.0, side_tokens - 1)) / (round_s + side_draft_s)
+    alone = side_tokens / (side_draft_s + fixed_s + per_row_s * 2)
+    return max(merged, alone) > rate
+
+
 def route(candidates: Sequence[DraftCandidate], state: AdaptState, config: AdaptConfig = AdaptConfig()) -> int:
     """Index of the candidate with the most expected tokens per second of round time,
     using each drafter's own recent acceptance (keyed by `tree.source`, so an n-gram

@@ -6,7 +6,9 @@ and keeps the likeliest nodes that pay for their ring rows (`adapt.size_by_confi
 or a fixed tree when one is pinned; the others draft the shape `adapt.plan` picks from
 their acceptance. Several drafters (hybrid) are routed per round among their own drafts
 and the merge of all of them (one tree, verified in one traversal: when the drafters
-disagree, whichever is right commits its tokens).
+disagree, whichever is right commits its tokens). A confident drafter that drafts after
+a draft it cannot improve on (a long, trusted n-gram match) is not asked at all: by its
+recent rounds and drafting time it could not pay for the time (`adapt.side_draft_can_pay`).
 
 This module does not know the ring, frames or the wire: it sees the job's drafters, its
 committed tokens, the planner's state and how much context is left.
@@ -30,18 +32,21 @@ MERGED_SOURCE = "merged"  # the source of a merged draft; its parts keep their o
 
 def draft_round(drafters: Sequence[Drafter], committed: Sequence[int], state: adapt.AdaptState, *, room: int,
                 max_pipeline_depth: int, undrafted_rounds: int, fixed_tree: tuple[int, int] | None = None
-                ) -> tuple[DraftTree, float]:
-    """(the draft to verify next, seconds spent drafting). `room`: draft nodes the
-    context still has space for; `max_pipeline_depth`: most rounds the engine keeps in
-    flight (1: none sent ahead)."""
+                ) -> tuple[DraftTree, float, tuple[str, ...]]:
+    """(the draft to verify next, seconds spent drafting, the drafters not asked because
+    they could not pay). `room`: draft nodes the context still has space for;
+    `max_pipeline_depth`: most rounds the engine keeps in flight (1: none sent ahead)."""
     # Only a drafter that needs no target features (n-gram) can draft a round ahead.
     ahead = any(not getattr(d, "aux_layers", ()) for d in drafters)
     config = adapt.AdaptConfig(max_pipeline_depth=max_pipeline_depth if ahead else 1)
-    candidates = []
+    candidates, skipped = [], []
     for drafter in drafters:
         t0 = time.perf_counter()
         confident = getattr(drafter, "confidence", False)
         floor, probe = float("-inf"), False
+        if confident and candidates and not fixed_tree and not side_draft_pays(drafter, candidates, state, config):
+            skipped.append(drafter.name)
+            continue
         if confident:
             nodes, depth = fixed_tree or (config.confident_nodes, config.confident_depth)
             if not fixed_tree:
@@ -74,14 +79,26 @@ def draft_round(drafters: Sequence[Drafter], committed: Sequence[int], state: ad
         else:
             candidates.append(adapt.DraftCandidate(tree, draft_s))
     if not candidates:
-        return DraftTree.empty(), 0.0
+        return DraftTree.empty(), 0.0, tuple(skipped)
     drafted_s = sum(c.draft_s for c in candidates)
     if len(candidates) > 1 and all(c.tree.sampling is ChildSampling.GREEDY for c in candidates):
         merged = merged_candidate(drafters, candidates, drafted_s, state, config)
         if merged.tree.num_nodes <= room:
             candidates.append(merged)
     best = candidates[adapt.route(candidates, state, config)] if len(candidates) > 1 else candidates[0]
-    return best.tree, drafted_s
+    return best.tree, drafted_s, tuple(skipped)
+
+
+def side_draft_pays(drafter: Drafter, candidates: Sequence[adapt.DraftCandidate], state: adapt.AdaptState,
+                    config: adapt.AdaptConfig) -> bool:
+    """Whether `drafter` (confident, drafting after the others) can still beat the best
+    draft so far, judged by its recent rounds (`adapt.side_draft_can_pay`); True until it
+    has a record."""
+    stats, draft_s = state.acceptance.get(drafter.name), getattr(drafter, "propose_s", None)
+    if stats is None or draft_s is None:
+        return True
+    best = candidates[adapt.route(candidates, state, config)]
+    return adapt.side_draft_can_pay(best, 1.0 + stats.accepted, draft_s, state, config)
 
 
 def merged_candidate(drafters: Sequence[Drafter], candidates: Sequence[adapt.DraftCandidate], draft_s: float,

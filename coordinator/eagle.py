@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import pathlib
+import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
@@ -276,6 +277,7 @@ class EagleDrafter:
         self._tokens: list[int] = []  # observed (committed, feature-known) tokens
         self._last_feat: torch.Tensor | None = None  # (H,) fused feature of _tokens[-1]
         self._committed_pairs = 0  # KV slots holding committed pairs; slot j = position j + 1
+        self.propose_s: float | None = None  # EWMA of the seconds a non-empty propose took
 
     @property
     def aux_layers(self) -> tuple[int, ...]:
@@ -325,6 +327,13 @@ class EagleDrafter:
         planner reads as the head's confidence."""
         if not self.in_sync(context_ids) or budget.max_nodes == 0 or budget.max_depth == 0:
             return DraftTree.empty(source="eagle:0")
+        t0 = time.perf_counter()
+        tree = self._grow(context_ids, budget)
+        took = time.perf_counter() - t0
+        self.propose_s = took if self.propose_s is None else 0.7 * self.propose_s + 0.3 * took
+        return tree
+
+    def _grow(self, context_ids: Sequence[int], budget: DraftBudget) -> DraftTree:
         head = self.head
         chain = budget.max_nodes <= budget.max_depth
         k = 1 if chain else min(self.config.top_k, budget.max_nodes)

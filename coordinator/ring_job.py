@@ -94,6 +94,7 @@ class RingJob:
     pending_commit: tuple[tuple[int, ...], int] = ((), 0)  # (slots to gather, first destination)
     drafted: dict[str, int] = field(default_factory=dict)  # rounds per drafter
     drafted_tokens: dict[str, int] = field(default_factory=dict)  # tokens those rounds committed
+    skipped: dict[str, int] = field(default_factory=dict)  # rounds a drafter was not asked (could not pay)
     ahead: deque[Ahead] = field(default_factory=deque)  # rounds sent ahead of the awaited one, oldest first
     pipelined: int = 0  # traversals whose round was sent ahead and turned out valid
     most_in_flight: int = 1  # the most rounds this job had in the ring at once
@@ -175,9 +176,13 @@ class RingJob:
         """The next round's draft (coordinator.draft_round; none before the prefill)."""
         if not self.drafters or self.traversals == 0:
             return DraftTree.empty(), 0.0
-        return draft_round(self.drafters, self.committed, self.adapt, room=limit - len(self.committed) - 1,
-                           max_pipeline_depth=self.engine.config.max_pipeline_depth, undrafted_rounds=self.undrafted_rounds,
-                           fixed_tree=self.engine.config.eagle_tree)
+        tree, draft_s, skipped = draft_round(
+            self.drafters, self.committed, self.adapt, room=limit - len(self.committed) - 1,
+            max_pipeline_depth=self.engine.config.max_pipeline_depth, undrafted_rounds=self.undrafted_rounds,
+            fixed_tree=self.engine.config.eagle_tree)
+        for name in skipped:
+            self.skipped[name] = self.skipped.get(name, 0) + 1
+        return tree, draft_s
 
     def _observe(self, fed, tree: DraftTree, acc, tree_aux, root_slot: int) -> None:
         """Hand drafters that read the target's features (EAGLE) the aux rows of every
@@ -381,7 +386,7 @@ class RingJob:
         return {"traversals": self.traversals, "tokens_per_traversal": generated / self.traversals if self.traversals else 0.0,
                 "ring_epoch": self.ring_epoch, "ttft_s": self.ttft_s, "resumes": self.resumes,
                 "drafter": self.engine.config.draft, "draft_rounds": dict(self.drafted),
-                "draft_round_tokens": dict(self.drafted_tokens),
+                "draft_round_tokens": dict(self.drafted_tokens), "drafter_skipped_rounds": dict(self.skipped),
                 "pipelined_rounds": self.pipelined, "most_rounds_in_flight": self.most_in_flight,
                 "pipelined_rounds_discarded": self.discarded,
                 "job_id": self.job_id}

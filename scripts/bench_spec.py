@@ -90,7 +90,7 @@ async def run_prompt(ring, ids: list[int], max_tokens: int) -> dict:
     decode_s = times[n - 1] - times[0]
     return {"tokens": out[:n], "decode_tokens": n - 1, "decode_s": decode_s, "traversals": stats["traversals"],
             "tau": stats["tokens_per_traversal"], "draft_rounds": stats["draft_rounds"],
-            "draft_round_tokens": stats["draft_round_tokens"],
+            "draft_round_tokens": stats["draft_round_tokens"], "drafter_skipped_rounds": stats["drafter_skipped_rounds"],
             "draft_s": draft_spent[0] - at_first[1], "decode_bytes": ring.probe.total_bytes() - at_first[0],
             "ttft_s": stats["ttft_s"], "pipelined_rounds": stats["pipelined_rounds"],
             "pipelined_rounds_discarded": stats["pipelined_rounds_discarded"],
@@ -160,6 +160,8 @@ def aggregate(runs: list[dict]) -> dict:
             "pipelined_rounds": sum(r.get("pipelined_rounds", 0) for r in runs),
             "pipelined_rounds_discarded": sum(r.get("pipelined_rounds_discarded", 0) for r in runs),
             "most_rounds_in_flight": max((r.get("most_rounds_in_flight", 1) for r in runs), default=1),
+            "drafter_skipped_rounds": {k: sum(r.get("drafter_skipped_rounds", {}).get(k, 0) for r in runs)
+                                       for k in {k for r in runs for k in r.get("drafter_skipped_rounds", {})}},
             # tokens per traversal of each drafter's own rounds: its acceptance, whatever the router's mix
             "tau_by_drafter": {k: committed[k] / rounds[k] for k in committed if rounds.get(k)}}
 

@@ -43,7 +43,7 @@ def drafters(eagle: DraftTree = EAGLE):
 
 
 def test_cheap_rows_verify_both_drafts_merged():
-    tree, _ = draft_round(drafters(), [9, 9, 9], state(per_row_s=0.001), room=64, max_pipeline_depth=1, undrafted_rounds=0)
+    tree, _, _ = draft_round(drafters(), [9, 9, 9], state(per_row_s=0.001), room=64, max_pipeline_depth=1, undrafted_rounds=0)
     assert tree.source == MERGED_SOURCE
     assert [p.source for p in tree.merged_from] == ["ngram:3", "eagle:tree"]
     paths = {tuple(tree.path_tokens(i)) for i in range(tree.num_nodes)}
@@ -55,7 +55,7 @@ def test_dear_rows_keep_a_single_draft():
     # EAGLE's one node (0.4 tokens after calibration) pays alone (1.4 in 0.4 s beats 1 in
     # 0.3 s) but not on top of the chain (4.11 in 0.7 s: 5.9/s).
     weak = DraftTree.chain([5], logprobs=torch.log(torch.tensor([0.5])), source="eagle:chain")
-    tree, draft_s = draft_round(drafters(weak), [9, 9, 9], state(per_row_s=0.1, ngram_rate=0.95), room=64,
+    tree, draft_s, skipped = draft_round(drafters(weak), [9, 9, 9], state(per_row_s=0.1, ngram_rate=0.95), room=64,
                                 max_pipeline_depth=1, undrafted_rounds=0)
     assert tree.source == "ngram:3" and not tree.merged_from
     assert math.isfinite(draft_s) and draft_s >= 0
@@ -83,9 +83,45 @@ def test_a_draft_is_shaped_by_its_own_evidence_not_its_drafters_average():
     lengths = {}
     for source in ("ngram:1", "ngram:4"):
         drafter = EvidenceDrafter(source)
-        tree, _ = draft_round([drafter], [9, 9], planned, room=64, max_pipeline_depth=1, undrafted_rounds=0)
+        tree, _, _ = draft_round([drafter], [9, 9], planned, room=64, max_pipeline_depth=1, undrafted_rounds=0)
         lengths[source] = tree.num_nodes
         family_nodes = drafter.budgets[0].max_nodes
     assert lengths["ngram:1"] < family_nodes < lengths["ngram:4"], (lengths, family_nodes)
     # ...but poor evidence still sends one node, so its estimate can recover
     assert lengths["ngram:1"] == 1
+
+
+class CountingConfident(FixedDrafter):
+    """A confident drafter with a record: its family's acceptance and its drafting time."""
+
+    def __init__(self, tree: DraftTree, propose_s: float | None) -> None:
+        super().__init__("eagle", tree, confidence=True)
+        self.propose_s, self.calls = propose_s, 0
+
+    def propose(self, context_ids, budget) -> DraftTree:
+        self.calls += 1
+        return self.tree
+
+
+def test_a_confident_side_drafter_is_skipped_only_when_it_cannot_pay():
+    # Sound: a trusted 8-token n-gram chain (0.97 a node) commits 7.1 tokens a round; EAGLE,
+    # which lately committed 1.8 tokens a round and drafts in 30 ms, could add at most
+    # (1 - 0.97^8) * 0.8 = 0.17 tokens merged: not worth 30 ms of a 0.23 s round. With a
+    # weak 1-node match (0.3) EAGLE can pay, so it still drafts; without a record (no
+    # acceptance or drafting time yet) it always drafts.
+    long_match = DraftTree.chain(list(range(1, 9)), source="ngram:4")
+    short_match = DraftTree.chain([1], source="ngram:1")
+    base = state(per_row_s=0.003)
+    eagle_stats = {"eagle": AcceptanceStats(0.8, 3.0)}
+    for match, rate, record, drafts in ((long_match, 0.97, True, False), (short_match, 0.3, True, True),
+                                        (long_match, 0.97, False, True)):
+        acceptance = {match.source: AcceptanceStats(rate, 1.0), "ngram": AcceptanceStats(rate, 1.0)}
+        planned = AdaptState(acceptance=acceptance | (eagle_stats if record else {}), traversal=base.traversal,
+                             rounds=10)
+        eagle = CountingConfident(EAGLE, 0.03 if record else None)
+        tree, _, skipped = draft_round([FixedDrafter("ngram", match), eagle], [9, 9, 9], planned, room=64,
+                              max_pipeline_depth=1, undrafted_rounds=0)
+        assert eagle.calls == int(drafts), (match.source, record)
+        assert skipped == (() if drafts else ("eagle",))
+        if not drafts:
+            assert tree.source == "ngram:4"

@@ -29,6 +29,7 @@ from coordinator.adapt import (
     merged_expected_tokens,
     plan,
     route,
+    side_draft_can_pay,
     size_by_confidence,
     tokens_per_s,
     traversal_line,
@@ -292,3 +293,24 @@ def test_a_bad_pipeline_depth_is_refused_before_anything_loads(depth, capsys):
 
     assert main(["serve", "--pipeline-depth", depth]) == 2
     assert f"pipeline depth (rounds in flight) must be 1..8, got {depth}" in capsys.readouterr().err
+
+
+@given(st.floats(0.05, 0.99), st.integers(1, 12), st.floats(1.0, 6.0), st.floats(0.0, 0.1))
+@settings(max_examples=200, deadline=None)
+def test_side_draft_bound_is_never_below_the_merge_it_bounds(a, k, side_tokens, side_s):
+    # Sound: whatever the side drafter's nodes, merged with a chain they only add where the
+    # chain's path is rejected. Take the best such side draft: at each rejection point
+    # along the chain, a subtree worth side_tokens - 1 given that point is reached. Its
+    # merged rate may not exceed what side_draft_can_pay compares against.
+    state = _timed_state(0.2, 0.003, acceptance={"ngram:4": AcceptanceStats(a, 1.0)})
+    chain = DraftTree.chain(list(range(1, k + 1)), source="ngram:4")
+    reach = [1.0] + [a**d for d in range(1, k + 1)]  # the chain's prefix of length d is accepted
+    # At depth d the chain's next node is rejected with probability reach[d] * (1 - a).
+    side_extra = sum(reach[d] * (1 - a) for d in range(k)) * (side_tokens - 1)
+    assert side_extra == pytest.approx((1 - a**k) * (side_tokens - 1))
+    best = DraftCandidate(chain)
+    fixed, per_row = traversal_line(state)
+    round_s = fixed + per_row * (k + 1)
+    merged_rate = (expected_tokens_chain(a, k) + side_extra) / (round_s + side_s + per_row)
+    if merged_rate > expected_tokens_chain(a, k) / round_s:
+        assert side_draft_can_pay(best, side_tokens, side_s, state)
