@@ -193,7 +193,8 @@ def answer_start(ids: torch.Tensor, marker: list[int]) -> int:
 def fit(store, work: pathlib.Path, out: pathlib.Path, deadline_s: float, fit_cfg: FitConfig, *,
         started_s: float, argv: list[str]) -> None:
     """Train until the deadline, evaluating and writing the head every eval_every_s and at the end."""
-    from scripts.train_eagle import load_shards
+    from scripts import spec_prompts
+    from scripts.train_eagle import load_shards, load_unseen
     from transformers import AutoTokenizer
 
     rng = random.Random(fit_cfg.seed)
@@ -222,6 +223,8 @@ def fit(store, work: pathlib.Path, out: pathlib.Path, deadline_s: float, fit_cfg
     marker = tok("<|im_start|>assistant\n", add_special_tokens=False).input_ids
     held_greedy = held[:12]
     starts = [answer_start(s["ids"], marker) for s in held_greedy]
+    unseen = {name: [s for s in load_unseen(work / "data") if s["category"] in group]
+              for name, group in (("open_ended", spec_prompts.OPEN_ENDED), ("grounded", spec_prompts.GROUNDED))}
     n_train = sum(len(s["ids"]) for s in train_seqs)
     print(f"[fit] {len(train_seqs)} train seqs ({n_train} positions), {len(held)} held out; "
           f"draft vocab {len(d2t)} covers {coverage:.3f} of labels", flush=True)
@@ -236,8 +239,13 @@ def fit(store, work: pathlib.Path, out: pathlib.Path, deadline_s: float, fit_cfg
         tau = simulate_tau(head, held_greedy, starts, {
             "chain4": DraftBudget.chain(4), "chain6": DraftBudget.chain(6), "tree32_d6": DraftBudget(32, 6)},
             stride=fit_cfg.eval_stride)
+        # Every answer position a root, as bench_wire_tau walks the ring's own answers.
+        unseen_tau = {name: simulate_tau(head, seqs, [answer_start(s["ids"], marker) for s in seqs], {
+            "chain4": DraftBudget.chain(4), "tree32_d6": DraftBudget(32, 6), "tree60_d6": DraftBudget(60, 6)},
+            stride=1) for name, seqs in unseen.items() if seqs}
         record = {"step": step, "epoch": epoch, "train_s": round(time.monotonic() - t0, 1),
-                  "heldout_top1_per_step": [round(a, 4) for a in accs], "sim_tau": tau}
+                  "heldout_top1_per_step": [round(a, 4) for a in accs], "sim_tau": tau,
+                  "unseen_benchmark_prompts_sim_tau": unseen_tau}
         log.append(record)
         print(f"[fit] eval {json.dumps(record)}", flush=True)
         save_head(out, cfg, w, d2t, target_digest=store.digest, extra={

@@ -1,0 +1,44 @@
+"""scripts/train_eagle.py's data: what the head is trained and checked on must line up
+with the target, position by position. Sound: a tiny seeded Llama answers real chat
+prompts in one left-padded batch; every stored row is compared with a fresh unpadded
+forward of that sequence alone."""
+
+from __future__ import annotations
+
+import torch
+
+from scripts.spec_prompts import GROUNDED, OPEN_ENDED
+from scripts.train_eagle import generate_unseen, load_target, load_unseen
+
+AUX = (0, 2, 3)  # not the last layer: transformers reports that one after the final norm
+
+
+def test_unseen_answers_store_each_positions_features_and_greedy_label(tiny_llama_store, tmp_path):
+    model, tokenizer = load_target(tiny_llama_store)
+    # Different lengths, so the batch is left-padded and the padding must be cut away.
+    prompts = [(OPEN_ENDED[0], "Tell me about owls."), (OPEN_ENDED[1], "Why is the sky blue, in one line?"),
+               (GROUNDED[0], "Summarise: the mill by the river ground wheat for two hundred years.")]
+    generate_unseen(model, tokenizer, AUX, tmp_path, prompts)
+    seqs = load_unseen(tmp_path)
+    assert [s["category"] for s in seqs] == [c for c, _ in prompts]
+    for seq, (_, prompt) in zip(seqs, prompts):
+        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                             add_generation_prompt=True)
+        prompt_ids = tokenizer(text).input_ids
+        ids = seq["ids"].long()
+        assert ids[:len(prompt_ids)].tolist() == prompt_ids  # no padding kept
+        assert len(ids) > len(prompt_ids)  # and the answer follows
+        with torch.inference_mode():
+            out = model(ids[None], output_hidden_states=True)
+        # hidden_states[l + 1] is layer l's output; the label is the greedy next token
+        want = torch.cat([out.hidden_states[layer + 1][0] for layer in AUX], dim=-1)
+        assert seq["feats"].shape == want.shape
+        torch.testing.assert_close(seq["feats"].float(), want, atol=2e-2, rtol=1e-2)  # stored f16
+        assert seq["labels"].long().tolist() == out.logits[0].argmax(-1).tolist()
+        # greedy answers: each answer token is the label of the position before it
+        assert ids[len(prompt_ids):].tolist() == seq["labels"].long()[len(prompt_ids) - 1:-1].tolist()
+
+
+def test_missing_unseen_file_means_no_unseen_check(tmp_path):
+    assert load_unseen(tmp_path) == []
+
