@@ -52,10 +52,11 @@ class EngineConfig:
     draft: str = "hybrid"  # none | ngram | eagle | hybrid (n-gram and EAGLE, routed per round)
     eagle_head: str | None = None  # head directory; default: the one shipped for the model
     eagle_tree: tuple[int, int] | None = None  # fixed (nodes, depth); default: sized by the head's confidence
-    # Most rounds in flight (later ones sent before earlier are verified); 1 = off. 2 by
-    # default: deeper pipelines paid nothing on the WAN benchmark and cost 4-7% on a
-    # compute-bound loopback ring, where discarded rounds take compute (docs/benchmarks.md).
-    max_pipeline_depth: int = 2
+    # Most rounds in flight (later ones sent before earlier are verified); 1 = off. The
+    # planner picks the depth below this cap from acceptance and the measured queue a round
+    # in flight makes (coordinator/adapt.py), so on a compute-bound ring it sends nothing
+    # ahead whatever the cap (docs/benchmarks.md).
+    max_pipeline_depth: int = 4
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_pipeline_depth <= MAX_PIPELINE_DEPTH:

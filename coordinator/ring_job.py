@@ -388,8 +388,16 @@ class RingJob:
                 "drafter": self.engine.config.draft, "draft_rounds": dict(self.drafted),
                 "draft_round_tokens": dict(self.drafted_tokens), "drafter_skipped_rounds": dict(self.skipped),
                 "pipelined_rounds": self.pipelined, "most_rounds_in_flight": self.most_in_flight,
-                "pipelined_rounds_discarded": self.discarded,
+                "pipelined_rounds_discarded": self.discarded, "planner": self._planner_stats(),
                 "job_id": self.job_id}
+
+    def _planner_stats(self) -> dict[str, float | None]:
+        """What the planner measured of the ring (ms): a traversal's fixed part and cost
+        per row, and the queue one round in flight makes for another (None: unmeasured)."""
+        fixed_s, per_row_s = adapt.traversal_line(self.adapt) if self.adapt.traversal else (None, None)
+        queue_s = self.adapt.queue_s
+        return {name: None if v is None else round(v * 1e3, 2) for name, v in (
+            ("traversal_fixed_ms", fixed_s), ("traversal_per_row_ms", per_row_s), ("queue_ms", queue_s))}
 
     async def aclose(self) -> None:
         if self.closed:

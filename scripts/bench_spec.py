@@ -94,7 +94,7 @@ async def run_prompt(ring, ids: list[int], max_tokens: int) -> dict:
             "draft_s": draft_spent[0] - at_first[1], "decode_bytes": ring.probe.total_bytes() - at_first[0],
             "ttft_s": stats["ttft_s"], "pipelined_rounds": stats["pipelined_rounds"],
             "pipelined_rounds_discarded": stats["pipelined_rounds_discarded"],
-            "most_rounds_in_flight": stats["most_rounds_in_flight"]}
+            "most_rounds_in_flight": stats["most_rounds_in_flight"], "planner": stats["planner"]}
 
 
 def engine_config(mode: str, eagle_tree: tuple[int, int]) -> EngineConfig:
