@@ -130,7 +130,7 @@ def test_deep_pipelines_are_used_and_lossless(tiny_llama_store, accuracy):
     for (depth, p), (out, _) in runs.items():
         assert out == plain[p], (depth, p)
     deep = [stats for (depth, _), (_, stats) in runs.items() if depth == 4]
-    assert all(s["planner"]["queue_ms"] is not None for s in deep), deep  # reported as measured
+    assert any(s["planner"]["queue_ms"] is not None for s in deep), deep  # reported once measured
     assert sum(s["pipelined_rounds"] for s in deep) > 0, deep
     assert sum(s["pipelined_rounds_discarded"] for s in deep) > 0, deep
     if accuracy > 0.9:
