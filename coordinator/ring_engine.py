@@ -54,8 +54,8 @@ class EngineConfig:
     eagle_tree: tuple[int, int] | None = None  # fixed (nodes, depth); default: sized by the head's confidence
     # Most rounds in flight (later ones sent before earlier are verified); 1 = off. The
     # planner picks the depth below this cap from acceptance and the measured queue a round
-    # in flight makes (coordinator/adapt.py), so on a compute-bound ring it sends nothing
-    # ahead whatever the cap (docs/benchmarks.md).
+    # in flight makes (coordinator/adapt.py), so on a compute-bound ring it rarely sends a
+    # round ahead whatever the cap (docs/benchmarks.md).
     max_pipeline_depth: int = 4
 
     def __post_init__(self) -> None:
