@@ -406,14 +406,20 @@ def side_draft_can_pay(best: DraftCandidate, side_tokens: float, side_draft_s: f
     if not best.tree.is_chain or not best.tree.num_nodes:
         return True
     fixed_s, per_row_s = traversal_line(state, config)
-    a = acceptance_rate(state, best.tree.source, config)
-    expected = best.expected if best.expected is not None else expected_tokens(best.tree, a)
-    round_s = best.draft_s + fixed_s + per_row_s * (best.tree.num_nodes + 1)
-    rate = expected / round_s
-    whole = rank_reach(best.tree, a)[-1]
+    expected, round_s = candidate_round(best, state, config)
+    whole = rank_reach(best.tree, acceptance_rate(state, best.tree.source, config))[-1]
     merged = (expected + (1 - whole) * max(0.0, side_tokens - 1)) / (round_s + side_draft_s)
     alone = side_tokens / (side_draft_s + fixed_s + per_row_s * 2)
-    return max(merged, alone) > rate
+    return max(merged, alone) > expected / round_s
+
+
+def candidate_round(c: DraftCandidate, state: AdaptState, config: AdaptConfig = AdaptConfig()) -> tuple[float, float]:
+    """(expected tokens, seconds of round time) of verifying `c`: its drafter's own
+    estimate when it gave one, else the rank model at its source's recent acceptance."""
+    fixed_s, per_row_s = traversal_line(state, config)
+    expected = c.expected if c.expected is not None else expected_tokens(
+        c.tree, acceptance_rate(state, c.tree.source, config))
+    return expected, c.draft_s + fixed_s + per_row_s * (c.tree.num_nodes + 1)
 
 
 def route(candidates: Sequence[DraftCandidate], state: AdaptState, config: AdaptConfig = AdaptConfig()) -> int:
@@ -422,11 +428,5 @@ def route(candidates: Sequence[DraftCandidate], state: AdaptState, config: Adapt
     draft from a 4-token match is judged by how 4-token matches have fared)."""
     if not candidates:
         raise ValueError("route needs at least one candidate")
-    fixed_s, per_row_s = traversal_line(state, config)
-    scores = []
-    for c in candidates:
-        expected = c.expected if c.expected is not None else expected_tokens(
-            c.tree, acceptance_rate(state, c.tree.source, config))
-        round_s = c.draft_s + fixed_s + per_row_s * (c.tree.num_nodes + 1)
-        scores.append(expected / round_s)
+    scores = [expected / round_s for expected, round_s in (candidate_round(c, state, config) for c in candidates)]
     return max(range(len(scores)), key=lambda i: (scores[i], -i))

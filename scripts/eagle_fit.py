@@ -223,8 +223,12 @@ def fit(store, work: pathlib.Path, out: pathlib.Path, deadline_s: float, fit_cfg
     marker = tok("<|im_start|>assistant\n", add_special_tokens=False).input_ids
     held_greedy = held[:12]
     starts = [answer_start(s["ids"], marker) for s in held_greedy]
-    unseen = {name: [s for s in load_unseen(work / "data") if s["category"] in group]
-              for name, group in (("open_ended", spec_prompts.OPEN_ENDED), ("grounded", spec_prompts.GROUNDED))}
+    unseen = {}  # group -> (sequences, their answer starts)
+    unseen_seqs = load_unseen(work / "data")
+    for name, group in (("open_ended", spec_prompts.OPEN_ENDED), ("grounded", spec_prompts.GROUNDED)):
+        seqs = [s for s in unseen_seqs if s["category"] in group]
+        if seqs:
+            unseen[name] = (seqs, [answer_start(s["ids"], marker) for s in seqs])
     n_train = sum(len(s["ids"]) for s in train_seqs)
     print(f"[fit] {len(train_seqs)} train seqs ({n_train} positions), {len(held)} held out; "
           f"draft vocab {len(d2t)} covers {coverage:.3f} of labels", flush=True)
@@ -240,9 +244,9 @@ def fit(store, work: pathlib.Path, out: pathlib.Path, deadline_s: float, fit_cfg
             "chain4": DraftBudget.chain(4), "chain6": DraftBudget.chain(6), "tree32_d6": DraftBudget(32, 6)},
             stride=fit_cfg.eval_stride)
         # Every answer position a root, as bench_wire_tau walks the ring's own answers.
-        unseen_tau = {name: simulate_tau(head, seqs, [answer_start(s["ids"], marker) for s in seqs], {
+        unseen_tau = {name: simulate_tau(head, seqs, seq_starts, {
             "chain4": DraftBudget.chain(4), "tree32_d6": DraftBudget(32, 6), "tree60_d6": DraftBudget(60, 6)},
-            stride=1) for name, seqs in unseen.items() if seqs}
+            stride=1) for name, (seqs, seq_starts) in unseen.items()}
         record = {"step": step, "epoch": epoch, "train_s": round(time.monotonic() - t0, 1),
                   "heldout_top1_per_step": [round(a, 4) for a in accs], "sim_tau": tau,
                   "unseen_benchmark_prompts_sim_tau": unseen_tau}

@@ -179,10 +179,7 @@ def load_unseen(work_dir: pathlib.Path) -> list[dict]:
         return []
     with safe_open(str(path), "pt") as f:
         categories = json.loads(f.metadata()["categories"])
-    t = load_file(str(path))
-    off = t["offsets"].tolist()
-    return [{k: t[k][off[s]:off[s + 1]] for k in ("ids", "feats", "labels")} | {"category": categories[s]}
-            for s in range(len(off) - 1)]
+    return [seq | {"category": category} for seq, category in zip(_sequences(load_file(str(path))), categories)]
 
 
 def _capture(sink: list[torch.Tensor]):
@@ -198,11 +195,15 @@ def load_shards(work_dir: pathlib.Path) -> tuple[list[dict], list[dict]]:
     train_seqs, held_seqs = [], []
     for path in sorted(work_dir.glob("shard_*.safetensors")):
         t = load_file(str(path))
-        off = t["offsets"].tolist()
-        for s in range(len(off) - 1):
-            seq = {k: t[k][off[s]:off[s + 1]] for k in ("ids", "feats", "labels")}
+        for s, seq in enumerate(_sequences(t)):
             (held_seqs if int(t["heldout"][s]) else train_seqs).append(seq)
     return train_seqs, held_seqs
+
+
+def _sequences(t: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+    """A saved file's concatenated tensors cut back into its sequences (`save_sequences`)."""
+    off = t["offsets"].tolist()
+    return [{k: t[k][off[s]:off[s + 1]] for k in ("ids", "feats", "labels")} for s in range(len(off) - 1)]
 
 
 def main(argv: list[str] | None = None) -> None:
