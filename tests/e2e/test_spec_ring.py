@@ -17,7 +17,6 @@ import pytest
 import torch
 import trio
 
-from coordinator import adapt
 from coordinator.draft_tree import DraftTree
 from coordinator.drafting import DraftBudget, NgramDrafter
 from coordinator.ring_engine import EngineConfig
@@ -120,13 +119,15 @@ def test_deep_pipelines_are_used_and_lossless(tiny_llama_store, accuracy):
                     runs[(depth, tuple(p))] = await generate_greedy_with_stats(engine, p, tokens)
                 if depth > 1:
                     learned = engine.learned_adapt[1]
-                    queue_s, line = learned.queue_s, adapt.traversal_line(learned)
-            return plain, runs, queue_s, line
+                    queue_s, traversal_s = learned.queue_s, learned.traversal.t
+            return plain, runs, queue_s, traversal_s
 
-    plain, runs, queue_s, (fixed_s, _) = trio.run(main)
-    # Rounds sent behind others measured how long one delays the next: on this
-    # latency-bound ring (three 8 ms hops, tiny stages) less than a whole traversal.
-    assert queue_s is not None and 0.0 <= queue_s < fixed_s, (queue_s, fixed_s)
+    plain, runs, queue_s, traversal_s = trio.run(main)
+    # Rounds sent behind others measured how long one delays the next: on this ring (three
+    # 8 ms hops, tiny stages) less than a whole traversal of a round sent alone (the EWMA
+    # the line is fitted to). Not the line's intercept: a loaded machine tilts the line
+    # and has put the intercept below the links' own 24 ms.
+    assert queue_s is not None and 0.0 <= queue_s < traversal_s, (queue_s, traversal_s)
     for (depth, p), (out, _) in runs.items():
         assert out == plain[p], (depth, p)
     deep = [stats for (depth, _), (_, stats) in runs.items() if depth == 4]
