@@ -12,8 +12,11 @@ order and each succeeds with probability a). A chain of K then commits
 is estimated as accepted / tried nodes, the maximum-likelihood estimate under that model.
 
 Pipelining model: with P rounds in flight, round r+1 leaves before round r returns,
-assuming r's top path and a guessed bonus are all accepted (probability s = a^(depth+1));
-otherwise it is discarded with every round after it. A run of rounds ends at the first
+assuming r's chain and a guessed bonus are all accepted (probability s = w * a, where w,
+the chance a chain of K is accepted whole, is a^K times a calibration measured on every
+chain round: the EWMA of whole acceptances over the EWMA of a^K at the time; an n-gram
+copy is accepted whole far more often than independent nodes would be, a drifting one
+far less); otherwise it is discarded with every round after it. A run of rounds ends at the first
 one that is not fully accepted, which gives tokens per second
 E / (T (1 - s) + s I + (1 - s) (P - 1) Q), where E is the expected tokens per round, T
 the round's latency, Q how long one round in flight ahead of another delays it (the
@@ -144,6 +147,9 @@ class AdaptState:
     # EWMA of how long one round in flight ahead delays another (Q in the module
     # docstring); None until a round has been sent behind another
     queue_s: float | None = None
+    # per drafter family, over its chain rounds: EWMAs of whole acceptances (1 or 0) and
+    # of what the rank model predicted for them (a^K)
+    whole: Mapping[str, AcceptanceStats] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -174,6 +180,7 @@ class RoundVerified:
     # and discarded ones still in the ring): its traversal then measures the queue, not
     # the line, and does not move the traversal fit.
     queued_behind: int = 0
+    chain: bool = False  # the draft was one chain (`tree.is_chain`): its whole acceptance is learnt
 
 
 @dataclass(frozen=True)
@@ -193,6 +200,14 @@ def apply(event: Event, state: AdaptState, config: AdaptConfig = AdaptConfig()) 
     if isinstance(event, RingChanged):
         return replace(state, traversal=None, queue_s=None)
     alpha = config.ewma_alpha
+    whole = dict(state.whole)
+    if event.chain and event.nodes:
+        family = event.source.split(":")[0]
+        predicted = acceptance_rate(state, event.source, config) ** event.nodes
+        hit = float(event.accepted == event.nodes)
+        old = whole.get(family)
+        whole[family] = AcceptanceStats(hit, predicted) if old is None else AcceptanceStats(
+            _ewma(old.accepted, hit, alpha), _ewma(old.tried, predicted, alpha))
     acceptance = dict(state.acceptance)
     confidence = dict(state.confidence)
     outcomes = event.parts or (DraftOutcome(event.source, event.tried, event.accepted, event.predicted),)
@@ -220,7 +235,7 @@ def apply(event: Event, state: AdaptState, config: AdaptConfig = AdaptConfig()) 
         )
     per_node = event.draft_s / max(event.nodes, 1)
     draft = per_node if state.rounds == 0 else _ewma(state.draft_s_per_node, per_node, alpha)
-    return AdaptState(acceptance, fit, draft, state.rounds + 1, confidence, queue)
+    return AdaptState(acceptance, fit, draft, state.rounds + 1, confidence, queue, whole)
 
 
 def calibration(state: AdaptState, source: str, config: AdaptConfig = AdaptConfig()) -> float:
@@ -229,6 +244,15 @@ def calibration(state: AdaptState, source: str, config: AdaptConfig = AdaptConfi
     c = stats.accepted / stats.tried if stats is not None and stats.tried > 0 else config.prior_calibration
     low, high = config.calibration_range
     return min(max(c, low), high)
+
+
+def chain_survives(state: AdaptState, source: str, a: float, nodes: int) -> float:
+    """s in the module docstring: the chance that a chain of `nodes` from `source`, at
+    per-node acceptance `a`, is accepted whole with the bonus the drafter guesses: a^K
+    calibrated by the family's measured whole acceptances (1 until measured), times a."""
+    stats = state.whole.get(source.split(":")[0])
+    c = stats.accepted / stats.tried if stats is not None and stats.tried > 0 else 1.0
+    return min(1.0, c * a**nodes) * a
 
 
 def path_probabilities(tree: DraftTree) -> list[float]:
@@ -339,13 +363,11 @@ def best_tree_tokens(a: float, nodes: int, depth: int) -> float:
 
 
 def tokens_per_s(
-    expected: float, a: float, depth: int, round_s: float, floor_s: float, pipeline_depth: int,
-    queue_s: float = 0.0,
+    expected: float, s: float, round_s: float, floor_s: float, pipeline_depth: int, queue_s: float = 0.0,
 ) -> float:
-    """Committed tokens per second (module docstring): round_s is draft + traversal,
-    floor_s the shortest launch interval (draft + Q), queue_s (Q) what each discarded
-    round in flight costs the next fresh one."""
-    s = a ** (depth + 1)
+    """Committed tokens per second (module docstring): s the chance a round sent ahead
+    is kept, round_s draft + traversal, floor_s the shortest launch interval (draft + Q),
+    queue_s (Q) what each discarded round in flight costs the next fresh one."""
     interval = max(round_s / pipeline_depth, floor_s)
     return expected / (round_s * (1 - s) + s * interval + (1 - s) * (pipeline_depth - 1) * queue_s)
 
@@ -371,12 +393,13 @@ def plan(state: AdaptState, config: AdaptConfig = AdaptConfig(), source: str = A
         round_s = draft_s + fixed_s + per_row_s * (nodes + 1)
         queue_s = state.queue_s if state.queue_s is not None else per_row_s * (nodes + 1)
         floor_s = draft_s + queue_s
-        pipeline, rate = 1, tokens_per_s(expected, a, depth, round_s, floor_s, 1)
+        s = chain_survives(state, source, a, nodes) if kind is DraftKind.CHAIN else 0.0
+        pipeline, rate = 1, tokens_per_s(expected, s, round_s, floor_s, 1)
         # Only a chain's round can be sent ahead: it is assumed accepted, and a round with
         # no draft or a tree (which path?) gives nothing to build the next one on.
         deepest = config.max_pipeline_depth if kind is DraftKind.CHAIN and nodes else 1
         while pipeline < deepest:
-            deeper = tokens_per_s(expected, a, depth, round_s, floor_s, pipeline + 1, queue_s)
+            deeper = tokens_per_s(expected, s, round_s, floor_s, pipeline + 1, queue_s)
             if deeper <= rate * (1 + config.min_pipeline_gain):
                 break
             pipeline, rate = pipeline + 1, deeper

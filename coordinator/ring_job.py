@@ -160,7 +160,7 @@ class RingJob:
                     source=tree.source, nodes=tree.num_nodes, tried=acc.tried, accepted=len(acc.nodes),
                     traversal_s=traversal_s, draft_s=draft_s, predicted=self._predicted(tree),
                     parts=tuple(self._outcome(part, acc.tokens) for part in tree.merged_from),
-                    queued_behind=queued_behind), self.adapt)
+                    queued_behind=queued_behind, chain=tree.is_chain), self.adapt)
             yield tokens
 
     def _predicted(self, tree: DraftTree) -> float | None:

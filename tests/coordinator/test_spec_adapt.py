@@ -22,6 +22,7 @@ from coordinator.adapt import (
     RoundVerified,
     acceptance_rate,
     apply,
+    chain_survives,
     best_tree_tokens,
     calibration,
     expected_tokens,
@@ -143,14 +144,14 @@ def test_pipelining_is_deep_when_acceptance_is_high_and_off_when_low():
 
 def test_pipelining_rate_model():
     # P = 1 is plain E / T; with everything accepted P rounds in flight give P times that.
-    assert tokens_per_s(3.0, 0.5, 2, 0.2, 0.01, 1) == pytest.approx(15.0)
-    assert tokens_per_s(5.0, 1.0, 4, 0.2, 0.01, 4) == pytest.approx(5.0 / 0.05)
-    assert tokens_per_s(5.0, 1.0, 4, 0.2, 0.1, 4) == pytest.approx(5.0 / 0.1)  # launch floor
+    assert tokens_per_s(3.0, 0.125, 0.2, 0.01, 1) == pytest.approx(15.0)
+    assert tokens_per_s(5.0, 1.0, 0.2, 0.01, 4) == pytest.approx(5.0 / 0.05)
+    assert tokens_per_s(5.0, 1.0, 0.2, 0.1, 4) == pytest.approx(5.0 / 0.1)  # launch floor
     # A run ends with probability 1 - s = 0.75 a round, and then the P - 1 = 2 rounds in
     # flight behind it are discarded, each delaying the next fresh round by Q = 0.1 s.
     s = 0.5**2
     expected_denominator = 0.2 * (1 - s) + s * max(0.2 / 3, 0.01) + (1 - s) * 2 * 0.1
-    assert tokens_per_s(5.0, 0.5, 1, 0.2, 0.01, 3, 0.1) == pytest.approx(5.0 / expected_denominator)
+    assert tokens_per_s(5.0, s, 0.2, 0.01, 3, 0.1) == pytest.approx(5.0 / expected_denominator)
 
 
 def test_queue_is_measured_by_rounds_sent_behind_others_and_leaves_the_line_alone():
@@ -177,6 +178,36 @@ def test_pipeline_depth_follows_the_measured_queue():
     assert plan(fast).pipeline_depth >= 3
     assert plan(busy).pipeline_depth == 1
     assert plan(busy).nodes >= 1  # it still drafts: only sending ahead stopped paying
+
+
+def test_whole_chain_acceptance_is_measured_and_moves_pipelining():
+    # Bug guarded: a round sent ahead is kept only if the chain before it is accepted
+    # whole, and s = a^(K+1) assumes its nodes fail independently. An n-gram copy is
+    # bimodal (the quote runs on, or it ends at once) and a drifting paraphrase keeps most
+    # nodes but rarely all: the planner sent 9 rounds ahead on loopback and kept none.
+    # Sound: both rings below have the same line, queue and about the same a; only the
+    # measured whole acceptances differ, and with none measured the model stands.
+    timed = replace(_timed_state(0.2, 0.001), queue_s=0.02)
+
+    def run(accepted_per_round):  # n-gram chains of 8, one traversal each on the line
+        state = timed
+        for accepted in accepted_per_round:
+            state = apply(RoundVerified("ngram:4", 8, min(accepted + 1, 8), accepted, 0.209, 0.0, chain=True), state)
+        return state
+
+    copying, drifting = run([8, 0, 0, 0] * 10), run([7] * 40)  # a about 0.73 and 0.875
+    for state in (copying, drifting):
+        a = acceptance_rate(state, "ngram:4")
+        assert chain_survives(replace(state, whole={}), "ngram:4", a, 8) == pytest.approx(a**9)
+    a = acceptance_rate(copying, "ngram:4")
+    assert chain_survives(copying, "ngram:4", a, 8) > 2 * a**9  # a quarter whole, not a^8 = 8%
+    assert chain_survives(drifting, "ngram:4", 0.875, 8) == 0.0
+    eights = AdaptConfig(max_chain=8, kinds=(DraftKind.CHAIN,))  # the chains these rounds sent
+    assert plan(replace(drifting, whole={}), eights, source="ngram:4").pipeline_depth > 1
+    assert plan(drifting, eights, source="ngram:4").pipeline_depth == 1
+    # Trees are never sent ahead of: their rounds teach nothing about whole chains.
+    tree_round = RoundVerified("ngram:4", 8, 3, 2, 0.209, 0.0, chain=False)
+    assert apply(tree_round, copying).whole == copying.whole
 
 
 def test_router_prefers_a_trusted_free_ngram_match_and_falls_back_to_eagle():
