@@ -8,7 +8,7 @@ their acceptance. Several drafters (hybrid) are routed per round among their own
 and the merge of all of them (one tree, verified in one traversal: when the drafters
 disagree, whichever is right commits its tokens). A confident drafter that drafts after
 a draft it cannot improve on (a long, trusted n-gram match) is not asked at all: by its
-recent rounds and drafting time it could not pay for the time (`adapt.side_draft_can_pay`).
+recent rounds and drafting time it could not pay for the time (`routing.side_draft_can_pay`).
 
 This module does not know the ring, frames or the wire: it sees the job's drafters, its
 committed tokens, the planner's state and how much context is left.
@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from coordinator import adapt
+from coordinator import adapt, routing
 from coordinator.draft_tree import ChildSampling, DraftTree
 from coordinator.drafting import DraftBudget, Drafter
 
@@ -75,9 +75,9 @@ def draft_round(drafters: Sequence[Drafter], committed: Sequence[int], state: ad
         if confident and not fixed_tree:  # keep the likeliest nodes that pay for their rows
             m, expected = adapt.size_by_confidence(tree, state, draft_s, config)
             if m:
-                candidates.append(adapt.DraftCandidate(tree.keep_likeliest(m), draft_s, expected))
+                candidates.append(routing.DraftCandidate(tree.keep_likeliest(m), draft_s, expected))
         else:
-            candidates.append(adapt.DraftCandidate(tree, draft_s))
+            candidates.append(routing.DraftCandidate(tree, draft_s))
     if not candidates:
         return DraftTree.empty(), 0.0, tuple(skipped)
     drafted_s = sum(c.draft_s for c in candidates)
@@ -85,31 +85,31 @@ def draft_round(drafters: Sequence[Drafter], committed: Sequence[int], state: ad
         merged = merged_candidate(drafters, candidates, drafted_s, state, config)
         if merged.tree.num_nodes <= room:
             candidates.append(merged)
-    best = candidates[adapt.route(candidates, state, config)] if len(candidates) > 1 else candidates[0]
+    best = candidates[routing.route(candidates, state, config)] if len(candidates) > 1 else candidates[0]
     return best.tree, drafted_s, tuple(skipped)
 
 
-def side_draft_pays(drafter: Drafter, candidates: Sequence[adapt.DraftCandidate], state: adapt.AdaptState,
+def side_draft_pays(drafter: Drafter, candidates: Sequence[routing.DraftCandidate], state: adapt.AdaptState,
                     config: adapt.AdaptConfig) -> bool:
     """Whether `drafter` (confident, drafting after the others) can still beat the best
-    draft so far, judged by its recent rounds (`adapt.side_draft_can_pay`); True until it
+    draft so far, judged by its recent rounds (`routing.side_draft_can_pay`); True until it
     has a record."""
     stats, draft_s = state.acceptance.get(drafter.name), getattr(drafter, "propose_s", None)
     if stats is None or draft_s is None:
         return True
-    best = candidates[adapt.route(candidates, state, config)]
-    return adapt.side_draft_can_pay(best, 1.0 + stats.accepted, draft_s, state, config)
+    best = candidates[routing.route(candidates, state, config)]
+    return routing.side_draft_can_pay(best, 1.0 + stats.accepted, draft_s, state, config)
 
 
-def merged_candidate(drafters: Sequence[Drafter], candidates: Sequence[adapt.DraftCandidate], draft_s: float,
-                     state: adapt.AdaptState, config: adapt.AdaptConfig) -> adapt.DraftCandidate:
+def merged_candidate(drafters: Sequence[Drafter], candidates: Sequence[routing.DraftCandidate], draft_s: float,
+                     state: adapt.AdaptState, config: adapt.AdaptConfig) -> routing.DraftCandidate:
     """The drafters' drafts as one tree, with its expected tokens from each part's own
     per-node estimates (confidence for confident drafters, the rank model otherwise)."""
     merged, where = DraftTree.merge([c.tree for c in candidates], source=MERGED_SOURCE)
     reach = [adapt.confident_reach(c.tree, state, config) if is_confident(drafters, c.tree.source)
              else adapt.rank_reach(c.tree, adapt.acceptance_rate(state, c.tree.source, config)) for c in candidates]
-    expected = adapt.merged_expected_tokens(reach, where, merged.num_nodes)
-    return adapt.DraftCandidate(merged, draft_s, expected)
+    expected = routing.merged_expected_tokens(reach, where, merged.num_nodes)
+    return routing.DraftCandidate(merged, draft_s, expected)
 
 
 def is_confident(drafters: Sequence[Drafter], source: str) -> bool:

@@ -40,6 +40,10 @@ class FitConfig:
     tokens_per_batch: int = 2048
     max_seq_tokens: int = 512
     train_lm_head: bool = False  # the LM head starts at the target's tied rows
+    # Train on the target's whole distribution over the draft vocabulary (soft labels,
+    # from the shards' final hidden states) instead of its greedy token alone; a tree's
+    # siblings are the head's runners-up, which only soft labels rank.
+    soft_labels: bool = True
     eval_every_s: float = 900.0
     eval_stride: int = 8
     seed: int = 0
@@ -100,26 +104,48 @@ def make_batches(seqs: list[dict], cfg: FitConfig, rng: random.Random) -> list[l
 
 
 def collate(batch: list[dict], t2d: torch.Tensor, max_len: int):
-    """-> ids (B, T), feats (B, T, k*H), draft labels (B, T-1) with -1 where ignored."""
+    """-> ids (B, T), feats (B, T, k*H), draft labels (B, T-1) with -1 where ignored, and
+    the target's final hidden states (B, T-1, H) aligned with the labels (None when the
+    shards have none)."""
     t = min(max(len(s["ids"]) for s in batch), max_len)
     ids = torch.zeros(len(batch), t, dtype=torch.long)
     feats = torch.zeros(len(batch), t, batch[0]["feats"].shape[-1], dtype=torch.float16)
     labels = torch.full((len(batch), t - 1), -1, dtype=torch.long)
+    final = torch.zeros(len(batch), t - 1, batch[0]["final"].shape[-1], dtype=torch.float16) if all(
+        "final" in s for s in batch) else None
     for b, s in enumerate(batch):
         n = min(len(s["ids"]), t)
         ids[b, :n] = s["ids"][:n].long()
         feats[b, :n] = s["feats"][:n]
         labels[b, :n - 1] = t2d[s["labels"][1:n].long()]  # target's next token after position i+1
-    return ids, feats, labels
+        if final is not None:
+            final[b, :n - 1] = s["final"][1:n]  # the target's state there: its logits for that token
+    return ids, feats, labels, final
 
 
-def step_losses(logits: list[torch.Tensor], labels: torch.Tensor) -> tuple[torch.Tensor, list[float]]:
+def soft_targets(final: torch.Tensor, draft_rows: torch.Tensor) -> torch.Tensor:
+    """The target's distribution renormalised over the draft vocabulary: final (B, T', H)
+    after the final norm, draft_rows (Vd, H) its LM head rows -> (B, T', Vd)."""
+    return torch.softmax(final.float() @ draft_rows.T, dim=-1)
+
+
+def step_losses(logits: list[torch.Tensor], labels: torch.Tensor, target_p: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, list[float]]:
+    """Weighted cross-entropy over the unrolled steps (weights 0.8^s): against the greedy
+    labels, or against `target_p` (B, T-1, Vd) at the same positions when given; the
+    accuracies are top-1 against the greedy labels either way."""
     total, accs = 0.0, []
     for s, lg in enumerate(logits):
         lab = labels.clone()
         lab[:, :s] = -1  # step s+1 at index i needs a root at i - s >= 0
-        total = total + F.cross_entropy(lg.reshape(-1, lg.shape[-1]), lab.reshape(-1), ignore_index=-1) * 0.8 ** s
         keep = lab >= 0
+        if not keep.any():
+            loss = lg.sum() * 0.0
+        elif target_p is None:
+            loss = F.cross_entropy(lg.reshape(-1, lg.shape[-1]), lab.reshape(-1), ignore_index=-1)
+        else:
+            loss = -(target_p[keep] * F.log_softmax(lg[keep], dim=-1)).sum(-1).mean()
+        total = total + loss * 0.8 ** s
         accs.append(float((lg.argmax(-1)[keep] == lab[keep]).float().mean()) if keep.any() else 0.0)
     return total, accs
 
@@ -145,7 +171,7 @@ def evaluate_steps(w, cfg, eps, rotary, embedding, d2t, seqs, fit: FitConfig) ->
     identity = torch.arange(embedding.shape[0])
     hits, totals = [0] * fit.ttt_steps, [0] * fit.ttt_steps
     for s in seqs:
-        ids, feats, labels = collate([s], identity, fit.max_seq_tokens)  # labels in target ids
+        ids, feats, labels, _ = collate([s], identity, fit.max_seq_tokens)  # labels in target ids
         for j, lg in enumerate(ttt_forward(w, cfg, eps, rotary, embedding, ids, feats, fit.ttt_steps)):
             pred = d2t[lg.argmax(-1)][0, j:]  # (T'-j,) target ids
             hits[j] += int((pred == labels[0, j:]).sum())
@@ -230,8 +256,13 @@ def fit(store, work: pathlib.Path, out: pathlib.Path, deadline_s: float, fit_cfg
         if seqs:
             unseen[name] = (seqs, [answer_start(s["ids"], marker) for s in seqs])
     n_train = sum(len(s["ids"]) for s in train_seqs)
+    soft = fit_cfg.soft_labels and all("final" in s for s in train_seqs)
+    draft_rows = tied_head[d2t].float()  # (Vd, H): the target's LM head over the draft vocabulary
     print(f"[fit] {len(train_seqs)} train seqs ({n_train} positions), {len(held)} held out; "
-          f"draft vocab {len(d2t)} covers {coverage:.3f} of labels", flush=True)
+          f"draft vocab {len(d2t)} covers {coverage:.3f} of labels; "
+          f"{'soft' if soft else 'greedy'} labels", flush=True)
+    if fit_cfg.soft_labels and not soft:
+        print("[fit] the shards carry no final hidden states (written before soft labels): greedy labels", flush=True)
     t0 = time.monotonic()
     step, epoch, last_eval = 0, 0, t0
     budget_s = max(deadline_s - t0, 1.0)
@@ -274,9 +305,9 @@ def fit(store, work: pathlib.Path, out: pathlib.Path, deadline_s: float, fit_cfg
             lr = fit_cfg.lr * min(1.0, (step + 1) / fit_cfg.warmup_steps) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
             for group in opt.param_groups:
                 group["lr"] = lr
-            ids, feats, labels = collate(batch, t2d, fit_cfg.max_seq_tokens)
+            ids, feats, labels, final = collate(batch, t2d, fit_cfg.max_seq_tokens)
             logits = ttt_forward(w, cfg, target.rms_norm_eps, rotary, embedding, ids, feats, fit_cfg.ttt_steps)
-            loss, accs = step_losses(logits, labels)
+            loss, accs = step_losses(logits, labels, soft_targets(final, draft_rows) if soft else None)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(trainable.values(), 1.0)

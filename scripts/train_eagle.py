@@ -101,10 +101,11 @@ def generate_shards(model, tokenizer, aux_layers, work_dir: pathlib.Path, deadli
 
 
 def answer_batch(model, tokenizer, texts: list[str], aux_layers, sampling: dict, max_new_tokens: int
-                 ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """Answer `texts` in one batched generate; per text (ids, feats f16, labels) over its
-    fed positions (prompt and answer up to, not including, EOS): the aux layers' outputs
-    and the target's greedy token there (the distillation label)."""
+                 ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Answer `texts` in one batched generate; per text (ids, feats f16, labels, final f16)
+    over its fed positions (prompt and answer up to, not including, EOS): the aux layers'
+    outputs, the target's greedy token there (the hard label) and its hidden state after
+    the final norm (its logits, hence the soft label, are that times the LM head)."""
     eos = tokenizer.eos_token_id
     layers = model.model.layers
     enc = tokenizer(texts, return_tensors="pt", padding=True)
@@ -126,7 +127,8 @@ def answer_batch(model, tokenizer, texts: list[str], aux_layers, sampling: dict,
         stop = gen.index(eos) if eos in gen else len(gen)
         end = min(pad + stop, feats.shape[1])
         seqs.append((out[row, start:end], feats[row, start:end].to(torch.float16),
-                     torch.argmax(final[row, start:end] @ model.lm_head.weight.T, dim=-1)))
+                     torch.argmax(final[row, start:end] @ model.lm_head.weight.T, dim=-1),
+                     final[row, start:end].to(torch.float16)))
     return seqs
 
 
@@ -134,11 +136,12 @@ def save_sequences(path: pathlib.Path, seqs, heldout: list[bool], metadata: dict
     from safetensors.torch import save_file
 
     offsets = [0]
-    for ids, _, _ in seqs:
+    for ids, *_ in seqs:
         offsets.append(offsets[-1] + len(ids))
     save_file({"ids": torch.cat([s[0] for s in seqs]).to(torch.int32),
                "feats": torch.cat([s[1] for s in seqs]).contiguous(),
-               "labels": torch.cat([s[2] for s in seqs]).to(torch.int32), "offsets": torch.tensor(offsets),
+               "labels": torch.cat([s[2] for s in seqs]).to(torch.int32),
+               "final": torch.cat([s[3] for s in seqs]).contiguous(), "offsets": torch.tensor(offsets),
                "heldout": torch.tensor([int(h) for h in heldout])}, str(path), metadata=metadata)
 
 
@@ -189,7 +192,8 @@ def _capture(sink: list[torch.Tensor]):
 
 
 def load_shards(work_dir: pathlib.Path) -> tuple[list[dict], list[dict]]:
-    """(train, heldout) sequences, each {"ids", "feats", "labels"} tensors."""
+    """(train, heldout) sequences, each {"ids", "feats", "labels"} tensors, and "final"
+    where the shard has it (shards written before soft labels do not)."""
     from safetensors.torch import load_file
 
     train_seqs, held_seqs = [], []
@@ -203,7 +207,8 @@ def load_shards(work_dir: pathlib.Path) -> tuple[list[dict], list[dict]]:
 def _sequences(t: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
     """A saved file's concatenated tensors cut back into its sequences (`save_sequences`)."""
     off = t["offsets"].tolist()
-    return [{k: t[k][off[s]:off[s + 1]] for k in ("ids", "feats", "labels")} for s in range(len(off) - 1)]
+    keys = [k for k in ("ids", "feats", "labels", "final") if k in t]
+    return [{k: t[k][off[s]:off[s + 1]] for k in keys} for s in range(len(off) - 1)]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -227,6 +232,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--init-from", default="", help="continue training this head directory")
     ap.add_argument("--train-lm-head", action="store_true",
                     help="train the draft LM head too (default: frozen at the target's rows for the draft vocabulary)")
+    ap.add_argument("--greedy-labels", action="store_true",
+                    help="train on the target's greedy tokens only (default: its distribution over the draft vocabulary)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -250,7 +257,7 @@ def main(argv: list[str] | None = None) -> None:
 
         fit(store, work, pathlib.Path(args.out), deadline_s, FitConfig(
             aux_layers=aux_layers, draft_vocab=args.draft_vocab, ttt_steps=args.ttt_steps, seed=args.seed,
-            lr=args.lr, init_from=args.init_from, train_lm_head=args.train_lm_head),
+            lr=args.lr, init_from=args.init_from, train_lm_head=args.train_lm_head, soft_labels=not args.greedy_labels),
             started_s=t_start, argv=sys.argv[1:] if argv is None else argv)
 
 

@@ -248,6 +248,35 @@ def test_training_unroll_matches_drafting():
             torch.testing.assert_close(steps[s - 1][0, i], head.logits(g), rtol=1e-4, atol=1e-4)
 
 
+def test_soft_labels_line_up_with_the_greedy_labels_and_reduce_to_them():
+    # Guards a shifted soft target: at every index the target's distribution over the draft
+    # vocabulary must be the one whose argmax is that index's greedy label, for each of two
+    # sequences padded into one batch; and a one-hot target must give the greedy loss.
+    from scripts.eagle_fit import collate, soft_targets, step_losses
+
+    gen = torch.Generator().manual_seed(4)
+    vocab, hidden = 40, 8
+    lm_head = torch.randn(vocab, hidden, generator=gen)
+    seqs = []
+    for n in (9, 6):
+        final = torch.randn(n, hidden, generator=gen).half()
+        seqs.append({"ids": torch.randint(0, vocab, (n,), generator=gen), "feats": torch.zeros(n, 3 * hidden).half(),
+                     "labels": (final.float() @ lm_head.T).argmax(-1), "final": final})
+    d2t = torch.unique(torch.cat([s["labels"] for s in seqs]))
+    t2d = torch.full((vocab,), -1, dtype=torch.long)
+    t2d[d2t] = torch.arange(len(d2t))
+    _, _, labels, final = collate(seqs, t2d, 512)
+    target_p = soft_targets(final, lm_head[d2t])
+    keep = labels >= 0
+    assert keep.sum() == 8 + 5
+    assert torch.equal(target_p.argmax(-1)[keep], labels[keep])
+    logits = [torch.randn(*labels.shape, len(d2t), generator=gen) for _ in range(3)]
+    one_hot = torch.nn.functional.one_hot(labels.clamp(min=0), len(d2t)).float()
+    greedy, _ = step_losses(logits, labels)
+    assert float(step_losses(logits, labels, one_hot)[0]) == pytest.approx(float(greedy), rel=1e-5)
+    assert float(step_losses(logits, labels, target_p)[0]) != pytest.approx(float(greedy), rel=1e-3)
+
+
 @pytest.mark.slow
 def test_shipped_head_drafts_smollm2_chains_above_plain_decoding(smollm2_store):
     # The engine's loop in miniature, on our stage runtime: prefill captures the aux

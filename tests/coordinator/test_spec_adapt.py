@@ -15,7 +15,6 @@ from coordinator.adapt import (
     AcceptanceStats,
     AdaptConfig,
     AdaptState,
-    DraftCandidate,
     DraftKind,
     DraftOutcome,
     RingChanged,
@@ -27,10 +26,7 @@ from coordinator.adapt import (
     calibration,
     expected_tokens,
     expected_tokens_chain,
-    merged_expected_tokens,
     plan,
-    route,
-    side_draft_can_pay,
     size_by_confidence,
     tokens_per_s,
     traversal_line,
@@ -210,17 +206,6 @@ def test_whole_chain_acceptance_is_measured_and_moves_pipelining():
     assert apply(tree_round, copying).whole == copying.whole
 
 
-def test_router_prefers_a_trusted_free_ngram_match_and_falls_back_to_eagle():
-    ngram = DraftCandidate(DraftTree.chain([1, 2, 3, 4, 5, 6], source="ngram:4"), draft_s=0.0)
-    eagle = DraftCandidate(DraftTree.chain([7, 8, 9, 10], source="eagle"), draft_s=0.02)
-    state = AdaptState(acceptance={"ngram:4": AcceptanceStats(0.9, 1.0), "eagle": AcceptanceStats(0.7, 1.0)})
-    assert route([eagle, ngram], state) == 1
-    state = AdaptState(acceptance={"ngram:4": AcceptanceStats(0.1, 1.0), "eagle": AcceptanceStats(0.7, 1.0)})
-    assert route([eagle, ngram], state) == 0
-    with pytest.raises(ValueError, match="at least one candidate"):
-        route([], state)
-
-
 def test_planned_like_the_emulated_ring_eagle_keeps_drafting():
     # Bug guarded: plan() credited pipelining to a round with no draft (nothing to send
     # ahead) and to trees (the engine pipelines chains only), and the engine planned EAGLE
@@ -308,40 +293,9 @@ def test_a_merged_round_teaches_each_part_not_the_merge():
     assert state.traversal is not None and state.traversal.n == 13  # the round's rows, once
 
 
-def test_merged_expectation_adds_exclusive_branches_and_counts_shared_nodes_once():
-    # Two parts whose first nodes differ are exclusive (the target takes one child): their
-    # chances add. A node both parts hold counts once, at the higher estimate.
-    merged, where = DraftTree.merge([DraftTree.chain([1, 2]), DraftTree.chain([3])], source="merged")
-    assert merged_expected_tokens([[0.5, 0.25], [0.3]], where, merged.num_nodes) == pytest.approx(1 + 0.5 + 0.25 + 0.3)
-    merged, where = DraftTree.merge([DraftTree.chain([1, 2]), DraftTree.chain([1, 4])], source="merged")
-    assert merged.num_nodes == 3
-    assert merged_expected_tokens([[0.5, 0.25], [0.6, 0.1]], where, 3) == pytest.approx(1 + 0.6 + 0.25 + 0.1)
-
-
 @pytest.mark.parametrize("depth", ["0", "9"])
 def test_a_bad_pipeline_depth_is_refused_before_anything_loads(depth, capsys):
     from coordinator.cli import main
 
     assert main(["serve", "--pipeline-depth", depth]) == 2
     assert f"pipeline depth (rounds in flight) must be 1..8, got {depth}" in capsys.readouterr().err
-
-
-@given(st.floats(0.05, 0.99), st.integers(1, 12), st.floats(1.0, 6.0), st.floats(0.0, 0.1))
-@settings(max_examples=200, deadline=None)
-def test_side_draft_bound_is_never_below_the_merge_it_bounds(a, k, side_tokens, side_s):
-    # Sound: whatever the side drafter's nodes, merged with a chain they only add where the
-    # chain's path is rejected. Take the best such side draft: at each rejection point
-    # along the chain, a subtree worth side_tokens - 1 given that point is reached. Its
-    # merged rate may not exceed what side_draft_can_pay compares against.
-    state = _timed_state(0.2, 0.003, acceptance={"ngram:4": AcceptanceStats(a, 1.0)})
-    chain = DraftTree.chain(list(range(1, k + 1)), source="ngram:4")
-    reach = [1.0] + [a**d for d in range(1, k + 1)]  # the chain's prefix of length d is accepted
-    # At depth d the chain's next node is rejected with probability reach[d] * (1 - a).
-    side_extra = sum(reach[d] * (1 - a) for d in range(k)) * (side_tokens - 1)
-    assert side_extra == pytest.approx((1 - a**k) * (side_tokens - 1))
-    best = DraftCandidate(chain)
-    fixed, per_row = traversal_line(state)
-    round_s = fixed + per_row * (k + 1)
-    merged_rate = (expected_tokens_chain(a, k) + side_extra) / (round_s + side_s + per_row)
-    if merged_rate > expected_tokens_chain(a, k) / round_s:
-        assert side_draft_can_pay(best, side_tokens, side_s, state)

@@ -35,6 +35,10 @@ def test_unseen_answers_store_each_positions_features_and_greedy_label(tiny_llam
         assert seq["feats"].shape == want.shape
         torch.testing.assert_close(seq["feats"].float(), want, atol=2e-2, rtol=1e-2)  # stored f16
         assert seq["labels"].long().tolist() == out.logits[0].argmax(-1).tolist()
+        # the soft label's source: the hidden state after the final norm, whose product
+        # with the LM head is the target's logits
+        torch.testing.assert_close(seq["final"].float(), out.hidden_states[-1][0], atol=2e-2, rtol=1e-2)
+        torch.testing.assert_close(seq["final"].float() @ model.lm_head.weight.T, out.logits[0], atol=5e-2, rtol=1e-2)
         # greedy answers: each answer token is the label of the position before it
         assert ids[len(prompt_ids):].tolist() == seq["labels"].long()[len(prompt_ids) - 1:-1].tolist()
 
