@@ -4,7 +4,8 @@ the router keeps the draft likely to commit the most tokens per second of ring t
 A drafter with calibrated log-probs (`confidence = True`, EAGLE) drafts a generous tree
 and keeps the likeliest nodes that pay for their ring rows (`adapt.size_by_confidence`),
 or a fixed tree when one is pinned; the others draft the shape `adapt.plan` picks from
-their acceptance. Several drafters (hybrid) are routed per round among their own drafts
+the acceptance of the evidence their draft names (an n-gram draft its match length), and
+are asked every round, since a long match can pay where their average says none does. Several drafters (hybrid) are routed per round among their own drafts
 and the merge of all of them (one tree, verified in one traversal: when the drafters
 disagree, whichever is right commits its tokens). A confident drafter that drafts after
 a draft it cannot improve on (a long, trusted n-gram match) is not asked at all: by its
@@ -53,22 +54,29 @@ def draft_round(drafters: Sequence[Drafter], committed: Sequence[int], state: ad
                 floor = adapt.confidence_floor(state, drafter.name, config)
         else:
             shape = adapt.plan(state, config, source=getattr(drafter, "name", adapt.ALL_SOURCES))
-            nodes, depth = shape.nodes, shape.depth
-            probe = nodes == 0 and undrafted_rounds >= PROBE_EVERY_ROUNDS
-            if probe:
-                nodes = depth = PROBE_NODES
+            wanted = shape.nodes > 0
+            probe = not wanted and undrafted_rounds >= PROBE_EVERY_ROUNDS
+            # Where the drafter's average says no draft pays, still look at its evidence
+            # (a small draft; an n-gram lookup is nearly free): a long match can pay where
+            # the average, pulled down by short ones, does not.
+            nodes, depth = (shape.nodes, shape.depth) if wanted else (PROBE_NODES, PROBE_NODES)
         budget = DraftBudget(max(0, min(nodes, room)), max(0, min(depth, room)), floor)
         tree = drafter.propose(committed, budget) if budget.max_nodes else DraftTree.empty()
         if tree.num_nodes and not confident and not probe:
             # The draft names its evidence (an n-gram draft its match length): draft again
             # in the shape that evidence's own acceptance asks for, when it differs from
             # the drafter's average (1-token matches fare far worse than 4-token ones). At
-            # least one node: evidence judged only by drafts never sent would keep a low
-            # estimate for good (measured: n-gram drafted half as many rounds).
+            # least one node when the average wanted a draft or the evidence has no record
+            # yet: evidence judged only by drafts never sent would keep a low estimate for
+            # good (measured: n-gram drafted half as many rounds). Otherwise evidence
+            # whose own record says no draft pays sends none.
             own = adapt.plan(state, config, source=tree.source)
-            own_nodes, own_depth = max(own.nodes, 1), max(own.depth, 1)
-            if (own_nodes, own_depth) != (nodes, depth):
-                tree = drafter.propose(committed, DraftBudget(min(own_nodes, room), min(own_depth, room)))
+            if not wanted and own.nodes == 0 and tree.source in state.acceptance:
+                tree = DraftTree.empty()
+            else:
+                own_nodes, own_depth = max(own.nodes, 1), max(own.depth, 1)
+                if (own_nodes, own_depth) != (nodes, depth):
+                    tree = drafter.propose(committed, DraftBudget(min(own_nodes, room), min(own_depth, room)))
         draft_s = time.perf_counter() - t0
         if not tree.num_nodes:
             continue

@@ -232,8 +232,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--init-from", default="", help="continue training this head directory")
     ap.add_argument("--train-lm-head", action="store_true",
                     help="train the draft LM head too (default: frozen at the target's rows for the draft vocabulary)")
-    ap.add_argument("--greedy-labels", action="store_true",
-                    help="train on the target's greedy tokens only (default: its distribution over the draft vocabulary)")
+    ap.add_argument("--soft-labels", action="store_true",
+                    help="train on the target's distribution over the draft vocabulary (default: its greedy tokens)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -257,7 +257,7 @@ def main(argv: list[str] | None = None) -> None:
 
         fit(store, work, pathlib.Path(args.out), deadline_s, FitConfig(
             aux_layers=aux_layers, draft_vocab=args.draft_vocab, ttt_steps=args.ttt_steps, seed=args.seed,
-            lr=args.lr, init_from=args.init_from, train_lm_head=args.train_lm_head, soft_labels=not args.greedy_labels),
+            lr=args.lr, init_from=args.init_from, train_lm_head=args.train_lm_head, soft_labels=args.soft_labels),
             started_s=t_start, argv=sys.argv[1:] if argv is None else argv)
 
 

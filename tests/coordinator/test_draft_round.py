@@ -91,6 +91,23 @@ def test_a_draft_is_shaped_by_its_own_evidence_not_its_drafters_average():
     assert lengths["ngram:1"] == 1
 
 
+def test_strong_evidence_drafts_where_the_drafters_average_says_no_draft_pays():
+    # Bug guarded: hybrid asked the n-gram drafter nothing once its family's average (pulled
+    # down by 1-token matches on open-ended text) said no draft pays, and since EAGLE
+    # drafted every round the probe never came: on a quoting prompt the 4-token matches
+    # went unused. Sound: the family average alone gives no draft; each evidence's own
+    # record decides, and evidence never sent gets one try.
+    rates = {"ngram": AcceptanceStats(0.02, 1.0), "ngram:1": AcceptanceStats(0.02, 1.0),
+             "ngram:4": AcceptanceStats(0.95, 1.0)}
+    planned = AdaptState(acceptance=rates, traversal=state(per_row_s=0.05).traversal, rounds=10)
+    sizes = {}
+    for source in ("ngram:1", "ngram:4", "ngram:3"):
+        tree, _, _ = draft_round([EvidenceDrafter(source)], [9, 9], planned, room=64, max_pipeline_depth=1,
+                                 undrafted_rounds=0)
+        sizes[source] = tree.num_nodes
+    assert sizes["ngram:1"] == 0 and sizes["ngram:4"] > 2 and sizes["ngram:3"] >= 1, sizes
+
+
 class CountingConfident(FixedDrafter):
     """A confident drafter with a record: its family's acceptance and its drafting time."""
 
