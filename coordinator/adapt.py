@@ -16,8 +16,8 @@ assuming r's chain and a guessed bonus are all accepted (probability s = w * a, 
 the chance a chain of K is accepted whole, is a^K times a calibration measured on every
 chain round: the EWMA of whole acceptances over the EWMA of a^K at the time; an n-gram
 copy is accepted whole far more often than independent nodes would be, a drifting one
-far less); otherwise it is discarded with every round after it. A run of rounds ends at the first
-one that is not fully accepted, which gives tokens per second
+far less); otherwise it is discarded with every round after it. A run of rounds ends
+at the first one that is not fully accepted, which gives tokens per second
 E / (T (1 - s) + s I + (1 - s) (P - 1) Q), where E is the expected tokens per round, T
 the round's latency, Q how long one round in flight ahead of another delays it (the
 ring's busy time per round), I = max(T / P, draft + Q) the launch interval, and the last
@@ -353,7 +353,8 @@ def tokens_per_s(
     """Committed tokens per second (module docstring): s the chance a round sent ahead
     is kept, round_s draft + traversal, floor_s the shortest launch interval (draft + Q),
     queue_s (Q) what each discarded round in flight costs the next fresh one."""
-    interval = max(round_s / pipeline_depth, floor_s)
+    # One round in flight is launched when the last returns: no floor, E / T.
+    interval = round_s if pipeline_depth == 1 else max(round_s / pipeline_depth, floor_s)
     return expected / (round_s * (1 - s) + s * interval + (1 - s) * (pipeline_depth - 1) * queue_s)
 
 

@@ -143,6 +143,9 @@ def test_pipelining_rate_model():
     assert tokens_per_s(3.0, 0.125, 0.2, 0.01, 1) == pytest.approx(15.0)
     assert tokens_per_s(5.0, 1.0, 0.2, 0.01, 4) == pytest.approx(5.0 / 0.05)
     assert tokens_per_s(5.0, 1.0, 0.2, 0.1, 4) == pytest.approx(5.0 / 0.1)  # launch floor
+    # The floor (draft + Q) binds only rounds sent ahead: a measured Q above a whole
+    # round (a loaded machine) must not slow a round that waits for the last one.
+    assert tokens_per_s(5.0, 0.9, 0.2, 0.3, 1, 0.3) == pytest.approx(5.0 / 0.2)
     # A run ends with probability 1 - s = 0.75 a round, and then the P - 1 = 2 rounds in
     # flight behind it are discarded, each delaying the next fresh round by Q = 0.1 s.
     s = 0.5**2
