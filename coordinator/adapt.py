@@ -23,7 +23,9 @@ the round's latency, Q how long one round in flight ahead of another delays it (
 ring's busy time per round), I = max(T / P, draft + Q) the launch interval, and the last
 term the P - 1 discarded rounds the next fresh round waits behind. P = 1 gives E / T.
 Q is measured: a round sent while k others were in flight returns k Q later than the
-traversal line predicts (`RoundVerified.queued_behind`). On a latency-bound WAN ring Q is
+traversal line predicts (`RoundVerified.queued_behind`), where each round ahead counts
+by the share of its predicted traversal still to run (`queued_share`): one sent just
+before counts 1, one about to return nearly 0. On a latency-bound WAN ring Q is
 about the busiest stage's compute, so deep pipelines pay; where the stages share a CPU Q
 is nearly the whole round and they do not. Until measured, Q is the round's marginal row
 time (optimistic, so pipelining gets tried and measured). Only chains of one node or
@@ -50,7 +52,7 @@ from __future__ import annotations
 import enum
 import heapq
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
 from coordinator.draft_tree import DraftTree
@@ -174,9 +176,11 @@ class RoundVerified:
     # learn from instead of the round's source, tried, accepted and predicted.
     parts: tuple[DraftOutcome, ...] = ()
     # Rounds that were in flight ahead of this one when it was sent (pipelined rounds,
-    # and discarded ones still in the ring): its traversal then measures the queue, not
-    # the line, and does not move the traversal fit.
-    queued_behind: int = 0
+    # and discarded ones still in the ring), each by the share of it still to run
+    # (`queued_share`): its traversal then measures the queue, not the line, and does
+    # not move the traversal fit. Below MIN_QUEUED_SHARE the queue is too small a part
+    # of the round to measure (the excess would be divided by almost nothing).
+    queued_behind: float = 0.0
     chain: bool = False  # the draft was one chain (`tree.is_chain`): its whole acceptance is learnt
 
 
@@ -186,6 +190,22 @@ class RingChanged:
 
 
 Event = RoundVerified | RingChanged
+
+
+MIN_QUEUED_SHARE = 0.5
+
+
+def queued_share(in_flight: Iterable[tuple[float, int]], now_s: float, state: AdaptState,
+                 config: AdaptConfig = AdaptConfig()) -> float:
+    """How many rounds' worth of queue a round sent at `now_s` waits behind: each round
+    in flight, (sent at, rows), counts the share of its predicted traversal (the line)
+    not yet elapsed."""
+    fixed_s, per_row_s = traversal_line(state, config)
+    share = 0.0
+    for sent_s, rows in in_flight:
+        predicted_s = fixed_s + per_row_s * rows
+        share += max(0.0, 1.0 - (now_s - sent_s) / predicted_s) if predicted_s > 0 else 0.0
+    return share
 
 
 def _ewma(old: float, new: float, alpha: float) -> float:
@@ -220,7 +240,7 @@ def apply(event: Event, state: AdaptState, config: AdaptConfig = AdaptConfig()) 
     n, t = float(event.nodes + 1), event.traversal_s
     fit, queue = state.traversal, state.queue_s
     if event.queued_behind:
-        if fit is not None:  # the queue is what the line does not explain
+        if fit is not None and event.queued_behind >= MIN_QUEUED_SHARE:  # the queue is what the line does not explain
             fixed_s, per_row_s = traversal_line(state, config)
             delay = max(0.0, t - fixed_s - per_row_s * n) / event.queued_behind
             queue = delay if queue is None else _ewma(queue, delay, alpha)

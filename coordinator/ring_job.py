@@ -69,7 +69,7 @@ class Ahead:
     root_token: int  # the bonus token it assumed the previous round would commit
     sent_s: float
     draft_s: float
-    queued_behind: int  # rounds of this job in flight ahead of it when it was sent
+    queued_behind: float  # rounds of this job in flight ahead of it when sent (adapt.queued_share)
 
 
 @dataclass
@@ -99,6 +99,8 @@ class RingJob:
     pipelined: int = 0  # traversals whose round was sent ahead and turned out valid
     most_in_flight: int = 1  # the most rounds this job had in the ring at once
     discarded: int = 0  # rounds sent ahead on an assumption that failed (their results ignored)
+    # (ring epoch, sent at, rows) of discarded rounds the next fresh round may queue behind
+    discarded_in_flight: list[tuple[int, float, int]] = field(default_factory=list)
     undrafted_rounds: int = 0  # rounds since the last one that carried a draft
     receipts: JobReceipts | None = None
 
@@ -120,7 +122,6 @@ class RingJob:
         while len(self.committed) < limit:
             ahead = self.ahead.popleft() if self.ahead else None
             got = None
-            discarded = self.discarded
             if ahead is not None and self._still_valid(ahead):
                 got = await self._collect_ahead(ahead, limit)
             else:  # every round still in flight was built on a context that did not happen
@@ -128,11 +129,14 @@ class RingJob:
             if got is not None:
                 tree, draft_s, queued_behind = ahead.tree, ahead.draft_s, ahead.queued_behind
                 rows, traversal_s, fed, tree_aux = got
-            else:  # a fresh round queues behind the discarded ones still in the ring
+            else:  # a fresh round queues behind what is left of the discarded ones
                 tree, draft_s = self._draft(limit)
                 epoch = self.ring_epoch
+                behind = adapt.queued_share([(sent_s, n) for e, sent_s, n in self.discarded_in_flight if e == epoch],
+                                            time.monotonic(), self.adapt)
+                self.discarded_in_flight.clear()
                 rows, traversal_s, fed, tree_aux = await self._verify(tree, limit)
-                queued_behind = self.discarded - discarded if self.ring_epoch == epoch else 0
+                queued_behind = behind if self.ring_epoch == epoch else 0.0
             head = self.engine.head
             if self.params.greedy:  # LM-head rows only along the accepted path
                 acc = await trio.to_thread.run_sync(
@@ -249,7 +253,7 @@ class RingJob:
             src, dst = (), 0
         if tree.num_nodes:
             rounds.append(await self._send(ring, self._verify_frame(ring, root, self.committed[root], tree, src, dst)))
-            await self._send_ahead(ring, tree, root, limit)
+            await self._send_ahead(ring, tree, root, limit, time.monotonic())
         self.pending_commit = ((), 0)
         last = None
         fed, tree_aux = [], None  # aux rows of committed chunks; of the verify frame
@@ -270,7 +274,7 @@ class RingJob:
         self.traversals += 1
         return self.engine.hidden(last)[-(tree.num_nodes + 1):], traversal_s, fed, tree_aux
 
-    async def _send_ahead(self, ring: RingState, base: DraftTree, base_root: int, limit: int) -> None:
+    async def _send_ahead(self, ring: RingState, base: DraftTree, base_root: int, limit: int, base_sent_s: float) -> None:
         """Pipelined rounds: while the chain `base` (root at slot `base_root`) is in the
         ring, keep up to the planner's pipeline depth of rounds in flight, each drafted on
         the assumption that every round before it is accepted whole with the bonus token
@@ -302,16 +306,21 @@ class RingJob:
             root_token, drafts = int(guess.tokens[0]), guess.tokens[1:].tolist()
             tree = DraftTree.chain(drafts, source=guess.source)
             root = tail_root + 1 + tail.num_nodes
+            in_flight = [(base_sent_s, base.num_nodes + 1)] + [(a.sent_s, a.tree.num_nodes + 1) for a in self.ahead]
             round_id = await self._send(ring, self._verify_frame(ring, root, root_token, tree))
-            self.ahead.append(Ahead(round_id, ring.epoch, tree, root, root_token, time.monotonic(),
-                                    time.perf_counter() - t0, queued_behind=1 + len(self.ahead)))
+            now = time.monotonic()
+            self.ahead.append(Ahead(round_id, ring.epoch, tree, root, root_token, now, time.perf_counter() - t0,
+                                    queued_behind=adapt.queued_share(in_flight, now, self.adapt)))
             self.most_in_flight = max(self.most_in_flight, 1 + len(self.ahead))
             assumed += [root_token, *drafts]
             tail, tail_root = tree, root
 
     def _discard_ahead(self, popped: Ahead | None = None) -> None:
-        """Forget the rounds in flight (and `popped`, taken off the queue already)."""
-        self.discarded += len(self.ahead) + (popped is not None)
+        """Forget the rounds in flight (and `popped`, taken off the queue already); the
+        next fresh round still queues behind what is left of them."""
+        gone = ([popped] if popped is not None else []) + list(self.ahead)
+        self.discarded += len(gone)
+        self.discarded_in_flight += [(a.epoch, a.sent_s, a.tree.num_nodes + 1) for a in gone]
         self.ahead.clear()
 
     def _still_valid(self, ahead: "Ahead") -> bool:
@@ -327,7 +336,7 @@ class RingJob:
             self._discard_ahead(ahead)
             return None
         try:
-            await self._send_ahead(ring, ahead.tree, ahead.root, limit)
+            await self._send_ahead(ring, ahead.tree, ahead.root, limit, ahead.sent_s)
             with trio.fail_after(self.engine.config.frame_timeout_s):
                 result = await self._receive(ring, ahead.round)
         except (RingChanged, JobFailedError, TransportError, trio.TooSlowError) as exc:

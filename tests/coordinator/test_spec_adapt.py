@@ -27,6 +27,7 @@ from coordinator.adapt import (
     expected_tokens,
     expected_tokens_chain,
     plan,
+    queued_share,
     size_by_confidence,
     tokens_per_s,
     traversal_line,
@@ -164,6 +165,22 @@ def test_queue_is_measured_by_rounds_sent_behind_others_and_leaves_the_line_alon
     faster = apply(RoundVerified("ngram:4", 8, 8, 8, 0.1, 0.0, queued_behind=1), behind)
     assert faster.queue_s == pytest.approx(0.8 * 0.0545)  # never negative
     assert apply(RingChanged(), faster).queue_s is None  # a new ring queues differently
+
+
+def test_a_round_ahead_counts_by_the_share_of_it_still_to_run():
+    # Bug guarded: a round sent ahead when its base was nearly back counted as a whole
+    # round queued ahead, so its small delay read as a small Q (loopback measured Q at
+    # 4-38 ms against ~70 ms rounds). Sound: the line predicts 0.2 + 0.001 * rows.
+    state = _timed_state(0.2, 0.001)
+    assert queued_share([(10.0, 9)], 10.0, state) == pytest.approx(1.0)  # just sent
+    assert queued_share([(10.0, 9)], 10.1045, state) == pytest.approx(0.5)  # half of 0.209 s gone
+    assert queued_share([(10.0, 9), (9.0, 9)], 10.1045, state) == pytest.approx(0.5)  # one long back
+    # Half a round queued ahead and 0.05 s of excess: Q = 0.1 s. Below half a round the
+    # excess is too small a part to divide, and the round still leaves the line alone.
+    half = apply(RoundVerified("ngram:4", 8, 8, 8, 0.209 + 0.05, 0.0, queued_behind=0.5), state)
+    assert half.queue_s == pytest.approx(0.1)
+    little = apply(RoundVerified("ngram:4", 8, 8, 8, 0.209 + 0.05, 0.0, queued_behind=0.2), state)
+    assert little.queue_s is None and little.traversal == state.traversal
 
 
 def test_pipeline_depth_follows_the_measured_queue():
