@@ -5,11 +5,12 @@ A drafter with calibrated log-probs (`confidence = True`, EAGLE) drafts a genero
 and keeps the likeliest nodes that pay for their ring rows (`adapt.size_by_confidence`),
 or a fixed tree when one is pinned; the others draft the shape `adapt.plan` picks from
 the acceptance of the evidence their draft names (an n-gram draft its match length), and
-are asked every round, since a long match can pay where their average says none does. Several drafters (hybrid) are routed per round among their own drafts
-and the merge of all of them (one tree, verified in one traversal: when the drafters
-disagree, whichever is right commits its tokens). A confident drafter that drafts after
-a draft it cannot improve on (a long, trusted n-gram match) is not asked at all: by its
-recent rounds and drafting time it could not pay for the time (`routing.side_draft_can_pay`).
+are asked every round, since a long match can pay where their average says none does.
+Several drafters (hybrid) are routed per round among their own drafts and the merge of
+all of them (one tree, verified in one traversal: when the drafters disagree, whichever
+is right commits its tokens). A confident drafter that drafts after a draft it cannot
+improve on (a long, trusted n-gram match) is not asked at all: by its recent rounds and
+drafting time it could not pay for the time (`routing.side_draft_can_pay`).
 
 This module does not know the ring, frames or the wire: it sees the job's drafters, its
 committed tokens, the planner's state and how much context is left.
