@@ -5,8 +5,9 @@
 1. data: the target answers our own prompts (scripts/eagle_prompts.py) with its chat
    template (batched transformers generate, mostly greedy, a quarter at temperature
    0.7); forward hooks capture, at every fed position, the outputs of the three aux
-   layers and the target's greedy next token (the distillation label). Shards are
-   safetensors under --work-dir and are reused by a later run.
+   layers, the target's greedy next token (the distillation label) and its final-norm
+   hidden state (for --soft-labels). Shards are safetensors under --work-dir and are
+   reused by a later run.
 2. train: one EAGLE-3 decoder layer (coordinator/eagle.py) with a training-time-test
    loss unrolled --ttt-steps steps: step 1 sees the target's fused features, step s > 1
    the head's own outputs of step s-1, with the attention pattern drafting uses.
