@@ -68,7 +68,8 @@ def generate_shards(model, tokenizer, aux_layers, work_dir: pathlib.Path, deadli
                     batch: int, max_new_tokens: int, seed: int) -> None:
     """Answer prompt batches until the deadline, one shard per batch. Each shard holds,
     concatenated over its sequences: ids (N,), feats (N, k*H) f16 of the aux layers at
-    each fed position, labels (N,) the target's argmax there, offsets (S+1,), heldout (S,)."""
+    each fed position, labels (N,) the target's argmax there, final (N, H) f16 its state
+    after the final norm, offsets (S+1,), heldout (S,)."""
     work_dir.mkdir(parents=True, exist_ok=True)
     prompts = build_prompts(seed)
     # Every 25th prompt is held out for evaluation; those are answered greedily, so
@@ -97,7 +98,7 @@ def generate_shards(model, tokenizer, aux_layers, work_dir: pathlib.Path, deadli
         save_sequences(path, seqs, [heldout[i] for i in idx], metadata={
             "categories": json.dumps([prompts[i][0] for i in idx]), "sampled": str(sampled[idx[0]]),
             "aux_layers": json.dumps(list(aux_layers))})
-        positions = sum(len(ids) for ids, _, _ in seqs)
+        positions = sum(len(ids) for ids, *_ in seqs)
         print(f"[data] shard {n}: {len(idx)} prompts, {positions} positions, {time.monotonic() - t0:.0f} s", flush=True)
 
 

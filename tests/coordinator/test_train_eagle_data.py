@@ -8,7 +8,8 @@ from __future__ import annotations
 import torch
 
 from scripts.spec_prompts import GROUNDED, OPEN_ENDED
-from scripts.train_eagle import generate_unseen, load_target, load_unseen
+from scripts import train_eagle
+from scripts.train_eagle import generate_shards, generate_unseen, load_shards, load_target, load_unseen
 
 AUX = (0, 2, 3)  # not the last layer: transformers reports that one after the final norm
 
@@ -46,3 +47,21 @@ def test_unseen_answers_store_each_positions_features_and_greedy_label(tiny_llam
 def test_missing_unseen_file_means_no_unseen_check(tmp_path):
     assert load_unseen(tmp_path) == []
 
+
+
+def test_data_phase_writes_shards_the_fit_reads(tiny_llama_store, tmp_path, monkeypatch):
+    # Bug guarded: the data phase unpacked each answered sequence as three fields after
+    # answer_batch grew a fourth (the final-norm state), so it crashed after its first
+    # shard; only the unseen path was tested. Sound: six prompts in batches of four give
+    # two shards, every 25th prompt (the first) held out, each sequence with every field.
+    prompts = [(OPEN_ENDED[0], f"Tell me about topic {i}.") for i in range(6)]
+    monkeypatch.setattr(train_eagle, "build_prompts", lambda seed: prompts)
+    model, tokenizer = load_target(tiny_llama_store)
+    generate_shards(model, tokenizer, AUX, tmp_path, float("inf"), batch=4, max_new_tokens=4, seed=0)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["shard_0000.safetensors", "shard_0001.safetensors"]
+    train, held = load_shards(tmp_path)
+    assert (len(train), len(held)) == (5, 1)
+    for seq in train + held:
+        n = len(seq["ids"])
+        assert seq["feats"].shape == (n, len(AUX) * model.config.hidden_size)
+        assert seq["labels"].shape == (n,) and seq["final"].shape == (n, model.config.hidden_size)
