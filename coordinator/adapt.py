@@ -212,6 +212,13 @@ def _ewma(old: float, new: float, alpha: float) -> float:
     return (1 - alpha) * old + alpha * new
 
 
+def _fold(old: AcceptanceStats | None, accepted: float, tried: float, alpha: float) -> AcceptanceStats:
+    """A pair of EWMAs with one more observation; the first observation starts them."""
+    if old is None:
+        return AcceptanceStats(accepted, tried)
+    return AcceptanceStats(_ewma(old.accepted, accepted, alpha), _ewma(old.tried, tried, alpha))
+
+
 def apply(event: Event, state: AdaptState, config: AdaptConfig = AdaptConfig()) -> AdaptState:
     """Fold one event into the state; returns a new state."""
     if isinstance(event, RingChanged):
@@ -222,21 +229,17 @@ def apply(event: Event, state: AdaptState, config: AdaptConfig = AdaptConfig()) 
         family = event.source.split(":")[0]
         predicted = acceptance_rate(state, event.source, config) ** event.nodes
         hit = float(event.accepted == event.nodes)
-        old = whole.get(family)
-        whole[family] = AcceptanceStats(hit, predicted) if old is None else AcceptanceStats(
-            _ewma(old.accepted, hit, alpha), _ewma(old.tried, predicted, alpha))
+        whole[family] = _fold(whole.get(family), hit, predicted, alpha)
     acceptance = dict(state.acceptance)
     confidence = dict(state.confidence)
     outcomes = event.parts or (DraftOutcome(event.source, event.tried, event.accepted, event.predicted),)
     for out in outcomes:
         family = out.source.split(":")[0]
         for key in dict.fromkeys((out.source, family, ALL_SOURCES)):  # unique, in order
-            old = acceptance.get(key, AcceptanceStats(config.prior_acceptance, 1.0))
-            acceptance[key] = AcceptanceStats(_ewma(old.accepted, out.accepted, alpha), _ewma(old.tried, out.tried, alpha))
+            prior = AcceptanceStats(config.prior_acceptance, 1.0)
+            acceptance[key] = _fold(acceptance.get(key, prior), out.accepted, out.tried, alpha)
         if out.predicted is not None:
-            old = confidence.get(family)
-            confidence[family] = (AcceptanceStats(out.accepted, out.predicted) if old is None else AcceptanceStats(
-                _ewma(old.accepted, out.accepted, alpha), _ewma(old.tried, out.predicted, alpha)))
+            confidence[family] = _fold(confidence.get(family), out.accepted, out.predicted, alpha)
     n, t = float(event.nodes + 1), event.traversal_s
     fit, queue = state.traversal, state.queue_s
     if event.queued_behind:
