@@ -1,0 +1,151 @@
+"""The n-gram planner replayed on fixed answers under fixed timing models (issue 4).
+
+bench_spec measures the planner end to end, where the ring's timing noise, pipelining
+and the text each run generates all move the figures. This replay holds everything but
+the planner fixed: the answers are a bench_spec JSON's plain-decoding (greedy) answers,
+so the target's choice at every position is known; each round the real n-gram drafter
+drafts through the real `draft_round` and planner, greedy acceptance is walked against the
+answer (`accept_as_committed`), and the round costs a fixed timing model's
+`fixed + per_row * (nodes + 1)` seconds, which the planner then learns as it would from the
+ring. One round in flight (no pipelining); drafting time is not charged (an n-gram lookup
+costs well under a millisecond). Reported per category and group: tokens per traversal
+(tau) and model-time speed-up over plain decoding (one row per traversal), for the planner
+and for fixed chains and trees; and how acceptance depends on a node's depth: at every
+answer position a chain of 24 is drafted and walked, and per depth bucket the share of
+tried nodes accepted (given the parent was) is counted, per n-gram match length.
+
+    python scripts/bench_planner.py --json OUT [--answers docs/results/bench_spec.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from coordinator import adapt  # noqa: E402
+from coordinator.accept import accept_as_committed  # noqa: E402
+from coordinator.draft_round import PROBE_EVERY_ROUNDS, draft_round  # noqa: E402
+from coordinator.drafting import DraftBudget, NgramDrafter  # noqa: E402
+from coordinator.engine import encode_chat  # noqa: E402
+from scripts import spec_prompts  # noqa: E402
+from shard.store import open_or_prepare  # noqa: E402
+
+# (fixed s, per row s): the CPU ring of bench_spec (4 stages on 2 cores, 25 ms a hop:
+# the planner there measures 200-280 ms and 4-7 ms a row) and a GPU-like ring (same
+# links, rows nearly free until the GPU is busy).
+TIMINGS = {"cpu-ring": (0.215, 0.005), "gpu-like": (0.130, 0.0003)}
+FIXED_SHAPES = {"chain 4": DraftBudget.chain(4), "chain 8": DraftBudget.chain(8), "chain 16": DraftBudget.chain(16),
+                "tree 32x16": DraftBudget(32, 16), "tree 64x24": DraftBudget(64, 24)}
+
+
+def replay(prompt: list[int], answer: list[int], timing: tuple[float, float], policy: DraftBudget | None,
+           state: adapt.AdaptState = adapt.AdaptState()) -> tuple[int, float, adapt.AdaptState]:
+    """(traversals, model seconds, the planner's state after) to commit `answer` after its
+    first token (the prefill's): the planner's shapes from `state` when `policy` is None,
+    else that fixed shape every round."""
+    fixed_s, per_row_s = timing
+    drafter, undrafted, i, traversals, seconds = NgramDrafter(), 0, 1, 0, 0.0
+    while i < len(answer):
+        context = prompt + answer[:i]
+        if policy is None:
+            tree, _, _ = draft_round([drafter], context, state, room=len(answer) - i, max_pipeline_depth=1,
+                                     undrafted_rounds=undrafted)
+        else:
+            tree = drafter.propose(context, policy)
+        acc = accept_as_committed(tree, answer[i:] + [-1] * (tree.num_nodes + 1))
+        round_s = fixed_s + per_row_s * (tree.num_nodes + 1)
+        traversals, seconds = traversals + 1, seconds + round_s
+        undrafted = 0 if tree.num_nodes else undrafted + 1
+        if tree.num_nodes and policy is None:
+            state = adapt.apply(adapt.RoundVerified(
+                source=tree.source, nodes=tree.num_nodes, tried=acc.tried, accepted=len(acc.nodes),
+                traversal_s=round_s, draft_s=0.0, chain=tree.is_chain), state)
+        i += min(len(acc.nodes) + 1, len(answer) - i)
+    return traversals, seconds, state
+
+
+DEPTH_BUCKETS = ((1, 1), (2, 2), (3, 4), (5, 8), (9, 16), (17, 24))
+
+
+def acceptance_by_depth(prompt: list[int], answer: list[int], counts: dict) -> None:
+    """Add to `counts[source][bucket] = [accepted, tried]` the walk of a chain of 24 drafted
+    at every answer position (the target's choice there is the answer's next token)."""
+    drafter, longest = NgramDrafter(), DEPTH_BUCKETS[-1][1]
+    for i in range(1, len(answer)):
+        tree = drafter.propose(prompt + answer[:i], DraftBudget.chain(longest))
+        if not tree.num_nodes:
+            continue
+        accepted = len(accept_as_committed(tree, answer[i:] + [-1] * (longest + 1)).nodes)
+        for depth in range(1, min(accepted + 1, tree.num_nodes) + 1):  # tried: up to the first miss
+            bucket = next(b for b, (lo, hi) in enumerate(DEPTH_BUCKETS) if lo <= depth <= hi)
+            for key in (tree.source, "all"):
+                row = counts.setdefault(key, [[0, 0] for _ in DEPTH_BUCKETS])[bucket]
+                row[0] += depth <= accepted
+                row[1] += 1
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", required=True)
+    ap.add_argument("--answers", default="docs/results/bench_spec.json",
+                    help="a bench_spec JSON whose plain-decoding answers are replayed")
+    args = ap.parse_args(argv)
+    from transformers import AutoTokenizer
+
+    bench = json.load(open(args.answers))
+    store = open_or_prepare(bench["conditions"]["model"], progress=False)
+    tokenizer = AutoTokenizer.from_pretrained(str(store.tokenizer_dir))
+    per_category = len(bench["conditions"]["prompt_tokens"][spec_prompts.CATEGORIES[0]])
+    prompts = [(c, encode_chat(tokenizer, spec_prompts.messages(p))) for c, p in spec_prompts.prompt_set(per_category)]
+    runs = bench["raw"]["bf16"]["none"]["runs"]
+    policies: dict[str, DraftBudget | None] = {"planner": None, **FIXED_SHAPES}
+    groups = {**{c: [c] for c in spec_prompts.CATEGORIES}, "open_ended": [c for c in spec_prompts.CATEGORIES
+              if c not in spec_prompts.GROUNDED], "grounded": list(spec_prompts.GROUNDED)}
+    table: dict = {}
+    for timing_name, timing in TIMINGS.items():
+        plain_s = timing[0] + timing[1]
+        for name, policy in policies.items():
+            per_cat: dict[str, list[float]] = {}
+            for (category, prompt), run in zip(prompts, runs):
+                assert run["category"] == category, (run["category"], category)
+                traversals, seconds, _ = replay(prompt, run["tokens"], timing, policy)
+                row = per_cat.setdefault(category, [0, 0, 0.0])
+                row[0] += len(run["tokens"]) - 1
+                row[1] += traversals
+                row[2] += seconds
+            out = {}
+            for group, cats in groups.items():
+                tokens, traversals, seconds = (sum(per_cat[c][j] for c in cats) for j in range(3))
+                out[group] = {"tau": round(tokens / traversals, 3), "speedup_vs_plain": round(tokens * plain_s / seconds, 3)}
+            table.setdefault(timing_name, {})[name] = out
+            print(f"{timing_name:9} {name:18} " + "  ".join(
+                f"{g} {v['tau']:.2f}/{v['speedup_vs_plain']:.2f}x" for g, v in out.items() if g in ("open_ended", "grounded", "quoting", "summarisation")), flush=True)
+    by_depth: dict = {}
+    for group in ("open_ended", "grounded"):
+        counts: dict = {}
+        for (category, prompt), run in zip(prompts, runs):
+            if category in groups[group]:
+                acceptance_by_depth(prompt, run["tokens"], counts)
+        by_depth[group] = {source: {f"{lo}-{hi}": {"rate": round(a / t, 3) if t else None, "tried": t}
+                                    for (lo, hi), (a, t) in zip(DEPTH_BUCKETS, rows)}
+                           for source, rows in sorted(counts.items())}
+        for source, rows in by_depth[group].items():
+            print(f"{group:10} {source:8} accepted/tried by depth: " + "  ".join(
+                f"{d} {v['rate']:.2f} ({v['tried']})" for d, v in rows.items() if v["tried"]), flush=True)
+    result = {"conditions": {"answers": args.answers, "answers_git_revision": bench["conditions"].get("git_revision"),
+                             "prompts": len(runs), "timings_fixed_s_per_row_s": TIMINGS,
+                             "drafter": "n-gram (coordinator.drafting.NgramDrafter defaults)",
+                             "rounds_in_flight": 1, "draft_time": "not charged", "probe_every_rounds": PROBE_EVERY_ROUNDS,
+                             "speedup_vs_plain": "model time: plain decoding costs fixed + per_row a token"},
+              "results": table, "acceptance_by_depth": by_depth}
+    with open(args.json, "w") as f:
+        json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
