@@ -30,9 +30,7 @@ from coordinator import adapt  # noqa: E402
 from coordinator.accept import accept_as_committed  # noqa: E402
 from coordinator.draft_round import PROBE_EVERY_ROUNDS, draft_round  # noqa: E402
 from coordinator.drafting import DraftBudget, NgramDrafter  # noqa: E402
-from coordinator.engine import encode_chat  # noqa: E402
 from scripts import spec_prompts  # noqa: E402
-from shard.store import open_or_prepare  # noqa: E402
 
 # (fixed s, per row s): the CPU ring of bench_spec (4 stages on 2 cores, 25 ms a hop:
 # the planner there measures 200-280 ms and 4-7 ms a row) and a GPU-like ring (same
@@ -94,14 +92,8 @@ def main(argv=None) -> int:
     ap.add_argument("--answers", default="docs/results/bench_spec.json",
                     help="a bench_spec JSON whose plain-decoding answers are replayed")
     args = ap.parse_args(argv)
-    from transformers import AutoTokenizer
-
     bench = json.load(open(args.answers))
-    store = open_or_prepare(bench["conditions"]["model"], progress=False)
-    tokenizer = AutoTokenizer.from_pretrained(str(store.tokenizer_dir))
-    per_category = len(bench["conditions"]["prompt_tokens"][spec_prompts.CATEGORIES[0]])
-    prompts = [(c, encode_chat(tokenizer, spec_prompts.messages(p))) for c, p in spec_prompts.prompt_set(per_category)]
-    runs = bench["raw"]["bf16"]["none"]["runs"]
+    answers = spec_prompts.plain_answers(bench)
     policies: dict[str, DraftBudget | None] = {"planner": None, **FIXED_SHAPES}
     groups = {**{c: [c] for c in spec_prompts.CATEGORIES}, "open_ended": [c for c in spec_prompts.CATEGORIES
               if c not in spec_prompts.GROUNDED], "grounded": list(spec_prompts.GROUNDED)}
@@ -110,11 +102,10 @@ def main(argv=None) -> int:
         plain_s = timing[0] + timing[1]
         for name, policy in policies.items():
             per_cat: dict[str, list[float]] = {}
-            for (category, prompt), run in zip(prompts, runs):
-                assert run["category"] == category, (run["category"], category)
-                traversals, seconds, _ = replay(prompt, run["tokens"], timing, policy)
+            for category, prompt, answer in answers:
+                traversals, seconds, _ = replay(prompt, answer, timing, policy)
                 row = per_cat.setdefault(category, [0, 0, 0.0])
-                row[0] += len(run["tokens"]) - 1
+                row[0] += len(answer) - 1
                 row[1] += traversals
                 row[2] += seconds
             out = {}
@@ -127,9 +118,9 @@ def main(argv=None) -> int:
     by_depth: dict = {}
     for group in ("open_ended", "grounded"):
         counts: dict = {}
-        for (category, prompt), run in zip(prompts, runs):
+        for category, prompt, answer in answers:
             if category in groups[group]:
-                acceptance_by_depth(prompt, run["tokens"], counts)
+                acceptance_by_depth(prompt, answer, counts)
         by_depth[group] = {source: {f"{lo}-{hi}": {"rate": round(a / t, 3) if t else None, "tried": t}
                                     for (lo, hi), (a, t) in zip(DEPTH_BUCKETS, rows)}
                            for source, rows in sorted(counts.items())}
@@ -137,7 +128,7 @@ def main(argv=None) -> int:
             print(f"{group:10} {source:8} accepted/tried by depth: " + "  ".join(
                 f"{d} {v['rate']:.2f} ({v['tried']})" for d, v in rows.items() if v["tried"]), flush=True)
     result = {"conditions": {"answers": args.answers, "answers_git_revision": bench["conditions"].get("git_revision"),
-                             "prompts": len(runs), "timings_fixed_s_per_row_s": TIMINGS,
+                             "prompts": len(answers), "timings_fixed_s_per_row_s": TIMINGS,
                              "drafter": "n-gram (coordinator.drafting.NgramDrafter defaults)",
                              "rounds_in_flight": 1, "draft_time": "not charged", "probe_every_rounds": PROBE_EVERY_ROUNDS,
                              "speedup_vs_plain": "model time: plain decoding costs fixed + per_row a token"},

@@ -21,10 +21,8 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from coordinator.drafting import DraftBudget, NgramDrafter  # noqa: E402
-from coordinator.engine import encode_chat  # noqa: E402
 from scripts import spec_prompts  # noqa: E402
 from scripts.eagle_fit import accepted_length  # noqa: E402
-from shard.store import open_or_prepare  # noqa: E402
 
 LONGEST = 16
 
@@ -47,18 +45,10 @@ def main(argv=None) -> int:
     ap.add_argument("bench_json")
     ap.add_argument("--json", default="")
     args = ap.parse_args(argv)
-    from transformers import AutoTokenizer
-
     bench = json.load(open(args.bench_json))
-    store = open_or_prepare(bench["conditions"]["model"], progress=False)
-    tokenizer = AutoTokenizer.from_pretrained(str(store.tokenizer_dir))
-    per_category = len(bench["conditions"]["prompt_tokens"][spec_prompts.CATEGORIES[0]])
-    prompts = [(c, encode_chat(tokenizer, spec_prompts.messages(p))) for c, p in spec_prompts.prompt_set(per_category)]
-    runs = bench["raw"]["bf16"]["none"]["runs"]
     table: dict[str, dict] = {}
-    for (category, ids), run in zip(prompts, runs):
-        assert run["category"] == category, (run["category"], category)
-        ctx = ids + run["tokens"]
+    for category, ids, answer in spec_prompts.plain_answers(bench):
+        ctx = ids + answer
         drafter = NgramDrafter()
         row = table.setdefault(category, {"positions": 0, "ngram_chain16": 0, "oracle_copy": 0})
         for p in range(len(ids) - 1, len(ctx) - 1):

@@ -3,7 +3,9 @@
 Six categories, three prompts each, as chat messages for the instruct model: open writing,
 QA, math, code, summarisation of a passage, retrieval-style quoting. The last two carry
 their source text in the prompt, which is where prompt-lookup drafting should shine;
-the first four are open-ended. It does not know how prompts are tokenised or timed.
+the first four are open-ended. `plain_answers` reads back, tokenised, the prompts and
+the plain-decoding answers a bench_spec result holds for them. It does not know how
+prompts are timed.
 """
 
 from __future__ import annotations
@@ -86,3 +88,23 @@ def prompt_set(per_category: int) -> list[tuple[str, str]]:
 def long_text() -> str:
     """Filler for long-prompt timing (TTFT): the passages, repeated by the caller to length."""
     return PASSAGE_LIGHTHOUSE + " " + PASSAGE_BEES
+
+
+def plain_answers(bench: dict) -> list[tuple[str, list[int], list[int]]]:
+    """(category, chat-encoded prompt ids, plain-decoding answer ids) for each prompt of a
+    bench_spec result (`bench`, its JSON), in its order, tokenised as its model's store does."""
+    from transformers import AutoTokenizer
+
+    from coordinator.engine import encode_chat
+    from shard.store import open_or_prepare
+
+    store = open_or_prepare(bench["conditions"]["model"], progress=False)
+    tokenizer = AutoTokenizer.from_pretrained(str(store.tokenizer_dir))
+    per_category = len(bench["conditions"]["prompt_tokens"][CATEGORIES[0]])
+    runs = bench["raw"]["bf16"]["none"]["runs"]
+    out = []
+    for (category, prompt), run in zip(prompt_set(per_category), runs, strict=True):
+        if run["category"] != category:
+            raise ValueError(f"bench_spec result out of order: run {run['category']!r} where {category!r} was expected")
+        out.append((category, encode_chat(tokenizer, messages(prompt)), run["tokens"]))
+    return out
