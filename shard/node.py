@@ -6,18 +6,15 @@ the coordinator names), registers, loads only the slice its signed assignment na
 accepts ring frames only from the peer that the current epoch names as its predecessor
 (identity from the Noise handshake), runs each frame in a worker thread so the network
 never waits on a forward, and ships the output to its successor (or straight back to the
-coordinator when it is the tail). Every stream it sends on passes the configured link
-emulation, so probes measure the same emulated links that ring frames cross.
+coordinator when it is the tail). Every stream it sends on crosses the node's one
+emulated uplink, and its probes measure those same links (`shard.node_links`).
 It does not choose rings, schedule requests or look inside activations.
 """
 
 from __future__ import annotations
 
-import contextlib
-import itertools
 import logging
 import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import torch
@@ -29,7 +26,8 @@ from libp2p.peer.id import ID
 from shard.errors import ShardError, WireError
 from shard.frame_log import FrameLog
 from shard.layers import LayerRange
-from shard.linkprobe import PROBE_PROTOCOL, measure_rtt, serve_probe
+from shard.linkprobe import PROBE_PROTOCOL
+from shard.node_links import NodeLinks
 from shard.receipt_signer import make_signer
 from shard.stage import Stage
 from shard.stage_worker import StageWorker, WorkerConfig
@@ -37,7 +35,7 @@ from shard.store import ModelStore, open_or_prepare
 from shard.transport import FramedStream, Host, TransportError
 from shard.wire.codec import decode, decode_frame, encode
 from shard.wire.limits import Limits
-from shard.wire.messages import (ROLE_STAGE, Assignment, AuditReply, AuditRequest, EndJob, Forward, JobError, LinkReport,
+from shard.wire.messages import (ROLE_STAGE, Assignment, AuditReply, AuditRequest, EndJob, Forward, JobError,
                                  Ping, Pong, ProbePeers, Ready, Register)
 
 log = logging.getLogger("shard.node")
@@ -142,10 +140,14 @@ class Node:
     frame_log: FrameLog = field(default_factory=FrameLog)
     _out_streams: dict[str, object] = field(default_factory=dict)
     _outbox: trio.MemorySendChannel | None = None  # (state, body, frame it answers) for _send_ring_loop
-    _links: trio.Nursery | None = None
-    _pong_waiters: dict[int, trio.Event] = field(default_factory=dict)
-    _nonces: itertools.count = field(default_factory=lambda: itertools.count(1))
+    links: NodeLinks | None = None  # set in __post_init__: emulation and probes
+    _tasks: trio.Nursery | None = None
     _warm: Stage | None = None  # a slice kept loaded for an off-ring role (e.g. hot standby)
+
+    def __post_init__(self) -> None:
+        cfg = self.config
+        self.links = NodeLinks(self.host, self._send_control, cfg.link_latency_ms, cfg.link_upload_mbps,
+                               cfg.link_jitter_ms, cfg.probe_timeout_s)
 
     async def serve(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Register and serve until cancelled. Error handling: a bad frame, failed job or
@@ -157,7 +159,7 @@ class Node:
         decode_s, prefill_s = await trio.to_thread.run_sync(measure_compute, self.store, dtype, cfg.device)
         self.coordinator_id = await self.host.connect(cfg.coordinator)
         self.host.set_handler(RING_PROTOCOL, self._on_ring_stream)
-        self.host.set_handler(PROBE_PROTOCOL, self._on_probe_stream)
+        self.host.set_handler(PROBE_PROTOCOL, self.links.on_probe_stream)
         control = await self.host.open_stream(self.coordinator_id, CONTROL_PROTOCOL)
         try:
             await self._serve_registered(control, decode_s, prefill_s, task_status)
@@ -169,12 +171,13 @@ class Node:
 
     async def _serve_registered(self, control: FramedStream, decode_s: float, prefill_s: float, task_status) -> None:
         cfg = self.config
-        async with trio.open_nursery() as self._links:  # control reader, ring sender, probes, emulated-link pumps
-            self.control = await self._emulate(control)
+        async with trio.open_nursery() as self._tasks:  # control reader, ring sender, probes, emulated-link pumps
+            self.links.nursery = self._tasks
+            self.control = await self.links.emulate(control)
             self._outbox, outbox = trio.open_memory_channel(OUTBOX_FRAMES)
-            self._links.start_soon(self._send_ring_loop, outbox)
-            self._links.start_soon(self._serve_control)
-            rtt_s, upload, download = await self._probe_coordinator(cfg.probe_bytes)
+            self._tasks.start_soon(self._send_ring_loop, outbox)
+            self._tasks.start_soon(self._serve_control)
+            rtt_s, upload, download = await self.links.probe_coordinator(cfg.probe_bytes)
             await self._send_control(Register(
                 peer_id=self.host.peer_id, model=cfg.model, manifest_digest=self.store.digest, device=cfg.device,
                 memory_bytes=cfg.max_memory_bytes, decode_s_per_layer=decode_s, prefill_s_per_layer_token=prefill_s,
@@ -192,102 +195,15 @@ class Node:
             if isinstance(msg, Assignment):
                 await self._assume(msg)
             elif isinstance(msg, Pong):
-                waiter = self._pong_waiters.pop(msg.nonce, None)
-                if waiter is not None:
-                    waiter.set()
+                self.links.pong(msg.nonce)
             elif isinstance(msg, Ping):
                 await self._send_control(Pong(nonce=msg.nonce, sent_ns=msg.sent_ns, payload=bytes(msg.reply_bytes)))
             elif isinstance(msg, ProbePeers):
-                self._links.start_soon(self._report_links, msg)
+                self._tasks.start_soon(self.links.report, msg, self.coordinator_id)
             elif isinstance(msg, AuditRequest):
                 await self._send_control(self._audit_reply(msg))
             else:
                 log.warning("ignoring %s on the control stream", type(msg).__name__)
-
-    # -- link probes -----------------------------------------------------------------------
-    async def _ping_coordinator(self, payload_bytes: int, reply_bytes: int) -> float:
-        """Seconds from handing a Ping to the (emulated) uplink to its Pong's arrival."""
-        nonce = next(self._nonces)
-        arrived = self._pong_waiters[nonce] = trio.Event()
-        start_s = trio.current_time()
-        try:
-            with trio.fail_after(self.config.probe_timeout_s):
-                await self._send_control(Ping(nonce=nonce, sent_ns=time.time_ns(), payload=bytes(payload_bytes),
-                                              reply_bytes=reply_bytes))
-                await arrived.wait()
-        finally:
-            self._pong_waiters.pop(nonce, None)
-        return trio.current_time() - start_s
-
-    async def _probe_coordinator(self, nbytes: int) -> tuple[float, float, float]:
-        """(round trip s, upload bytes/s, download bytes/s) to the coordinator. A sized Ping
-        costs one round trip plus its serialisation on our uplink; a sized Pong, one round
-        trip plus its serialisation on the way down. The quickest of three empty pings is
-        the round trip subtracted (other traffic only ever adds time)."""
-        rtt_s = min([await self._ping_coordinator(0, 0) for _ in range(3)])
-        up_s = await self._ping_coordinator(nbytes, 0)
-        down_s = await self._ping_coordinator(0, nbytes)
-        # Loopback noise can leave a sized ping no slower than an empty one: 0.1 ms floor.
-        return rtt_s, nbytes / max(up_s - rtt_s, 1e-4), nbytes / max(down_s - rtt_s, 1e-4)
-
-    async def _report_links(self, req: ProbePeers) -> None:
-        """Measure what the coordinator asked for and send a LinkReport (never raises)."""
-        rtt_ms: dict[str, float] = {}
-        upload = download = None
-        try:
-            for peer, addrs in sorted(req.peers.items()):
-                rtt_s = await self._rtt_to_peer(peer, addrs)
-                if rtt_s is not None:
-                    rtt_ms[peer] = rtt_s * 1e3
-            if req.bandwidth_bytes:
-                rtt_s, upload, download = await self._probe_coordinator(req.bandwidth_bytes)
-                rtt_ms[self.coordinator_id] = rtt_s * 1e3
-            await self._send_control(LinkReport(peer_id=self.host.peer_id, rtt_ms=rtt_ms, upload_bytes_per_s=upload,
-                                                download_bytes_per_s=download))
-        except (TransportError, WireError, trio.TooSlowError) as exc:
-            log.warning("link report failed: %s", exc)
-
-    async def _rtt_to_peer(self, peer: str, addrs: tuple[str, ...]) -> float | None:
-        """Quickest of three echoes over our emulated uplink and the peer's; None if unreachable."""
-        try:
-            with trio.fail_after(self.config.probe_timeout_s):
-                for addr in addrs:
-                    try:
-                        await self.host.connect(addr)
-                        break
-                    except TransportError as exc:
-                        log.info("could not dial %s at %s: %s", peer, addr, exc)
-                async with self._open_link(await self.host.open_stream(peer, PROBE_PROTOCOL)) as link:
-                    return (await measure_rtt(link, 3)).min_s
-        except (TransportError, WireError, trio.TooSlowError) as exc:
-            log.info("no round trip to %s: %s", peer, exc)
-            return None
-
-    async def _on_probe_stream(self, stream: FramedStream) -> None:
-        """Echo a peer's probes; the echoes cross our own emulated uplink, as ring frames would."""
-        async with self._open_link(stream) as link:
-            await serve_probe(link)
-
-    @contextlib.asynccontextmanager
-    async def _open_link(self, stream: FramedStream) -> AsyncIterator:
-        """`stream` behind this node's link emulation (if any) for the block; closed after."""
-        settings = self._emulation()
-        if settings is None:
-            try:
-                yield stream
-            finally:
-                await stream.aclose()
-            return
-        from shard.linkemu import open_emulated_link
-
-        async with open_emulated_link(stream, **settings) as link:
-            yield link
-
-    def _emulation(self) -> dict | None:
-        from shard.linkemu import link_settings
-
-        cfg = self.config
-        return link_settings(cfg.link_latency_ms, cfg.link_upload_mbps, cfg.link_jitter_ms)
 
     def _audit_reply(self, req: AuditRequest) -> AuditReply:
         """The logged canonical bytes of one side of one frame (None if not kept)."""
@@ -440,21 +356,9 @@ class Node:
                 except TransportError as exc:
                     log.info("could not dial successor at %s: %s", addr, exc)
             stream = await self.host.open_stream(target, RING_PROTOCOL)
-            stream = await self._emulate(stream)
+            stream = await self.links.emulate(stream)
             self._out_streams[target] = stream
         await stream.send_frame(body)
-
-    async def _emulate(self, stream):
-        """Wrap an outgoing edge (ring successor, control stream) in the configured link
-        emulation (a transport decorator: nothing else in the node knows about it)."""
-        settings = self._emulation()
-        if settings is None:
-            return stream
-        from shard.linkemu import EmulatedLink
-
-        link = EmulatedLink(stream, **settings)
-        await self._links.start(link.serve)
-        return link
 
 
 async def run_node(config: NodeConfig, task_status=trio.TASK_STATUS_IGNORED) -> None:
