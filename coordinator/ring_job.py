@@ -297,13 +297,21 @@ class RingJob:
         for a in self.ahead:
             assumed += [a.root_token, *a.tree.tokens.tolist()]
             tail, tail_root = a.tree, a.root
+        chains = adapt.AdaptConfig(max_pipeline_depth=depth, kinds=(adapt.DraftKind.CHAIN,))
         while 1 + len(self.ahead) < depth:
             t0 = time.perf_counter()
-            k = min(tail.num_nodes, limit - len(assumed) - 2)
-            guess = drafter.propose(assumed, DraftBudget.chain(k + 1)) if k > 0 else DraftTree.empty()
+            room = min(chains.max_chain, limit - len(assumed) - 2)
+            guess = drafter.propose(assumed, DraftBudget.chain(room + 1)) if room > 0 else DraftTree.empty()
             if guess.num_nodes < 2 or not guess.is_chain:
                 return
-            root_token, drafts = int(guess.tokens[0]), guess.tokens[1:].tolist()
+            # As long a chain as a fresh round on this evidence would get (its match
+            # length's own acceptance), not the length of the round before it: a short
+            # match must not cap every round sent after it while the pipeline stays full.
+            own = adapt.plan(self.adapt, chains, source=guess.source)
+            if own.nodes == 0 and guess.source in self.adapt.acceptance:
+                return
+            k = min(max(own.nodes, 1), guess.num_nodes - 1)
+            root_token, drafts = int(guess.tokens[0]), guess.tokens[1 : k + 1].tolist()
             tree = DraftTree.chain(drafts, source=guess.source)
             root = tail_root + 1 + tail.num_nodes
             in_flight = [(base_sent_s, base.num_nodes + 1)] + [(a.sent_s, a.tree.num_nodes + 1) for a in self.ahead]
