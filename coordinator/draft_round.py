@@ -66,18 +66,12 @@ def draft_round(drafters: Sequence[Drafter], committed: Sequence[int], state: ad
         if tree.num_nodes and not confident and not probe:
             # The draft names its evidence (an n-gram draft its match length): draft again
             # in the shape that evidence's own acceptance asks for, when it differs from
-            # the drafter's average (1-token matches fare far worse than 4-token ones). At
-            # least one node when the average wanted a draft or the evidence has no record
-            # yet: evidence judged only by drafts never sent would keep a low estimate for
-            # good (measured: n-gram drafted half as many rounds). Otherwise evidence
-            # whose own record says no draft pays sends none.
-            own = adapt.plan(state, config, source=tree.source)
-            if not wanted and own.nodes == 0 and tree.source in state.acceptance:
+            # the drafter's average (1-token matches fare far worse than 4-token ones).
+            own = evidence_shape(state, config, tree.source, wanted)
+            if own is None:
                 tree = DraftTree.empty()
-            else:
-                own_nodes, own_depth = max(own.nodes, 1), max(own.depth, 1)
-                if (own_nodes, own_depth) != (nodes, depth):
-                    tree = drafter.propose(committed, DraftBudget(min(own_nodes, room), min(own_depth, room)))
+            elif own != (nodes, depth):
+                tree = drafter.propose(committed, DraftBudget(min(own[0], room), min(own[1], room)))
         draft_s = time.perf_counter() - t0
         if not tree.num_nodes:
             continue
@@ -96,6 +90,39 @@ def draft_round(drafters: Sequence[Drafter], committed: Sequence[int], state: ad
             candidates.append(merged)
     best = candidates[routing.route(candidates, state, config)] if len(candidates) > 1 else candidates[0]
     return best.tree, drafted_s, tuple(skipped)
+
+
+def evidence_shape(state: adapt.AdaptState, config: adapt.AdaptConfig, source: str,
+                   wanted: bool = False) -> tuple[int, int] | None:
+    """(nodes, depth) that a draft's own evidence (`source`, e.g. "ngram:3") asks for, or
+    None when its record says no draft pays. At least one node when the drafter's average
+    wanted a draft or the evidence has no record yet: evidence judged only by drafts never
+    sent would keep a low estimate for good (measured: n-gram drafted half as many rounds)."""
+    own = adapt.plan(state, config, source=source)
+    if own.nodes == 0 and not wanted and source in state.acceptance:
+        return None
+    return max(own.nodes, 1), max(own.depth, 1)
+
+
+def draft_ahead(drafter: Drafter, assumed: Sequence[int], state: adapt.AdaptState, *, room: int,
+                max_pipeline_depth: int) -> tuple[int, DraftTree] | None:
+    """A round to send ahead, as (root token, chain below it): the root is the drafter's
+    guess of the bonus token that follows `assumed` (the committed context, then every
+    chain in flight as if accepted whole), and the chain is as long as a fresh round on
+    the guess's own evidence would get, not as long as the round before it (a short match
+    must not cap every round sent after it while the pipeline stays full). None when there
+    is nothing worth sending: no chain guessed, or evidence whose record says no draft
+    pays. `room`: draft nodes the context has left below the root."""
+    config = adapt.AdaptConfig(max_pipeline_depth=max_pipeline_depth, kinds=(adapt.DraftKind.CHAIN,))
+    room = min(config.max_chain, room)
+    guess = drafter.propose(assumed, DraftBudget.chain(room + 1)) if room > 0 else DraftTree.empty()
+    if guess.num_nodes < 2 or not guess.is_chain:
+        return None
+    own = evidence_shape(state, config, guess.source)
+    if own is None:
+        return None
+    tokens = guess.tokens.tolist()
+    return tokens[0], DraftTree.chain(tokens[1 : 1 + min(own[0], len(tokens) - 1)], source=guess.source)
 
 
 def side_draft_pays(drafter: Drafter, candidates: Sequence[routing.DraftCandidate], state: adapt.AdaptState,

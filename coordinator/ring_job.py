@@ -28,8 +28,8 @@ from coordinator.receipt_check import JobReceipts
 from coordinator import adapt
 from coordinator.accept import GreedyRows, accept_as_committed, accept_greedy_lazy, accept_sampling
 from coordinator.draft_tree import DraftTree
-from coordinator.draft_round import draft_round, is_confident
-from coordinator.drafting import DraftBudget, Drafter
+from coordinator.draft_round import draft_ahead, draft_round, is_confident
+from coordinator.drafting import Drafter
 from coordinator.prefill import prefill_chunks
 from coordinator.sampling import SamplingParams, make_generator, probs
 from coordinator.swarm import RingState
@@ -297,22 +297,12 @@ class RingJob:
         for a in self.ahead:
             assumed += [a.root_token, *a.tree.tokens.tolist()]
             tail, tail_root = a.tree, a.root
-        chains = adapt.AdaptConfig(max_pipeline_depth=depth, kinds=(adapt.DraftKind.CHAIN,))
         while 1 + len(self.ahead) < depth:
             t0 = time.perf_counter()
-            room = min(chains.max_chain, limit - len(assumed) - 2)
-            guess = drafter.propose(assumed, DraftBudget.chain(room + 1)) if room > 0 else DraftTree.empty()
-            if guess.num_nodes < 2 or not guess.is_chain:
+            guess = draft_ahead(drafter, assumed, self.adapt, room=limit - len(assumed) - 2, max_pipeline_depth=depth)
+            if guess is None:
                 return
-            # As long a chain as a fresh round on this evidence would get (its match
-            # length's own acceptance), not the length of the round before it: a short
-            # match must not cap every round sent after it while the pipeline stays full.
-            own = adapt.plan(self.adapt, chains, source=guess.source)
-            if own.nodes == 0 and guess.source in self.adapt.acceptance:
-                return
-            k = min(max(own.nodes, 1), guess.num_nodes - 1)
-            root_token, drafts = int(guess.tokens[0]), guess.tokens[1 : k + 1].tolist()
-            tree = DraftTree.chain(drafts, source=guess.source)
+            root_token, tree = guess
             root = tail_root + 1 + tail.num_nodes
             in_flight = [(base_sent_s, base.num_nodes + 1)] + [(a.sent_s, a.tree.num_nodes + 1) for a in self.ahead]
             round_id = await self._send(ring, self._verify_frame(ring, root, root_token, tree))
@@ -320,7 +310,7 @@ class RingJob:
             self.ahead.append(Ahead(round_id, ring.epoch, tree, root, root_token, now, time.perf_counter() - t0,
                                     queued_behind=adapt.queued_share(in_flight, now, self.adapt)))
             self.most_in_flight = max(self.most_in_flight, 1 + len(self.ahead))
-            assumed += [root_token, *drafts]
+            assumed += [root_token, *tree.tokens.tolist()]
             tail, tail_root = tree, root
 
     def _discard_ahead(self, popped: Ahead | None = None) -> None:

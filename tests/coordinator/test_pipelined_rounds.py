@@ -17,6 +17,7 @@ import trio
 
 from coordinator import adapt
 from coordinator.adapt import AcceptanceStats, AdaptState, TraversalFit
+from coordinator.draft_round import draft_ahead
 from coordinator.draft_tree import DraftTree
 from coordinator.drafting import DraftBudget, NgramDrafter
 from coordinator.ring_engine import EngineConfig
@@ -95,3 +96,13 @@ def test_evidence_whose_record_says_no_draft_pays_sends_nothing_ahead():
     assert NgramDrafter().propose([*committed, 9, 77], DraftBudget.chain(3)).source == "ngram:1"
     trio.run(job._send_ahead, ring, base, len(committed) - 1, 4096, time.monotonic())
     assert not job.ahead and not job.engine.sent
+
+
+def test_a_round_sent_ahead_fits_the_context_left():
+    # The guess never drafts past the context limit: `room` nodes below its root at
+    # most, and nothing at all without room.
+    state = latency_bound_state({"ngram": 0.95, "ngram:4": 0.95})
+    assumed = [*PROMPT, *QUOTE[4:6]]
+    root, chain = draft_ahead(NgramDrafter(), assumed, state, room=3, max_pipeline_depth=4)
+    assert (root, chain.tokens.tolist()) == (QUOTE[6], QUOTE[7:10])
+    assert draft_ahead(NgramDrafter(), assumed, state, room=0, max_pipeline_depth=4) is None
