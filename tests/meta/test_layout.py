@@ -1,4 +1,5 @@
-"""Guards the package dependency direction and the data-only rule (DESIGN.md)."""
+"""Guards the package dependency direction, the data-only rule (DESIGN.md) and the
+module line budget (STYLE.md)."""
 
 import ast
 import pathlib
@@ -56,3 +57,18 @@ def test_unsafe_pattern_catches_what_it_should():
         assert UNSAFE.search(line), line
     for line in ["torch.load(f, weights_only=True)", "evaluate(x)", "self.executor", "model.eval()"]:
         assert not UNSAFE.search(line), line
+
+
+# STYLE.md: a module has one responsibility and aims under ~400 lines. The budget leaves
+# room over the aim; a module past it does too much and wants splitting, not a raised cap.
+MODULE_LINE_BUDGET = 450
+
+
+def test_every_module_stays_within_the_line_budget():
+    # Bug guarded: a module quietly growing into several responsibilities (three passed
+    # 400 lines one edit at a time). Sound: counts every line of every runtime module
+    # and script.
+    over = [f"{path.relative_to(ROOT)}: {n} lines" for pkg in [*ORDER, "scripts"]
+            for path in sorted((ROOT / pkg).rglob("*.py"))
+            if (n := len(path.read_text().splitlines())) > MODULE_LINE_BUDGET]
+    assert not over, f"over the {MODULE_LINE_BUDGET}-line budget: {over}"
