@@ -10,7 +10,9 @@ Several drafters (hybrid) are routed per round among their own drafts and the me
 all of them (one tree, verified in one traversal: when the drafters disagree, whichever
 is right commits its tokens). A confident drafter that drafts after a draft it cannot
 improve on (a long, trusted n-gram match) is not asked at all: by its recent rounds and
-drafting time it could not pay for the time (`routing.side_draft_can_pay`).
+drafting time it could not pay for the time (`routing.side_draft_can_pay`). A round sent
+ahead of the one in the ring (`draft_ahead`) is a chain sized the same way, on its own
+evidence.
 
 This module does not know the ring, frames or the wire: it sees the job's drafters, its
 committed tokens, the planner's state and how much context is left.
