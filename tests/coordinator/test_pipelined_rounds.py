@@ -50,14 +50,15 @@ def latency_bound_state(rates: dict[str, float]) -> AdaptState:
                       rounds=50, queue_s=0.005)
 
 
-def send_ahead(state: AdaptState, base: DraftTree, depth: int = 4) -> RingJob:
+def send_ahead(state: AdaptState, base: DraftTree, committed: list[int] = PROMPT, depth: int = 4) -> RingJob:
+    """A job with `committed` context whose awaited round is `base`, after `_send_ahead`."""
     engine = RecordingEngine(depth)
     _, inbox = trio.open_memory_channel(1)
-    job = RingJob(engine, "job", list(PROMPT), SamplingParams(temperature=0.0), inbox,
+    job = RingJob(engine, "job", list(committed), SamplingParams(temperature=0.0), inbox,
                   drafters=[NgramDrafter()], adapt=state)
-    job.committed, job.ring_epoch = list(PROMPT), 1
+    job.committed, job.ring_epoch = list(committed), 1
     ring = RingState(epoch=1, stages=(), assignments=())
-    trio.run(job._send_ahead, ring, base, len(PROMPT) - 1, 4096, time.monotonic())
+    trio.run(job._send_ahead, ring, base, len(committed) - 1, 4096, time.monotonic())
     assert len(engine.sent) == len(job.ahead)  # every round recorded was sent
     return job
 
@@ -87,14 +88,9 @@ def test_evidence_whose_record_says_no_draft_pays_sends_nothing_ahead():
     chains = adapt.AdaptConfig(max_pipeline_depth=4, kinds=(adapt.DraftKind.CHAIN,))
     assert adapt.plan(state, chains, source="ngram:1").nodes == 0
     committed = [1, 2, 77, 5, 6, 8]
-    base = DraftTree.chain([9, 77], source="ngram:4")
-    job = RingJob(RecordingEngine(4), "job", committed, SamplingParams(temperature=0.0),
-                  trio.open_memory_channel(1)[1], drafters=[NgramDrafter()], adapt=state)
-    job.committed, job.ring_epoch = list(committed), 1
-    ring = RingState(epoch=1, stages=(), assignments=())
     # The assumed context ends 9, 77: only the 1-token match 77 -> 5 6 8 ... is found.
     assert NgramDrafter().propose([*committed, 9, 77], DraftBudget.chain(3)).source == "ngram:1"
-    trio.run(job._send_ahead, ring, base, len(committed) - 1, 4096, time.monotonic())
+    job = send_ahead(state, DraftTree.chain([9, 77], source="ngram:4"), committed)
     assert not job.ahead and not job.engine.sent
 
 
