@@ -9,7 +9,7 @@ import sys
 
 import trio
 
-from coordinator.ring_engine import EngineConfig, parse_tree
+from coordinator.jobs.ring_engine import EngineConfig, parse_tree
 from coordinator.server import CoordConfig, serve_coordinator
 from shard.errors import ShardError
 from shard.options import add_options, config_from_args

@@ -13,12 +13,12 @@ from dataclasses import dataclass, field
 
 import trio
 
-from coordinator.api import ApiConfig, create_app, serve_http
-from coordinator.audit import AuditConfig, Auditor
-from coordinator.receipt_check import ReceiptChecker, ReceiptConfig
-from coordinator.ring_engine import EngineConfig, RingEngine, parse_tree
-from coordinator.swarm import Swarm, SwarmConfig
-from coordinator.topology import TopologyConfig
+from coordinator.gateway.api import ApiConfig, create_app, serve_http
+from coordinator.trust.audit import AuditConfig, Auditor
+from coordinator.trust.receipt_check import ReceiptChecker, ReceiptConfig
+from coordinator.jobs.ring_engine import EngineConfig, RingEngine, parse_tree
+from coordinator.swarm.swarm import Swarm, SwarmConfig
+from coordinator.swarm.topology import TopologyConfig
 from shard.identity import identity_signing_key, load_or_create_identity
 from shard.node import CONTROL_PROTOCOL, RING_PROTOCOL
 from shard.store import cache_root, open_or_prepare

@@ -5,7 +5,8 @@ Decisions are pure functions of data; nothing here opens a socket or touches tor
 
 from ring.churn import ChurnPolicy, plan_moves, reselect
 from ring.cost import evaluate, max_layers
-from ring.errors import InfeasibleError, InvalidInputError, RingError, UnknownPeerError
+from ring.assign import Capacity, split_by_capacity
+from ring.errors import AssignError, InfeasibleError, InvalidInputError, RingError, UnknownPeerError
 from ring.network import LatencyMatrix, Network, NodeInfo, PeerId
 from ring.oracle import oracle_ring
 from ring.plan import Hop, Move, Plan, Role, RoleKind, Stage, StageTiming
@@ -14,8 +15,8 @@ from ring.search import Constraints, select_ring
 from ring.spec import ModelSpec, Workload
 
 __all__ = [
-    "ChurnPolicy", "Constraints", "Hop", "InfeasibleError", "InvalidInputError", "LatencyMatrix", "ModelSpec",
+    "AssignError", "Capacity", "ChurnPolicy", "Constraints", "Hop", "InfeasibleError", "InvalidInputError", "LatencyMatrix", "ModelSpec",
     "Move", "Network", "NodeInfo", "PeerId", "Plan", "RingError", "Role", "RoleKind", "RolePolicy", "Stage",
     "StageTiming", "UnknownPeerError", "Workload", "assign_roles", "evaluate", "max_layers", "oracle_ring",
-    "plan_moves", "reselect", "select_ring",
+    "plan_moves", "reselect", "select_ring", "split_by_capacity",
 ]

@@ -29,3 +29,8 @@ class UnknownPeerError(RingError, KeyError):
     def __init__(self, peer: str) -> None:
         self.peer = peer
         super().__init__(f"unknown peer {peer!r}")
+
+
+class AssignError(RingError):
+    """No ring can be formed from these nodes by the capacity split (too few, or not
+    enough memory)."""

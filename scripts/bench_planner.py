@@ -26,10 +26,10 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from coordinator import adapt  # noqa: E402
-from coordinator.accept import accept_as_committed  # noqa: E402
-from coordinator.draft_round import PROBE_EVERY_ROUNDS, draft_round  # noqa: E402
-from coordinator.drafting import DraftBudget, NgramDrafter  # noqa: E402
+from coordinator.spec import adapt  # noqa: E402
+from coordinator.spec.accept import accept_as_committed  # noqa: E402
+from coordinator.spec.draft_round import PROBE_EVERY_ROUNDS, draft_round  # noqa: E402
+from coordinator.spec.drafting import DraftBudget, NgramDrafter  # noqa: E402
 from scripts import spec_prompts  # noqa: E402
 
 # (fixed s, per row s): the CPU ring of bench_spec (4 stages on 2 cores, 25 ms a hop:
@@ -129,7 +129,7 @@ def main(argv=None) -> int:
                 f"{d} {v['rate']:.2f} ({v['tried']})" for d, v in rows.items() if v["tried"]), flush=True)
     result = {"conditions": {"answers": args.answers, "answers_git_revision": bench["conditions"].get("git_revision"),
                              "prompts": len(answers), "timings_fixed_s_per_row_s": TIMINGS,
-                             "drafter": "n-gram (coordinator.drafting.NgramDrafter defaults)",
+                             "drafter": "n-gram (coordinator.spec.drafting.NgramDrafter defaults)",
                              "rounds_in_flight": 1, "draft_time": "not charged", "probe_every_rounds": PROBE_EVERY_ROUNDS,
                              "speedup_vs_plain": "model time: plain decoding costs fixed + per_row a token"},
               "results": table, "acceptance_by_depth": by_depth}

@@ -39,12 +39,12 @@ import trio
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import shard.node  # noqa: E402
-from coordinator.audit import AuditConfig, Auditor  # noqa: E402
-from coordinator.engine import encode_chat  # noqa: E402
-from coordinator.receipt_check import ReceiptChecker  # noqa: E402
-from coordinator.ring_engine import EngineConfig, RingEngine  # noqa: E402
-from coordinator.sampling import SamplingParams  # noqa: E402
-from coordinator.swarm import Swarm, SwarmConfig  # noqa: E402
+from coordinator.trust.audit import AuditConfig, Auditor  # noqa: E402
+from coordinator.jobs.engine import encode_chat  # noqa: E402
+from coordinator.trust.receipt_check import ReceiptChecker  # noqa: E402
+from coordinator.jobs.ring_engine import EngineConfig, RingEngine  # noqa: E402
+from coordinator.spec.sampling import SamplingParams  # noqa: E402
+from coordinator.swarm.swarm import Swarm, SwarmConfig  # noqa: E402
 from shard.identity import keypair_from_seed  # noqa: E402
 from shard.node import CONTROL_PROTOCOL, RING_PROTOCOL, Node, NodeConfig  # noqa: E402
 from shard.store import open_or_prepare  # noqa: E402

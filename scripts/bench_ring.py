@@ -29,9 +29,9 @@ import trio
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from coordinator.engine import encode_chat  # noqa: E402
-from coordinator.ring_engine import EngineConfig  # noqa: E402
-from coordinator.sampling import SamplingParams  # noqa: E402
+from coordinator.jobs.engine import encode_chat  # noqa: E402
+from coordinator.jobs.ring_engine import EngineConfig  # noqa: E402
+from coordinator.spec.sampling import SamplingParams  # noqa: E402
 from scripts import spec_prompts  # noqa: E402
 from scripts.bench_ringkit import LinkSpec, WIRE_DTYPES, base_conditions, median, open_bench_ring  # noqa: E402
 from shard.activations import to_wire  # noqa: E402
@@ -108,7 +108,7 @@ async def ring_decode(ring, ids: list[int], new_tokens: int) -> dict:
 async def ring_ttft(ring, ids: list[int], chunk_tokens: int, reps: int,
                     edge_tokens: int = EngineConfig.prefill_edge_chunk_tokens) -> float:
     """Best of `reps` times to first token with this prefill chunk plan (largest chunk,
-    first/last chunk; coordinator.prefill): noise only adds."""
+    first/last chunk; coordinator.jobs.prefill): noise only adds."""
     ring.set_prefill_chunk(chunk_tokens, edge_tokens)
     best = float("inf")
     for _ in range(reps):

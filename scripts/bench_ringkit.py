@@ -28,10 +28,10 @@ from dataclasses import dataclass, field
 import torch
 import trio
 
-from coordinator.receipt_check import ReceiptChecker
-from coordinator.ring_engine import EngineConfig, RingEngine
-from coordinator.swarm import Swarm, SwarmConfig
-from coordinator.topology import TopologyConfig
+from coordinator.trust.receipt_check import ReceiptChecker
+from coordinator.jobs.ring_engine import EngineConfig, RingEngine
+from coordinator.swarm.swarm import Swarm, SwarmConfig
+from coordinator.swarm.topology import TopologyConfig
 from shard.identity import keypair_from_seed
 from shard.node import CONTROL_PROTOCOL, RING_PROTOCOL, Node, NodeConfig
 from shard.transport import open_host
@@ -198,7 +198,7 @@ class BenchRing:
 
     def set_prefill_chunk(self, tokens: int, edge_tokens: int = EngineConfig.prefill_edge_chunk_tokens) -> None:
         """The engine reads its config per round; a frozen replacement changes the chunk
-        plan (largest and first/last chunk, coordinator.prefill) for the next job without
+        plan (largest and first/last chunk, coordinator.jobs.prefill) for the next job without
         re-forming the ring."""
         self.engine.config = dataclasses.replace(self.engine.config, prefill_chunk_tokens=tokens,
                                                  prefill_edge_chunk_tokens=edge_tokens)

@@ -30,9 +30,10 @@ import trio
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from coordinator.engine import EngineError, NotReadyError, encode_chat  # noqa: E402
-from coordinator.ring_engine import EngineConfig, parse_tree  # noqa: E402
-from coordinator.sampling import SamplingParams  # noqa: E402
+from coordinator.jobs.engine import encode_chat  # noqa: E402
+from coordinator.errors import CoordinatorError, NotReadyError  # noqa: E402
+from coordinator.jobs.ring_engine import EngineConfig, parse_tree  # noqa: E402
+from coordinator.spec.sampling import SamplingParams  # noqa: E402
 from scripts import spec_prompts  # noqa: E402
 from scripts.bench_ringkit import LinkSpec, base_conditions, open_bench_ring  # noqa: E402
 from shard.store import open_or_prepare  # noqa: E402
@@ -135,7 +136,7 @@ async def _run_on_ring(ring, wire: str, mode: str, prompts: list[tuple[str, list
             runs.append({"category": category, **r})
             print(f"  {wire:4} {mode:10} {category:14} tau {r['tau']:.2f}  {r['decode_tokens'] / max(r['decode_s'], 1e-9):6.2f} tok/s"
                   f"  {r['decode_tokens'] + 1} tokens", flush=True)
-    except EngineError as exc:  # the mode exists but cannot generate on this ring: say so, go on
+    except CoordinatorError as exc:  # the mode exists but cannot generate on this ring: say so, go on
         return {"available": False, "why": f"draft={mode!r} failed on the ring after {len(runs)} prompts: "
                                            f"{type(exc).__name__}: {exc}"}
     return {"available": True, "drafters": drafters, "stages": ring.stages, "ring_formed_s": formed_s, "runs": runs}

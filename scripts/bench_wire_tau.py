@@ -34,11 +34,11 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from coordinator.accept import accept_greedy_lazy  # noqa: E402
-from coordinator.draft_tree import DraftTree  # noqa: E402
-from coordinator.drafting import DraftBudget, NgramDrafter  # noqa: E402
-from coordinator.eagle import EagleDrafter, EagleHead, shipped_head_dir  # noqa: E402
-from coordinator.engine import encode_chat  # noqa: E402
+from coordinator.spec.accept import accept_greedy_lazy  # noqa: E402
+from coordinator.spec.draft_tree import DraftTree  # noqa: E402
+from coordinator.spec.drafting import DraftBudget, NgramDrafter  # noqa: E402
+from coordinator.spec.eagle import EagleDrafter, EagleHead, shipped_head_dir  # noqa: E402
+from coordinator.jobs.engine import encode_chat  # noqa: E402
 from scripts import spec_prompts  # noqa: E402
 from scripts.bench_ringkit import base_conditions  # noqa: E402
 from shard.activations import from_wire, to_wire  # noqa: E402

@@ -22,10 +22,10 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
-from coordinator.accept import accept_as_committed
-from coordinator.draft_tree import DraftTree
-from coordinator.drafting import DraftBudget
-from coordinator.eagle import (EagleConfig, EagleDrafter, EagleDraftConfig, EagleHead, draft_logits, fuse, init_weights,
+from coordinator.spec.accept import accept_as_committed
+from coordinator.spec.draft_tree import DraftTree
+from coordinator.spec.drafting import DraftBudget
+from coordinator.spec.eagle import (EagleConfig, EagleDrafter, EagleDraftConfig, EagleHead, draft_logits, fuse, init_weights,
                                pair_out, pair_qkv, save_head)
 from shard.rope import RotaryTable
 

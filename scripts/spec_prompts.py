@@ -95,7 +95,7 @@ def plain_answers(bench: dict) -> list[tuple[str, list[int], list[int]]]:
     bench_spec result (`bench`, its JSON), in its order, tokenised as its model's store does."""
     from transformers import AutoTokenizer
 
-    from coordinator.engine import encode_chat
+    from coordinator.jobs.engine import encode_chat
     from shard.store import open_or_prepare
 
     store = open_or_prepare(bench["conditions"]["model"], progress=False)

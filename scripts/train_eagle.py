@@ -8,7 +8,7 @@
    layers, the target's greedy next token (the distillation label) and its final-norm
    hidden state (for --soft-labels). Shards are safetensors under --work-dir and are
    reused by a later run.
-2. train: one EAGLE-3 decoder layer (coordinator/eagle.py) with a training-time-test
+2. train: one EAGLE-3 decoder layer (coordinator/spec/eagle.py) with a training-time-test
    loss unrolled --ttt-steps steps: step 1 sees the target's fused features, step s > 1
    the head's own outputs of step s-1, with the attention pattern drafting uses.
 3. evaluate on held-out prompts: top-1 accuracy per step and simulated tokens per

@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 import trio
 
-from coordinator.engine import JobFailedError, NotReadyError
-from coordinator.local_engine import LocalEngine
-from coordinator.sampling import SamplingParams
+from coordinator.errors import JobFailedError, NotReadyError
+from coordinator.jobs.local_engine import LocalEngine
+from coordinator.spec.sampling import SamplingParams
 
 
 @pytest.fixture(scope="session")

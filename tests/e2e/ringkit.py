@@ -12,9 +12,9 @@ from dataclasses import dataclass
 import trio
 from transformers import AutoTokenizer
 
-from coordinator.ring_engine import EngineConfig, RingEngine
-from coordinator.sampling import SamplingParams
-from coordinator.swarm import Swarm, SwarmConfig
+from coordinator.jobs.ring_engine import EngineConfig, RingEngine
+from coordinator.spec.sampling import SamplingParams
+from coordinator.swarm.swarm import Swarm, SwarmConfig
 from shard.identity import keypair_from_seed
 from shard.node import CONTROL_PROTOCOL, RING_PROTOCOL, Node, NodeConfig
 from shard.transport import open_host
@@ -66,7 +66,7 @@ def memory_for_stages(store, stages: int) -> int:
     most ceil(L / stages) layers plus their K/V for the planner's workload. On loopback
     the selector rightly prefers fewer hops, so a test of an N-stage ring says so by
     giving nodes only the memory an N-way split needs (as small GPUs would)."""
-    from coordinator.topology import TopologyConfig, model_spec
+    from coordinator.swarm.topology import TopologyConfig, model_spec
 
     topo = TopologyConfig()
     spec = model_spec(store, "f32", topo.kv_bytes_per_value)

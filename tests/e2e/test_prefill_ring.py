@@ -1,6 +1,6 @@
 """Chunked prefill over a real in-process ring: the chunk plan changes time, never tokens.
 
-Guards the engine's use of coordinator.prefill: a ramped plan (small first and last
+Guards the engine's use of coordinator.jobs.prefill: a ramped plan (small first and last
 chunks) must feed every prompt token exactly once at its position, so greedy output
 equals that of fixed-size chunks and of one blob. The frame count of the prefill
 traversal proves each plan really was sent as planned (a plan silently ignored would
@@ -12,8 +12,8 @@ import dataclasses
 
 import trio
 
-from coordinator.prefill import prefill_chunks
-from coordinator.ring_engine import EngineConfig
+from coordinator.jobs.prefill import prefill_chunks
+from coordinator.jobs.ring_engine import EngineConfig
 from tests.e2e.ringkit import generate_greedy, open_local_ring
 
 PROMPT = [1] + [3 + (7 * i) % 250 for i in range(99)]  # 100 tokens

@@ -30,12 +30,13 @@ import pytest
 import torch
 import trio
 
-from coordinator.audit import AuditConfig, Auditor
-from coordinator.engine import EngineError
-from coordinator.receipt_check import ReceiptChecker, ReceiptConfig, ReceiptRejected
-from coordinator.ring_engine import EngineConfig, RingEngine
-from coordinator.sampling import SamplingParams
-from coordinator.swarm import Swarm, SwarmConfig
+from coordinator.trust.audit import AuditConfig, Auditor
+from coordinator.errors import CoordinatorError
+from coordinator.trust.receipt_check import ReceiptChecker, ReceiptConfig
+from coordinator.errors import ReceiptRejected
+from coordinator.jobs.ring_engine import EngineConfig, RingEngine
+from coordinator.spec.sampling import SamplingParams
+from coordinator.swarm.swarm import Swarm, SwarmConfig
 from receipts import decode_evidence, encode_evidence, verify_evidence
 from receipts.cli import main as receipts_cli
 from shard.identity import keypair_from_seed
@@ -153,7 +154,7 @@ async def run_ring(store, *, wire_dtype="f32", rate=1.0, requests=2, tokens=8, c
                             got += block
                             if len(got) >= tokens:
                                 break
-                    except EngineError as exc:
+                    except CoordinatorError as exc:
                         out["errors"].append(exc)
                     finally:
                         await job.aclose()

@@ -12,8 +12,8 @@ from contextlib import aclosing
 
 import trio
 
-from coordinator.ring_engine import EngineConfig
-from coordinator.sampling import SamplingParams
+from coordinator.jobs.ring_engine import EngineConfig
+from coordinator.spec.sampling import SamplingParams
 from tests.e2e.ringkit import memory_for_stages, open_local_ring
 
 PROMPT = [1, 50, 60, 70, 80, 90, 100, 110]

@@ -20,7 +20,7 @@ import httpx
 import pytest
 import torch
 
-from coordinator.engine import encode_chat
+from coordinator.jobs.engine import encode_chat
 
 pytestmark = pytest.mark.slow
 PROMPTS = [

@@ -17,10 +17,10 @@ import pytest
 import torch
 import trio
 
-from coordinator.draft_tree import DraftTree
-from coordinator.drafting import DraftBudget, NgramDrafter
-from coordinator.ring_engine import EngineConfig
-from coordinator.sampling import SamplingParams
+from coordinator.spec.draft_tree import DraftTree
+from coordinator.spec.drafting import DraftBudget, NgramDrafter
+from coordinator.jobs.ring_engine import EngineConfig
+from coordinator.spec.sampling import SamplingParams
 from tests.e2e.ringkit import generate_greedy, generate_greedy_with_stats, open_local_ring
 
 PROMPTS = [[1, 40, 41, 42, 40, 41, 42, 40, 41], [1, 100, 7, 200, 33], [1] + list(range(3, 60))]
@@ -181,7 +181,7 @@ class ConfidentNoisyDrafter(NoisyOracleDrafter):
 def random_eagle_head(store, path) -> None:
     """An untrained but confident EAGLE head for the tiny model: the real drafter, the aux
     rows the stages attach and the observe bookkeeping all run; its drafts are mostly wrong."""
-    from coordinator.eagle import EagleConfig, init_weights, save_head
+    from coordinator.spec.eagle import EagleConfig, init_weights, save_head
 
     cfg = store.config
     g = torch.Generator().manual_seed(0)

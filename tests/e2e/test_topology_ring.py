@@ -18,9 +18,9 @@ from collections.abc import AsyncIterator
 import trio
 from transformers import AutoTokenizer
 
-from coordinator.ring_engine import EngineConfig, RingEngine
-from coordinator.swarm import Swarm, SwarmConfig
-from coordinator.topology import TopologyConfig
+from coordinator.jobs.ring_engine import EngineConfig, RingEngine
+from coordinator.swarm.swarm import Swarm, SwarmConfig
+from coordinator.swarm.topology import TopologyConfig
 from ring import ChurnPolicy
 from shard.identity import keypair_from_seed
 from shard.layers import LayerRange

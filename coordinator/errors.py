@@ -1,0 +1,101 @@
+"""The coordinator's exception tree: one root, subclassed by cause, with fields.
+
+Callers branch on the type, never on message text; the gateway maps each cause to an
+HTTP status in one table (coordinator.gateway.api.STATUS_OF). It does not know HTTP.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class CoordinatorError(Exception):
+    """Root of every error the coordinator package raises on purpose."""
+
+
+class NotReadyError(CoordinatorError):
+    """The engine cannot take jobs now (no ring formed, ring re-forming, model loading)."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+        super().__init__(f"engine not ready: {reason}")
+
+
+class PromptTooLongError(CoordinatorError):
+    """The prompt leaves no room in the context for even one generated token."""
+
+    def __init__(self, prompt_tokens: int, max_context_tokens: int) -> None:
+        self.prompt_tokens, self.max_context_tokens = prompt_tokens, max_context_tokens
+        super().__init__(
+            f"prompt is {prompt_tokens} tokens but the model's context is {max_context_tokens} tokens, "
+            "which leaves no room for a completion"
+        )
+
+
+class PromptFormatError(CoordinatorError):
+    """The chat messages cannot be rendered by the model's chat template."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+        super().__init__(f"cannot apply the chat template: {reason}")
+
+
+class JobFailedError(CoordinatorError):
+    """A job died mid-generation and the engine could not resume it."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+        super().__init__(f"generation failed: {reason}")
+
+
+class ReceiptRejected(JobFailedError):
+    """A round's receipt chain failed: the job is failed closed. Fields: job_id, round,
+    check (the receipts check name), stage (index in the chain or None), peer_id (the
+    peer assigned the blamed receipt's layers, or None)."""
+
+    def __init__(self, job_id: str, round: int, error: Any, peer_id: str | None) -> None:
+        self.job_id, self.round, self.check, self.stage, self.peer_id = job_id, round, error.check, error.stage, peer_id
+        who = f" (peer {peer_id})" if peer_id else ""
+        CoordinatorError.__init__(self, f"receipt check failed for job {job_id}: {error}{who}")
+        self.reason = str(self)
+
+
+class RingLost(CoordinatorError):
+    """The ring this job's K/V lives on is gone (a node left or the ring re-formed)."""
+
+
+class RequestError(CoordinatorError):
+    """A request the API refuses, with the HTTP status and OpenAI's error fields."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        super().__init__(message)
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class SamplingParamError(CoordinatorError, ValueError):
+    """A sampling parameter is out of range or of the wrong type. Fields name which and why."""
+
+    def __init__(self, param: str, value: object, reason: str) -> None:
+        self.param, self.value, self.reason = param, value, reason
+        super().__init__(f"invalid {param!r}: {reason} (got {value!r})")
+
+
+class DraftShapeError(CoordinatorError, ValueError):
+    """A draft or a verification input has an inconsistent shape or structure."""
+
+    def __init__(self, what: str, expected: object, actual: object) -> None:
+        self.what, self.expected, self.actual = what, expected, actual
+        super().__init__(f"bad {what}: expected {expected}, got {actual}")
+
+
+class EagleHeadError(CoordinatorError):
+    """A head directory is missing, inconsistent, or does not belong to the target
+    (path, what, expected, actual)."""
+
+    def __init__(self, path: object, what: str, expected: object, actual: object) -> None:
+        self.path, self.what, self.expected, self.actual = path, what, expected, actual
+        super().__init__(f"{path}: {what}: expected {expected}, got {actual}")

@@ -1,0 +1,360 @@
+"""The OpenAI-compatible HTTP gateway: a starlette app over an Engine, served by hypercorn on trio.
+
+Routes: GET /v1/models, GET /v1/models/{id}, POST /v1/chat/completions, POST /v1/completions
+(streaming as server-sent events, or whole), GET /health, GET /v1/ring. Errors use OpenAI's
+JSON shape with the status a client expects (400 bad request, 404 unknown model or route,
+413 prompt longer than the context, 429 too many concurrent jobs, 503 no ring). Every
+response carries a `shard` object with the job's stats.
+
+It runs on trio (hypercorn's trio worker): connection lifetimes use trio cancel scopes.
+This module does not know how tokens are made (the Engine does), nor the stopping rules
+(engine.Generation owns them); it validates, renders JSON and manages connection lifetime.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+import time
+from collections.abc import Awaitable, Callable
+from contextlib import aclosing
+from dataclasses import dataclass
+from functools import partial, wraps
+from typing import Any
+
+import trio
+from hypercorn.config import Config as HypercornConfig
+from hypercorn.trio import serve as hypercorn_serve
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from coordinator.jobs.engine import Engine, Finished, Generation, TextChunk, completion_budget, encode_chat, encode_prompt, open_generation
+from coordinator.gateway.openai_schema import ChatRequest, CompletionRequest, parse_chat_request, parse_completion_request, parse_json_object
+from coordinator.errors import (CoordinatorError, JobFailedError, NotReadyError, PromptFormatError, PromptTooLongError,
+                                RequestError, SamplingParamError)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ApiConfig:
+    """The HTTP gateway's settings; the only defaults (the CLI derives its flags from these)."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_concurrent_jobs: int = 8  # beyond this, requests get 429 instead of queueing
+
+
+def error_response(err: RequestError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status)
+
+
+# Each cause the engine raises -> (HTTP status, OpenAI error type, code); the first
+# entry an error is an instance of wins, so subclasses come before their parents.
+# A param of None means the error is about the prompt (messages or prompt).
+STATUS_OF: tuple[tuple[type[CoordinatorError], int, str, str], ...] = (
+    (PromptTooLongError, 413, "invalid_request_error", "context_length_exceeded"),
+    (PromptFormatError, 400, "invalid_request_error", "invalid_prompt"),
+    (SamplingParamError, 400, "invalid_request_error", "invalid_parameter"),
+    (NotReadyError, 503, "service_unavailable", "no_ring"),
+    (JobFailedError, 503, "service_unavailable", "job_failed"),
+    (CoordinatorError, 503, "service_unavailable", "engine_error"),
+)
+
+
+def request_error_for(exc: CoordinatorError, prompt_param: str = "messages") -> RequestError:
+    """The status and OpenAI fields for an engine-side refusal (STATUS_OF)."""
+    if isinstance(exc, RequestError):
+        return exc
+    for cause, status, kind, code in STATUS_OF:
+        if isinstance(exc, cause):
+            param = getattr(exc, "param", None) or (prompt_param if status in (400, 413) else None)
+            return RequestError(status, str(exc), type=kind, param=param, code=code)
+    raise AssertionError("STATUS_OF ends with the root, so every CoordinatorError has a row")
+
+
+class JobSlots:
+    """A bounded count of running generations; full means 429, never a queue."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.in_use = limit, 0
+
+    def acquire_nowait(self) -> None:
+        if self.in_use >= self.limit:
+            raise RequestError(
+                429,
+                f"The server is running {self.in_use} generations, its limit; retry shortly.",
+                type="rate_limit_error",
+                code="too_many_concurrent_jobs",
+            )
+        self.in_use += 1
+
+    def release(self) -> None:
+        self.in_use -= 1
+
+
+def _openai_errors(handler: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
+    prompt_param = "prompt" if handler.__name__ == "completions" else "messages"
+
+    @wraps(handler)
+    async def wrapped(request: Request) -> Response:
+        try:
+            return await handler(request)
+        except CoordinatorError as exc:
+            return error_response(request_error_for(exc, prompt_param))
+
+    return wrapped
+
+
+def _usage(fin: Finished) -> dict[str, int]:
+    return {
+        "prompt_tokens": fin.prompt_tokens,
+        "completion_tokens": fin.completion_tokens,
+        "total_tokens": fin.prompt_tokens + fin.completion_tokens,
+    }
+
+
+class _ChatShape:
+    """chat.completion / chat.completion.chunk bodies."""
+
+    id_prefix, object_whole, object_chunk = "chatcmpl-", "chat.completion", "chat.completion.chunk"
+
+    @staticmethod
+    def whole_choice(text: str, fin: Finished) -> dict[str, Any]:
+        return {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": fin.finish_reason, "logprobs": None}
+
+    @staticmethod
+    def first_chunk_choices() -> list[dict[str, Any]]:
+        return [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None, "logprobs": None}]
+
+    @staticmethod
+    def chunk_choice(text: str, finish_reason: str | None) -> dict[str, Any]:
+        delta = {"content": text} if text else {}
+        return {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
+
+
+class _CompletionShape:
+    """text_completion bodies (the same object name streams and whole)."""
+
+    id_prefix, object_whole, object_chunk = "cmpl-", "text_completion", "text_completion"
+
+    @staticmethod
+    def whole_choice(text: str, fin: Finished) -> dict[str, Any]:
+        return {"index": 0, "text": text, "finish_reason": fin.finish_reason, "logprobs": None}
+
+    @staticmethod
+    def first_chunk_choices() -> list[dict[str, Any]]:
+        return []
+
+    @staticmethod
+    def chunk_choice(text: str, finish_reason: str | None) -> dict[str, Any]:
+        return {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}
+
+
+async def _cancel_on_disconnect(receive: Receive, scope: trio.CancelScope) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    scope.cancel()
+
+
+class GenerationResponse(Response):
+    """Runs an open Generation while the client listens, then frees its job and slot.
+
+    Resource handling: whatever happens (normal end, client disconnect, engine failure,
+    cancellation) the generation is closed and the slot released exactly once, in
+    `__call__`'s finally. A disconnect (http.disconnect on receive) cancels the work.
+    Error handling: an engine failure mid-way becomes a 503 body when nothing was sent
+    yet, or an SSE `error` event when streaming had begun.
+    """
+
+    def __init__(self, gen: Generation, release: Callable[[], None], shape: Any, model: str, *, stream: bool,
+                 include_usage: bool, prefix_text: str = "") -> None:
+        super().__init__(status_code=200)
+        self.gen, self.release, self.shape, self.model = gen, release, shape, model
+        self.stream, self.include_usage, self.prefix_text = stream, include_usage, prefix_text
+        self.id = shape.id_prefix + secrets.token_hex(12)
+        self.created = int(time.time())
+
+    def _envelope(self, obj: str, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices, **extra}
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope)
+                await (self._send_stream(send) if self.stream else self._send_whole(send))
+                nursery.cancel_scope.cancel()
+        finally:
+            try:
+                await self.gen.aclose()
+            finally:
+                self.release()
+
+    async def _send_whole(self, send: Send) -> None:
+        parts = [self.prefix_text]
+        try:
+            async with aclosing(self.gen.events()) as events:
+                async for event in events:
+                    if isinstance(event, TextChunk):
+                        parts.append(event.text)
+                    else:
+                        fin = event  # Generation.events always ends with exactly one Finished
+        except CoordinatorError as exc:
+            await error_response(request_error_for(exc))({"type": "http"}, _no_receive, send)
+            return
+        body = self._envelope(self.shape.object_whole, [self.shape.whole_choice("".join(parts), fin)],
+                              usage=_usage(fin), shard=fin.stats)
+        await JSONResponse(body)({"type": "http"}, _no_receive, send)
+
+    async def _send_stream(self, send: Send) -> None:
+        headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+
+        async def event(data: Any) -> None:
+            payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
+            await send({"type": "http.response.body", "body": f"data: {payload}\n\n".encode(), "more_body": True})
+
+        obj = self.shape.object_chunk
+        first = self.shape.first_chunk_choices()
+        if first:
+            await event(self._envelope(obj, first))
+        if self.prefix_text:
+            await event(self._envelope(obj, [self.shape.chunk_choice(self.prefix_text, None)]))
+        try:
+            async with aclosing(self.gen.events()) as events:
+                async for ev in events:
+                    if isinstance(ev, TextChunk):
+                        if ev.text:
+                            await event(self._envelope(obj, [self.shape.chunk_choice(ev.text, None)]))
+                        continue
+                    await event(self._envelope(obj, [self.shape.chunk_choice("", ev.finish_reason)], shard=ev.stats))
+                    if self.include_usage:
+                        await event(self._envelope(obj, [], usage=_usage(ev)))
+            await event("[DONE]")
+        except CoordinatorError as exc:
+            await event(request_error_for(exc).body())
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def _no_receive() -> dict[str, Any]:
+    raise RuntimeError("a finished response does not read the request")
+
+
+def create_app(engine: Engine, config: ApiConfig = ApiConfig()) -> Starlette:
+    """The ASGI app over `engine`. Stateless apart from the job-slot count."""
+    slots = JobSlots(config.max_concurrent_jobs)
+
+    def check_model(model: str) -> None:
+        if model != engine.model_id:
+            raise RequestError(
+                404, f"The model `{model}` does not exist or you do not have access to it.",
+                param="model", code="model_not_found",
+            )
+
+    def model_card() -> dict[str, Any]:
+        return {"id": engine.model_id, "object": "model", "created": 0, "owned_by": "shard"}
+
+    async def start(prompt_ids: list[int], req: ChatRequest | CompletionRequest, shape: Any,
+                    prefix_text: str = "") -> Response:
+        completion_budget(engine, len(prompt_ids), req.params)  # 413 before taking a slot
+        slots.acquire_nowait()
+        try:
+            gen = await open_generation(engine, prompt_ids, req.params)
+        except BaseException:
+            slots.release()
+            raise
+        return GenerationResponse(gen, slots.release, shape, engine.model_id, stream=req.stream,
+                                  include_usage=req.include_usage, prefix_text=prefix_text)
+
+    @_openai_errors
+    async def chat_completions(request: Request) -> Response:
+        body = parse_json_object(await request.body())
+        req = parse_chat_request(body, max_context_tokens=engine.max_context_tokens)
+        check_model(req.model)
+        prompt_ids = encode_chat(engine.tokenizer, [m.as_template_dict() for m in req.messages])
+        return await start(prompt_ids, req, _ChatShape)
+
+    @_openai_errors
+    async def completions(request: Request) -> Response:
+        body = parse_json_object(await request.body())
+        req = parse_completion_request(body, max_context_tokens=engine.max_context_tokens)
+        check_model(req.model)
+        if isinstance(req.prompt, str):
+            prompt_ids, prompt_text = encode_prompt(engine.tokenizer, req.prompt), req.prompt
+        else:
+            vocab = len(engine.tokenizer)
+            bad = [t for t in req.prompt if not 0 <= t < vocab]
+            if bad:
+                raise RequestError(400, f"Invalid 'prompt': token ids must be in [0, {vocab}) (got {bad[0]}).",
+                                   param="prompt", code="invalid_value")
+            prompt_ids = list(req.prompt)
+            prompt_text = engine.tokenizer.decode(prompt_ids, skip_special_tokens=True)
+        return await start(prompt_ids, req, _CompletionShape, prefix_text=prompt_text if req.echo else "")
+
+    async def list_models(request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [model_card()]})
+
+    @_openai_errors
+    async def get_model(request: Request) -> Response:
+        check_model(request.path_params["model_id"])
+        return JSONResponse(model_card())
+
+    async def health(request: Request) -> Response:
+        info = engine.info()
+        ready = bool(info.get("ready"))
+        body = {"status": "ok" if ready else "unavailable", "model": engine.model_id,
+                "jobs_running": slots.in_use, "max_concurrent_jobs": slots.limit, "engine": info}
+        return JSONResponse(body, status_code=200 if ready else 503)
+
+    async def ring(request: Request) -> Response:
+        return JSONResponse(engine.info())
+
+    async def receipts(request: Request) -> Response:
+        job_id = request.path_params["job_id"]
+        bundle_of = getattr(engine, "bundle", None)  # engines without receipts have none
+        bundle = bundle_of(job_id) if bundle_of is not None else None
+        if bundle is None:
+            raise RequestError(404, f"no receipt bundle for job `{job_id}`", param="job_id", code="receipts_not_found")
+        return JSONResponse(bundle)
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        kind = "not_found" if exc.status_code == 404 else "invalid_request_error"
+        return error_response(RequestError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
+                                           type=kind, code=None))
+
+    async def server_error(request: Request, exc: Exception) -> Response:
+        log.exception("unhandled error serving %s %s", request.method, request.url.path)
+        return error_response(RequestError(500, "The server had an error while processing your request.",
+                                           type="server_error"))
+
+    routes = [
+        Route("/v1/models", list_models, methods=["GET"]),
+        Route("/v1/models/{model_id:path}", get_model, methods=["GET"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/v1/ring", ring, methods=["GET"]),
+        Route("/v1/receipts/{job_id}", _openai_errors(receipts), methods=["GET"]),
+    ]
+    return Starlette(routes=routes, exception_handlers={HTTPException: http_error, Exception: server_error})
+
+
+async def serve_http(app: Any, host: str, port: int, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
+    """Serve `app` on host:port until cancelled; reports the bound port (port 0 picks one).
+
+    Error handling: a port in use raises OSError from nursery.start. Resource handling:
+    cancelling the caller's scope closes the listener and in-flight connections.
+    """
+    config = HypercornConfig()
+    config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
+    config.accesslog = None
+    config.graceful_timeout = 1.0
+    async with trio.open_nursery() as nursery:
+        binds = await nursery.start(partial(hypercorn_serve, app, config))
+        task_status.started(int(binds[0].rsplit(":", 1)[1]))

@@ -1,0 +1,261 @@
+"""OpenAI request bodies -> validated frozen dataclasses, and OpenAI's error shape.
+
+Every field a client sends is type-checked and range-checked here with an exact message
+naming it; unknown fields are rejected as OpenAI does. This module does not know about
+engines, tokenizers, HTTP servers or the model's name; the HTTP layer checks the model
+id and the prompt length (which needs the tokenizer).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from coordinator.spec.sampling import MAX_STOP_STRINGS, SamplingParams
+from coordinator.errors import RequestError, SamplingParamError
+
+MAX_BODY_BYTES = 4 * 1024 * 1024
+CHAT_ROLES = frozenset({"system", "developer", "user", "assistant"})
+# OpenAI's /v1/completions default; chat completions default to "until the context is full".
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+
+
+
+def _invalid_type(name: str, expected: str, value: object) -> RequestError:
+    got = "null" if value is None else type(value).__name__
+    return RequestError(
+        400, f"Invalid type for '{name}': expected {expected}, but got {got} instead.", param=name, code="invalid_type"
+    )
+
+
+def _invalid_value(name: str, reason: str, value: object) -> RequestError:
+    return RequestError(400, f"Invalid '{name}': {reason} (got {value!r}).", param=name, code="invalid_value")
+
+
+def _unsupported(name: str, reason: str) -> RequestError:
+    return RequestError(400, f"Unsupported value for '{name}': {reason}.", param=name, code="unsupported_value")
+
+
+def parse_json_object(raw: bytes) -> dict[str, Any]:
+    """The request body as a JSON object, or a 400 that says why not."""
+    if len(raw) > MAX_BODY_BYTES:
+        raise RequestError(413, f"Request body is {len(raw)} bytes; the limit is {MAX_BODY_BYTES}.", code="body_too_large")
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise RequestError(400, f"We could not parse the JSON body of your request: {exc}.", code="invalid_json") from exc
+    if not isinstance(body, dict):
+        raise RequestError(400, "The request body must be a JSON object.", code="invalid_json")
+    return body
+
+
+class _Fields:
+    """Reads typed optional fields from one body and remembers which names it consumed."""
+
+    def __init__(self, body: dict[str, Any]) -> None:
+        self.body, self.seen = body, set()
+
+    def get(self, name: str) -> Any:
+        self.seen.add(name)
+        return self.body.get(name)
+
+    def required_str(self, name: str) -> str:
+        if name not in self.body:
+            raise RequestError(400, f"Missing required parameter: '{name}'.", param=name, code="missing_required_parameter")
+        value = self.get(name)
+        if not isinstance(value, str):
+            raise _invalid_type(name, "a string", value)
+        return value
+
+    def bool_(self, name: str, default: bool) -> bool:
+        value = self.get(name)
+        if value is None:
+            return default
+        if not isinstance(value, bool):
+            raise _invalid_type(name, "a boolean", value)
+        return value
+
+    def number(self, name: str, default: float) -> float:
+        value = self.get(name)
+        if value is None:
+            return default
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise _invalid_type(name, "a decimal", value)
+        return float(value)
+
+    def int_(self, name: str, default: int | None) -> int | None:
+        value = self.get(name)
+        if value is None:
+            return default
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise _invalid_type(name, "an integer", value)
+        return value
+
+    def reject_unknown(self) -> None:
+        unknown = sorted(set(self.body) - self.seen)
+        if unknown:
+            raise RequestError(400, f"Unrecognized request argument supplied: {', '.join(unknown)}", code="unknown_parameter")
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    role: str
+    content: str
+
+    def as_template_dict(self) -> dict[str, str]:
+        # "developer" is OpenAI's newer name for "system"; chat templates know "system".
+        return {"role": "system" if self.role == "developer" else self.role, "content": self.content}
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    model: str
+    messages: tuple[ChatMessage, ...]
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+
+
+@dataclass(frozen=True)
+class CompletionRequest:
+    model: str
+    prompt: str | tuple[int, ...]
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+    echo: bool
+
+
+def _content_text(i: int, content: object) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise _unsupported(f"messages[{i}].content", "only text content parts are supported")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise _invalid_type(f"messages[{i}].content", "a string or an array of text parts", content)
+
+
+def _messages(value: object) -> tuple[ChatMessage, ...]:
+    if not isinstance(value, list):
+        raise _invalid_type("messages", "an array", value)
+    if not value:
+        raise _invalid_value("messages", "must contain at least one message", value)
+    out = []
+    for i, m in enumerate(value):
+        if not isinstance(m, dict):
+            raise _invalid_type(f"messages[{i}]", "an object", m)
+        extra = sorted(set(m) - {"role", "content", "name"})
+        if extra:
+            raise _unsupported(f"messages[{i}]", f"fields {extra} are not supported")
+        role = m.get("role")
+        if role not in CHAT_ROLES:
+            raise _invalid_value(f"messages[{i}].role", f"must be one of {sorted(CHAT_ROLES)}", role)
+        if "content" not in m:
+            raise RequestError(
+                400, f"Missing required parameter: 'messages[{i}].content'.", param=f"messages[{i}].content",
+                code="missing_required_parameter",
+            )
+        out.append(ChatMessage(role, _content_text(i, m["content"])))
+    return tuple(out)
+
+
+def _stop(value: object) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        return (value,)
+    if isinstance(value, list) and all(isinstance(s, str) for s in value):
+        if len(value) > MAX_STOP_STRINGS:
+            raise _invalid_value("stop", f"at most {MAX_STOP_STRINGS} stop sequences are allowed", value)
+        return tuple(value)
+    raise _invalid_type("stop", "a string or an array of strings", value)
+
+
+def _common(f: _Fields, *, max_tokens: int | None, max_context_tokens: int) -> tuple[SamplingParams, bool, bool]:
+    """Fields chat and completions share: sampling, stopping, streaming, unsupported knobs."""
+    if max_tokens is not None and max_tokens > max_context_tokens:
+        raise _invalid_value("max_tokens", f"must be at most the model's context of {max_context_tokens} tokens", max_tokens)
+    n = f.int_("n", 1)
+    if n != 1:
+        raise _unsupported("n", "only n=1 is supported")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if f.number(name, 0.0) != 0.0:
+            raise _unsupported(name, "penalties are not supported; use 0")
+    if f.get("logit_bias") not in (None, {}):
+        raise _unsupported("logit_bias", "logit_bias is not supported")
+    user = f.get("user")
+    if user is not None and not isinstance(user, str):
+        raise _invalid_type("user", "a string", user)
+    stream = f.bool_("stream", False)
+    options = f.get("stream_options")
+    if options is not None and (not isinstance(options, dict) or set(options) - {"include_usage"}):
+        raise _invalid_value("stream_options", "only {'include_usage': bool} is supported", options)
+    include_usage = bool((options or {}).get("include_usage", False))
+    try:
+        params = SamplingParams(
+            temperature=f.number("temperature", 1.0),
+            top_p=f.number("top_p", 1.0),
+            top_k=f.int_("top_k", 0),
+            seed=f.int_("seed", None),
+            max_tokens=max_tokens,
+            stop=_stop(f.get("stop")),
+        )
+    except SamplingParamError as exc:
+        raise _invalid_value(exc.param, exc.reason, exc.value) from exc
+    f.reject_unknown()
+    return params, stream, include_usage
+
+
+def parse_chat_request(body: dict[str, Any], *, max_context_tokens: int) -> ChatRequest:
+    f = _Fields(body)
+    model = f.required_str("model")
+    if "messages" not in body:
+        raise RequestError(400, "Missing required parameter: 'messages'.", param="messages", code="missing_required_parameter")
+    messages = _messages(f.get("messages"))
+    max_tokens = f.int_("max_completion_tokens", None)
+    if max_tokens is None:
+        max_tokens = f.int_("max_tokens", None)
+    else:
+        f.get("max_tokens")
+    if f.get("logprobs") not in (None, False) or f.get("top_logprobs") is not None:
+        raise _unsupported("logprobs", "logprobs are not supported")
+    if f.get("response_format") not in (None, {"type": "text"}):
+        raise _unsupported("response_format", "only {'type': 'text'} is supported")
+    params, stream, include_usage = _common(f, max_tokens=max_tokens, max_context_tokens=max_context_tokens)
+    return ChatRequest(model, messages, params, stream, include_usage)
+
+
+def _prompt(value: object) -> str | tuple[int, ...]:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str):
+        return value[0]
+    if isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        return tuple(value)
+    if isinstance(value, list) and value and all(isinstance(p, (str, list)) for p in value):
+        raise _unsupported("prompt", "batches of several prompts are not supported")
+    raise _invalid_type("prompt", "a string or a non-empty array of token ids", value)
+
+
+def parse_completion_request(body: dict[str, Any], *, max_context_tokens: int) -> CompletionRequest:
+    f = _Fields(body)
+    model = f.required_str("model")
+    if "prompt" not in body:
+        raise RequestError(400, "Missing required parameter: 'prompt'.", param="prompt", code="missing_required_parameter")
+    prompt = _prompt(f.get("prompt"))
+    max_tokens = f.int_("max_tokens", COMPLETIONS_DEFAULT_MAX_TOKENS)
+    echo = f.bool_("echo", False)
+    if f.get("logprobs") is not None:
+        raise _unsupported("logprobs", "logprobs are not supported")
+    if f.get("suffix") is not None:
+        raise _unsupported("suffix", "suffix is not supported")
+    if f.int_("best_of", 1) != 1:
+        raise _unsupported("best_of", "only best_of=1 is supported")
+    params, stream, include_usage = _common(f, max_tokens=max_tokens, max_context_tokens=max_context_tokens)
+    return CompletionRequest(model, prompt, params, stream, include_usage, echo)

@@ -1,0 +1,253 @@
+"""The Engine that generates over a ring of stages: prefill, decode, and resume.
+
+It owns the model's two ends (the head stage embeds; the coordinator keeps the final norm
+and LM head), sends token frames to the head, receives the tail's hidden states directly,
+and hands each to its job (coordinator.jobs.ring_job), which turns them into committed tokens.
+Prefill, decode and recovery are one procedure: "bring the ring's KV up to the committed
+context, then give me the next logits" — after a ring change the ring holds nothing for
+the job, so the same call re-prefills it. A dead node therefore costs time, not tokens. It
+does not choose rings (swarm) or speak HTTP.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import trio
+
+from receipts import sha256_digest
+from coordinator.errors import NotReadyError
+from coordinator.trust.receipt_check import ReceiptChecker
+from coordinator.spec import adapt
+from coordinator.spec.drafting import Drafter, NgramDrafter
+from coordinator.spec.eagle import EagleDrafter, EagleHead, shipped_head_dir
+from coordinator.jobs.ring_job import Arrived, RingJob
+from coordinator.errors import RingLost
+from coordinator.spec.sampling import SamplingParams
+from coordinator.swarm.swarm import RingState, Swarm
+from shard.activations import from_wire
+from shard.errors import WireError
+from shard.stage import OutputHead
+from shard.transport import FramedStream, Host, TransportError
+from shard.node import RING_PROTOCOL
+from shard.wire.codec import decode_frame, encode
+from shard.wire.messages import EndJob, Forward, JobError, Result
+
+log = logging.getLogger("shard.coordinator")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    prefill_chunk_tokens: int = 256  # the largest prefill chunk (coordinator.jobs.prefill)
+    prefill_edge_chunk_tokens: int = 64  # the first and last: short pipeline fill and drain
+    frame_timeout_s: float = 120.0  # one traversal; past it the job resumes on a new ring
+    max_resumes: int = 3
+    resume_wait_s: float = 10.0  # after a stage error, how long to wait for the ring to re-form
+    link_latency_ms: float = 0.0  # emulated one-way latency on the coordinator -> head edge
+    link_upload_mbps: float = 0.0
+    link_jitter_ms: float = 0.0
+    draft: str = "hybrid"  # none | ngram | eagle | hybrid (n-gram and EAGLE, routed per round)
+    eagle_head: str | None = None  # head directory; default: the one shipped for the model
+    eagle_tree: tuple[int, int] | None = None  # fixed (nodes, depth); default: sized by the head's confidence
+    # Most rounds in flight (later ones sent before earlier are verified); 1 = off. The
+    # planner picks the depth below this cap from acceptance and the measured queue a round
+    # in flight makes (coordinator/spec/adapt.py), so on a compute-bound ring it rarely sends a
+    # round ahead whatever the cap (docs/benchmarks.md).
+    max_pipeline_depth: int = 4
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.max_pipeline_depth <= MAX_PIPELINE_DEPTH:
+            raise ValueError(f"pipeline depth (rounds in flight) must be 1..{MAX_PIPELINE_DEPTH}, "
+                             f"got {self.max_pipeline_depth}")
+        if self.eagle_tree is not None and not (1 <= self.eagle_tree[1] <= self.eagle_tree[0] <= MAX_EAGLE_TREE):
+            raise ValueError(f"eagle_tree (nodes, depth) needs 1 <= depth <= nodes <= {MAX_EAGLE_TREE}, "
+                             f"got {self.eagle_tree}")
+
+
+MAX_EAGLE_TREE = 256  # draft nodes in one verify frame
+MAX_PIPELINE_DEPTH = 8  # rounds in flight for one job
+
+
+def parse_tree(text: str | None) -> tuple[int, int] | None:
+    """'NODES,DEPTH' (the --eagle-tree flag) -> (nodes, depth); None stays None."""
+    if text is None:
+        return None
+    try:
+        nodes, depth = (int(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(f"--eagle-tree takes NODES,DEPTH (two integers), got {text!r}") from None
+    return nodes, depth
+
+
+class RingEngine:
+    def __init__(self, swarm: Swarm, host: Host, tokenizer: Any, config: EngineConfig,
+                 receipts: ReceiptChecker | None = None) -> None:
+        self.receipts = receipts  # None: rounds are not checked (receipts off)
+        store = swarm.store
+        self.swarm, self.host, self.tokenizer, self.config = swarm, host, tokenizer, config
+        self.cfg = store.config
+        self.model_id = store.manifest.name
+        self.max_context_tokens = self.cfg.max_context_tokens
+        eos = set(self.cfg.eos_token_ids)
+        if tokenizer.eos_token_id is not None:
+            eos.add(int(tokenizer.eos_token_id))
+        self.eos_token_ids = frozenset(eos)
+        norm, lm_head = store.load_head()
+        self.head = OutputHead(self.cfg, norm, lm_head if lm_head is not None else store.load_embedding())
+        self._jobs: dict[str, trio.MemorySendChannel] = {}
+        self.eagle_head = self._load_eagle(store)
+        self._head_streams: dict[int, FramedStream] = {}
+        self._send_lock = trio.Lock()
+        self._links: trio.Nursery | None = None  # set by serve(); needed only for link emulation
+        self.hop_times: dict[str, float] = {}
+        # What finished jobs measured (acceptance per drafter, calibration, traversal time)
+        # and on which ring epoch: a new job starts from it rather than from the priors,
+        # which a 50-token request would otherwise spend most of its rounds unlearning.
+        self.learned_adapt: tuple[int, adapt.AdaptState] = (-1, adapt.AdaptState())
+        swarm.job_error_handler = self._deliver
+        swarm.ring_listeners.append(self._on_ring_change)
+
+    def make_drafters(self) -> list[Drafter]:
+        """Fresh drafters for one job; several means the router picks per round (hybrid),
+        none means plain decoding."""
+        mode = self.config.draft
+        drafters: list[Drafter] = []
+        if mode in ("ngram", "hybrid"):
+            drafters.append(NgramDrafter())
+        if mode in ("eagle", "hybrid") and self.eagle_head is not None:
+            drafters.append(EagleDrafter(self.eagle_head))
+        return drafters
+
+    def _load_eagle(self, store) -> EagleHead | None:
+        """The EAGLE head for this model: --eagle-head PATH, else the one shipped for it."""
+        if self.config.draft not in ("eagle", "hybrid"):
+            return None
+        path = self.config.eagle_head or shipped_head_dir(store.manifest.name)
+        if path is None:
+            if self.config.draft == "eagle":
+                raise NotReadyError(f"--draft eagle needs a head: none is shipped for {store.manifest.name}; pass --eagle-head")
+            log.info("no EAGLE head for %s: hybrid drafting uses n-gram only", store.manifest.name)
+            return None
+        return EagleHead.load(path, self.cfg, store.load_embedding(), target_digest=store.digest)
+
+    # -- Engine interface ----------------------------------------------------------------
+    async def open_job(self, prompt_ids: list[int], params: SamplingParams) -> "RingJob":
+        if self.swarm.ring is None:
+            raise NotReadyError("no ring is formed yet (waiting for nodes)")
+        job_id = os.urandom(8).hex()
+        send, recv = trio.open_memory_channel(256)
+        self._jobs[job_id] = send
+        job = RingJob(self, job_id, list(prompt_ids), params, recv, drafters=self.make_drafters(),
+                      adapt=self.starting_adapt(self.swarm.ring.epoch))
+        if self.receipts is not None:
+            job.receipts = self.receipts.open_job(job_id, job.nonce, job.prompt_ids)
+        return job
+
+    def starting_adapt(self, epoch: int) -> adapt.AdaptState:
+        """The planner state a job on ring `epoch` starts from: what earlier jobs learned,
+        without their traversal times if those were measured on another ring."""
+        learned_epoch, state = self.learned_adapt
+        return state if learned_epoch == epoch else adapt.apply(adapt.RingChanged(), state)
+
+    def bundle(self, job_id: str) -> dict[str, Any] | None:
+        """The signed receipt bundle of a finished job as JSON, None if unknown."""
+        return self.receipts.bundle(job_id) if self.receipts is not None else None
+
+    def info(self) -> dict[str, Any]:
+        ring = self.swarm.ring
+        members = []
+        if ring is not None:
+            for a in ring.assignments:
+                reg = self.swarm.members.get(a.peer_id)
+                members.append({
+                    "peer_id": a.peer_id, "layers": [a.layer_start, a.layer_end], "role": a.role,
+                    "decode_ms_per_layer": reg.register.decode_s_per_layer * 1e3 if reg else None,
+                    "device": reg.register.device if reg else None,
+                })
+        return {"ready": ring is not None, "model": self.model_id, "epoch": ring.epoch if ring else None,
+                "members": members, "registered_nodes": len(self.swarm.members), "active_jobs": len(self._jobs),
+                "wire_dtype": self.swarm.config.wire_dtype, "topology": self.swarm.topology_info()}
+
+    # -- frames ----------------------------------------------------------------------------
+    async def send(self, ring: RingState, msg: Forward | EndJob) -> None:
+        await self.send_body(ring, encode(msg))
+
+    async def send_body(self, ring: RingState, body: bytes) -> None:
+        """Send an encoded frame body to the ring's head."""
+        async with self._send_lock:
+            stream = self._head_streams.get(ring.epoch)
+            if stream is None:
+                self._head_streams.clear()
+                stream = await self.host.open_stream(ring.head, RING_PROTOCOL)
+                stream = await self._emulate(stream)
+                self._head_streams[ring.epoch] = stream
+            await stream.send_frame(body)
+
+    async def serve(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Hold the nursery that pumps emulated links; never returns."""
+        async with trio.open_nursery() as self._links:
+            task_status.started()
+            await trio.sleep_forever()
+
+    async def _emulate(self, stream):
+        from shard.linkemu import EmulatedLink, link_settings
+
+        c = self.config
+        settings = link_settings(c.link_latency_ms, c.link_upload_mbps, c.link_jitter_ms)
+        if settings is None:
+            return stream
+        link = EmulatedLink(stream, **settings)
+        await self._links.start(link.serve)
+        return link
+
+    async def handle_ring_stream(self, stream: FramedStream) -> None:
+        """Results from the tail. Frames from any other peer are refused (and logged)."""
+        remote = stream.remote_peer_id
+        limits = self.swarm.limits
+        try:
+            while True:
+                body = await stream.recv_frame(limits.max_frame_bytes)
+                ring = self.swarm.ring
+                if ring is None or remote != ring.tail:
+                    log.warning("refused a frame from %s: not the tail of the current ring", remote)
+                    return
+                try:
+                    msg, canonical_len = decode_frame(body, limits)
+                except WireError as exc:
+                    log.warning("dropped a malformed frame from tail %s: %s", remote, exc)
+                    continue
+                if isinstance(msg, Result):
+                    digest = sha256_digest(memoryview(body)[:canonical_len]) if self.receipts is not None else b""
+                    self._deliver(Arrived(msg, digest))
+        except (TransportError, WireError) as exc:
+            log.info("ring stream from %s ended: %s", remote, exc)
+        finally:
+            await stream.aclose()
+
+    def _deliver(self, msg: Arrived | JobError) -> None:
+        channel = self._jobs.get(msg.result.job_id if isinstance(msg, Arrived) else msg.job_id)
+        if channel is not None:
+            try:
+                channel.send_nowait(msg)
+            except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
+                pass
+
+    def _on_ring_change(self, ring: RingState | None) -> None:
+        for channel in self._jobs.values():
+            try:
+                channel.send_nowait(RingLost())
+            except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
+                pass
+
+    def close_job(self, job_id: str) -> None:
+        channel = self._jobs.pop(job_id, None)
+        if channel is not None:
+            channel.close()
+
+    def hidden(self, result: Result) -> torch.Tensor:
+        """The last stage's hidden rows (T, H) in f32; `head.logits` turns rows into logits."""
+        return from_wire(result.hidden, result.hidden_scale, torch.float32)

@@ -1,0 +1,120 @@
+"""Sampling: the target distribution a request asks for, and drawing one token from it.
+
+Pure functions on logits. `probs` is the single definition of "the distribution the user
+asked for" (temperature, then top-k, then top-p); `sample` draws from it, and speculative
+sampling compares drafts against it. This module does not know about tokenizers, stop
+strings, jobs or the ring; it never touches the network.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+from dataclasses import dataclass
+
+import torch
+from coordinator.errors import SamplingParamError
+
+# OpenAI's documented ranges; top_k is the common extension (0 = disabled).
+MAX_TEMPERATURE = 2.0
+MAX_STOP_STRINGS = 4
+MAX_STOP_CHARS = 256
+
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)) and math.isfinite(value)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """What a request asks of the sampler and the stopping rule. The only defaults.
+
+    temperature 0 means greedy (argmax, ties to the lowest id). top_k 0 and top_p 1
+    disable those filters. max_tokens None means "until the context is full". seed None
+    means fresh entropy per job; an int makes the job's draws reproducible.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    max_tokens: int | None = None
+    stop: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not _is_number(self.temperature) or not 0.0 <= self.temperature <= MAX_TEMPERATURE:
+            raise SamplingParamError("temperature", self.temperature, f"must be a number in [0, {MAX_TEMPERATURE}]")
+        if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise SamplingParamError("top_p", self.top_p, "must be a number in (0, 1]")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            raise SamplingParamError("top_k", self.top_k, "must be an integer >= 0 (0 disables it)")
+        if self.seed is not None and (not _is_int(self.seed) or not -(2**63) <= self.seed < 2**64):
+            raise SamplingParamError("seed", self.seed, "must be a 64-bit integer or null")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            raise SamplingParamError("max_tokens", self.max_tokens, "must be an integer >= 1 or null")
+        if not isinstance(self.stop, tuple) or len(self.stop) > MAX_STOP_STRINGS:
+            raise SamplingParamError("stop", self.stop, f"must be a tuple of at most {MAX_STOP_STRINGS} strings")
+        for s in self.stop:
+            if not isinstance(s, str) or not 0 < len(s) <= MAX_STOP_CHARS:
+                raise SamplingParamError("stop", s, f"each stop string must be 1..{MAX_STOP_CHARS} characters")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def make_generator(seed: int | None) -> torch.Generator:
+    """A CPU generator for one job: seeded from `seed`, or from fresh OS entropy if None."""
+    g = torch.Generator(device="cpu")
+    g.manual_seed((secrets.randbits(63) if seed is None else seed) % 2**64)
+    return g
+
+
+def greedy_token(logits: torch.Tensor) -> int:
+    """Argmax over the last dim of a (V,) tensor; torch.argmax returns the first maximum,
+    so ties go to the lowest id (the same rule transformers' greedy search uses)."""
+    return int(torch.argmax(logits, dim=-1))
+
+
+def probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The target distribution: (..., V) logits -> (..., V) float32 probabilities.
+
+    Order: temperature, then top-k, then top-p (nucleus) on the tempered distribution,
+    then renormalise. At temperature 0 it is the one-hot of the greedy token, so
+    speculative sampling at temperature 0 reduces to greedy acceptance.
+    """
+    logits = logits.float()
+    if params.greedy:
+        out = torch.zeros_like(logits)
+        return out.scatter_(-1, torch.argmax(logits, dim=-1, keepdim=True), 1.0)
+    scaled = logits / params.temperature  # (..., V)
+    # One ranking for both filters, by the raw logits with ties to the lower id (stable
+    # sort): the same order argmax uses, so the greedy token always survives, even when
+    # float32 rounding makes its tempered probability equal to a neighbour's.
+    order = torch.sort(logits, dim=-1, descending=True, stable=True).indices  # (..., V)
+    vocab = scaled.shape[-1]
+    if 0 < params.top_k < vocab:
+        scaled = scaled.scatter(-1, order[..., params.top_k :], float("-inf"))
+    p = torch.softmax(scaled, dim=-1)  # (..., V)
+    if params.top_p < 1.0:
+        sorted_p = p.gather(-1, order)  # (..., V), in ranking order
+        # Mass strictly before each entry; keep entries whose preceding mass < top_p, i.e.
+        # the smallest prefix whose mass reaches top_p. The first entry is always kept.
+        before = torch.cumsum(sorted_p, dim=-1) - sorted_p
+        keep = torch.zeros_like(p, dtype=torch.bool).scatter(-1, order, before < params.top_p)
+        p = torch.where(keep, p, torch.zeros_like(p))
+    return p / p.sum(dim=-1, keepdim=True)
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
+    """One token id from a (V,) logits row. Greedy at temperature 0 (the generator is not
+    advanced), else one draw from `probs(logits, params)` with `generator`."""
+    if params.greedy:
+        return greedy_token(logits)
+    p = probs(logits, params)
+    return int(torch.multinomial(p, 1, generator=generator))

@@ -1,0 +1,204 @@
+"""Recompute a stage's logged frames of one (job, epoch) in as few forwards as is exact.
+
+A decode or verify frame's output depends on the K/V the stage held when it ran, so an
+audit replays every frame of the epoch. Frame by frame that costs as many forwards as the
+ring spent; instead `plan_replay` follows the stage's KV slots symbolically (which row of
+which frame sits in each slot, commits included) and gives every row the set of rows it
+attended to. In the frames an engine sends, that set is always one root path: the
+committed context is a chain whose every row saw exactly the rows before it, and a tree
+node sees that context plus its ancestors. So all rows of all frames, rejected draft nodes
+included, form one tree, and one tree-masked forward (Stage.forward with `tree_parents`)
+reproduces every frame's output: the same maths, only summed in another order, which the
+audit tolerances already allow.
+
+A segment holds at most `max_rows` rows (the mask is rows x rows); the next one starts on
+the committed context its first frame sees, gathered to slots [0, C) of the replay cache
+by that frame's commit. Frames whose rows would not form such a tree (a slot read before
+any frame wrote it, a context that is not one root path, a shrinking context) are
+replayed one at a time, as the stage ran them: exact for any frame sequence.
+
+It does not fetch frames, check digests or compare outputs (coordinator.trust.audit does).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from shard.activations import from_wire
+from shard.stage import Stage
+from shard.stage_worker import DRAFT_SLACK_SLOTS, StageWorker, WorkerConfig
+from shard.wire.messages import Forward
+
+REPLAY_JOB_ID = "audit"
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Frames replayed as one forward: their kept rows, in order, as a tree over `gather`."""
+
+    frames: tuple[int, ...]  # indices into the replayed frame list, in order
+    keep: tuple[tuple[int, ...], ...]  # per frame: its rows replayed (indices within the frame)
+    gather: tuple[int, ...]  # replay-cache slots of the base context rows, moved to [0, C) first
+    parents: tuple[int, ...]  # per kept row: parent row within the segment; -1 = sees the whole base
+
+
+def _merge_key(f: Forward) -> tuple:
+    """Frames are concatenated only if their tensors concatenate and want the same aux."""
+    return (f.tokens is None, f.want_aux_layers, None if f.hidden is None else f.hidden.dtype,
+            None if f.aux is None else (f.aux.dtype, f.aux.shape[1]))
+
+
+def _trace(frames: list[Forward]) -> tuple[list[int], list[list[int]]] | None:
+    """Follow the stage's KV slots through `frames`: each row's parent (global row ids,
+    -1: attended to no context) and each frame's context rows; None if some context is
+    not one root path (then no single tree reproduces the frames)."""
+    parent_of: list[int] = []
+    contexts: list[list[int]] = []
+    slot_rows: dict[int, int] = {}  # the stage's KV slot -> global row whose K/V is there now
+    path_ok = 0  # slots [0, path_ok) hold a checked root path, unchanged since the check
+    for f in frames:
+        t = f.positions.shape[0]
+        if f.commit_src:  # gathered in order, copy first (as JobCache.commit)
+            moved = [slot_rows.get(s) for s in f.commit_src]
+            for i, g in enumerate(moved):
+                if g is None:
+                    slot_rows.pop(f.commit_dst + i, None)
+                else:
+                    slot_rows[f.commit_dst + i] = g
+            path_ok = min(path_ok, f.commit_dst)
+        ctx = [slot_rows.get(s, -1) for s in range(f.ctx_len)]
+        for s in range(path_ok, f.ctx_len):
+            if ctx[s] < 0 or parent_of[ctx[s]] != (ctx[s - 1] if s else -1):
+                return None
+        if t == 0:
+            return None
+        tree = None if f.tree_parents is None else f.tree_parents.tolist()
+        g0 = len(parent_of)
+        for j in range(t):
+            p = tree[j] if tree is not None else j - 1
+            parent_of.append(g0 + p if p >= 0 else (ctx[-1] if ctx else -1))
+        for j in range(t):
+            slot_rows[f.ctx_len + j] = g0 + j
+        path_ok = f.ctx_len
+        contexts.append(ctx)
+    return parent_of, contexts
+
+
+def plan_replay(frames: list[Forward], max_rows: int) -> list[Segment] | None:
+    """Segments that reproduce `frames` (the stage's frames of one epoch, from the first,
+    in processing order), or None if their rows do not form one tree. Pure.
+
+    Kept rows: every row a later frame attends to as context (prompt rows, roots, accepted
+    draft nodes: everything a token or a later K/V depends on) and every row of the last
+    frame (what it led to is not in the stage's log). Rejected draft nodes are dropped:
+    nothing read them, and the stage could not know they would be rejected when it
+    computed them."""
+    traced = _trace(frames)
+    if traced is None:
+        return None
+    parent_of, contexts = traced
+    needed = {g for ctx in contexts for g in ctx}
+    first_row = [0]
+    for f in frames:
+        first_row.append(first_row[-1] + f.positions.shape[0])
+    needed.update(range(first_row[-2], first_row[-1]))
+    segments: list[Segment] = []
+    seg_frames: list[int] = []
+    seg_keep: list[tuple[int, ...]] = []
+    seg_gather: tuple[int, ...] = ()
+    seg_parents: list[int] = []
+    cache_slot: dict[int, int] = {}  # kept global row -> its slot in the replay cache now
+    local_of: dict[int, int] = {}  # kept global row -> its row in the current segment (base: < 0)
+    base: list[int] = []
+    key = None
+    for fi, (f, ctx) in enumerate(zip(frames, contexts)):
+        keep = [j for j in range(f.positions.shape[0]) if first_row[fi] + j in needed]
+        if not keep:
+            continue
+        extends = not base or (len(ctx) >= len(base) and ctx[len(base) - 1] == base[-1])
+        if not seg_frames or not extends or _merge_key(f) != key or len(seg_parents) + len(keep) > max_rows:
+            if any(g not in cache_slot for g in ctx):
+                return None
+            if seg_frames:
+                segments.append(Segment(tuple(seg_frames), tuple(seg_keep), seg_gather, tuple(seg_parents)))
+            seg_frames, seg_keep, seg_parents, key = [], [], [], _merge_key(f)
+            seg_gather = tuple(cache_slot[g] for g in ctx)
+            base = ctx
+            cache_slot = {g: i for i, g in enumerate(ctx)}
+            local_of = {g: i - len(base) for i, g in enumerate(ctx)}
+        for j in keep:
+            g, gp = first_row[fi] + j, parent_of[first_row[fi] + j]
+            if gp == (base[-1] if base else -1):
+                local = -1
+            else:
+                local = local_of.get(gp, -1)
+                if local < 0:  # a parent inside the base but not its end: context shrank
+                    return None
+            cache_slot[g] = len(base) + len(seg_parents)
+            local_of[g] = len(seg_parents)
+            seg_parents.append(local)
+        seg_frames.append(fi)
+        seg_keep.append(tuple(keep))
+    if seg_frames:
+        segments.append(Segment(tuple(seg_frames), tuple(seg_keep), seg_gather, tuple(seg_parents)))
+    return segments
+
+
+def _cat(ts: list[torch.Tensor | None]) -> torch.Tensor | None:
+    return None if ts[0] is None else torch.cat(ts)  # type: ignore[arg-type]
+
+
+def _rows(t: torch.Tensor | None, keep: tuple[int, ...]) -> torch.Tensor | None:
+    return None if t is None else t[list(keep)]
+
+
+@dataclass
+class ReplayStats:
+    forwards: int = 0
+    rows: int = 0
+
+
+# Per frame: (rows recomputed, as indices within the frame (K,); hidden (K, H); aux (K, k*H) or None).
+Replayed = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
+
+
+def replay(stage: Stage, wire_dtype: str, frames: list[Forward], max_rows: int = 1024,
+           stats: ReplayStats | None = None, *, aux_dtype: str | None = None) -> list[Replayed | None]:
+    """Recompute `frames` on a fresh cache, in f32, as this slice sends them after the
+    wire codec (before a tail's trim); None for a frame none of whose rows are kept."""
+    segments = plan_replay(frames, max_rows)
+    if segments is None:  # one forward per frame, exactly as the stage ran them
+        segments = [Segment((i,), (tuple(range(f.positions.shape[0])),), (), ()) for i, f in enumerate(frames)]
+        merged = [dataclasses.replace(f, job_id=REPLAY_JOB_ID, receipts=(), compute_s=()) for f in frames]
+    else:
+        merged = []
+        for seg in segments:
+            parts = [(frames[i], keep) for i, keep in zip(seg.frames, seg.keep)]
+            merged.append(dataclasses.replace(
+                parts[0][0], job_id=REPLAY_JOB_ID, receipts=(), compute_s=(), phase="verify",
+                ctx_len=len(seg.gather), commit_src=seg.gather, commit_dst=0,
+                tree_parents=torch.tensor(seg.parents, dtype=torch.int32),
+                **{name: _cat([_rows(getattr(f, name), keep) for f, keep in parts])
+                   for name in ("positions", "tokens", "hidden", "hidden_scale", "aux", "aux_scale")}))
+    slots = max((m.ctx_len + m.positions.shape[0] for m in merged), default=1)
+    worker = StageWorker(stage, WorkerConfig(wire_dtype=wire_dtype, aux_dtype=aux_dtype, is_tail=False,
+                                             max_kv_bytes=1 << 40,
+                                             max_context_tokens=max(slots - DRAFT_SLACK_SLOTS, 1)))
+    out: list[Replayed | None] = [None] * len(frames)
+    for fwd, seg in zip(merged, segments):
+        res = worker.process(fwd)
+        hidden = from_wire(res.hidden, res.hidden_scale, torch.float32)  # (sum K, H)
+        aux = None if res.aux is None else from_wire(res.aux, res.aux_scale, torch.float32)
+        start = 0
+        for i, keep in zip(seg.frames, seg.keep):
+            k = len(keep)
+            out[i] = (torch.tensor(keep), hidden[start:start + k], None if aux is None else aux[start:start + k])
+            start += k
+        if stats is not None:
+            stats.forwards += 1
+            stats.rows += start
+    worker.end_job(REPLAY_JOB_ID)
+    return out

@@ -1,0 +1,186 @@
+"""The coordinator's side of receipts: check every round's chain, then bundle the job.
+
+Per job (`JobReceipts`): the digest of each Forward the coordinator sent the head is
+recorded by round; each Result from the tail is checked with `receipts.verify_chain`
+before its hidden states become tokens (fail closed: `ReceiptRejected`, an CoordinatorError
+the HTTP layer turns into a clear 503, never caught by the resume loop). At the end the
+verified rounds, the assignments of every epoch the job used and the request/output token
+digests are signed into a `Bundle`, kept in memory (`recent` most recent) and appended to
+a BundleStore when a directory is configured. Finished jobs are handed to listeners (the
+auditor). The layer count and digests come from the coordinator's own model store; the
+expected signers from the epoch's signed assignments (peer id -> Ed25519 key).
+
+It does not send frames, choose rings, or recompute anything (coordinator.trust.audit does).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from coordinator.errors import ReceiptRejected
+from coordinator.swarm.swarm import RingState
+from receipts import (
+    Assignment,
+    BundleStore,
+    NodeKey,
+    Receipt,
+    RoundRecord,
+    StageAssignment,
+    VerificationError,
+    sign_bundle,
+    token_digest,
+    verify_chain,
+)
+from receipts.bundle import bundle_to_json
+from shard.layers import LayerRange
+from shard.node import public_key_of_peer
+from shard.store import ModelStore
+from shard.wire.messages import Forward, Result
+
+log = logging.getLogger("shard.coordinator")
+
+
+@dataclass(frozen=True)
+class ReceiptConfig:
+    enabled: bool = True  # check every round's receipts and bundle every job
+    receipts_dir: str | None = None  # append-only BundleStore; None = memory only
+    recent_bundles: int = 1024  # bundles kept in memory for GET /v1/receipts/{id}
+
+
+
+@dataclass(frozen=True)
+class EpochView:
+    """One ring epoch as receipts see it: signer keys -> what each was assigned."""
+
+    ring: RingState
+    assignments: dict[bytes, Assignment]
+    stage_assignments: tuple[StageAssignment, ...]
+    peer_of_key: dict[bytes, str]
+
+
+@dataclass
+class VerifiedRound:
+    epoch: int
+    receipts: list[Receipt]  # decoded, head first
+
+
+@dataclass
+class FinishedJob:
+    """What the auditor needs: the rounds sent per epoch (in send order) and each
+    verified round's receipts, plus the epochs' rings."""
+
+    job_id: str
+    sent_rounds: dict[int, list[int]]  # epoch -> rounds sent on it, in order
+    verified: dict[int, VerifiedRound]  # round -> receipts
+    epochs: dict[int, EpochView]
+
+
+class ReceiptChecker:
+    def __init__(self, store: ModelStore, coordinator_seed: bytes, config: ReceiptConfig = ReceiptConfig()) -> None:
+        self.config = config
+        self.key = NodeKey.from_private_bytes(coordinator_seed)
+        self.store = store
+        self.manifest_digest = bytes.fromhex(store.digest)
+        self.num_layers = store.num_layers  # from the manifest, never from receipts
+        self.bundle_store = BundleStore(config.receipts_dir) if config.receipts_dir else None
+        self._epochs: dict[int, EpochView] = {}
+        self._recent: OrderedDict[str, dict] = OrderedDict()
+        self.listeners: list[Callable[[FinishedJob], None]] = []
+
+    def epoch_view(self, ring: RingState) -> EpochView:
+        view = self._epochs.get(ring.epoch)
+        if view is None:
+            assignments, stage_assignments, peers = {}, [], {}
+            for a in ring.assignments:
+                key = public_key_of_peer(a.peer_id)
+                weights = bytes.fromhex(self.store.weights_digest(LayerRange(a.layer_start, a.layer_end)))
+                assignments[key] = Assignment(a.layer_start, a.layer_end, weights)
+                stage_assignments.append(StageAssignment(key, a.layer_start, a.layer_end, weights, ring.epoch))
+                peers[key] = a.peer_id
+            view = self._epochs[ring.epoch] = EpochView(ring, assignments, tuple(stage_assignments), peers)
+            for old in sorted(self._epochs)[:-64]:  # jobs span a few epochs at most
+                del self._epochs[old]
+        return view
+
+    def open_job(self, job_id: str, nonce: bytes, prompt_ids: list[int]) -> "JobReceipts":
+        return JobReceipts(self, job_id, nonce, list(prompt_ids))
+
+    def bundle(self, job_id: str) -> dict | None:
+        """The job's bundle as JSON (memory first, then the store), None if unknown."""
+        found = self._recent.get(job_id)
+        if found is None and self.bundle_store is not None and job_id in self.bundle_store:
+            found = bundle_to_json(self.bundle_store.get(job_id))
+        return found
+
+    def _keep(self, job_id: str, bundle_json: dict) -> None:
+        self._recent[job_id] = bundle_json
+        while len(self._recent) > self.config.recent_bundles:
+            self._recent.popitem(last=False)
+
+
+@dataclass
+class JobReceipts:
+    checker: ReceiptChecker
+    job_id: str
+    nonce: bytes
+    prompt_ids: list[int]
+    _sent: dict[int, tuple[int, bytes]] = field(default_factory=dict)  # round -> (epoch, digest)
+    _order: dict[int, list[int]] = field(default_factory=dict)  # epoch -> rounds sent
+    _rounds: dict[int, RoundRecord] = field(default_factory=dict)
+    _verified: dict[int, VerifiedRound] = field(default_factory=dict)
+    _epochs: dict[int, EpochView] = field(default_factory=dict)
+    failed: bool = False
+
+    def sent(self, fwd: Forward, digest: bytes) -> None:
+        """Record a frame the coordinator sent to the head: `digest`, the SHA-256 of the
+        canonical bytes it put on the wire."""
+        self._sent[fwd.round] = (fwd.epoch, digest)
+        self._order.setdefault(fwd.epoch, []).append(fwd.round)
+
+    def check(self, ring: RingState, result: Result, received_digest: bytes) -> None:
+        """Verify the chain behind `result`, whose canonical bytes as received hash to
+        `received_digest`. Raises ReceiptRejected (and marks the job failed) on any
+        failure; returns only if every layer is accounted for."""
+        view = self.checker.epoch_view(ring)
+        self._epochs[ring.epoch] = view
+        epoch, sent_digest = self._sent.get(result.round, (result.epoch, bytes(32)))
+        received = received_digest
+        try:
+            if epoch != result.epoch:
+                raise VerificationError(f"result for epoch {result.epoch}, round {result.round} was sent on epoch {epoch}")
+            decoded = verify_chain(
+                result.receipts, manifest_digest=self.checker.manifest_digest, num_layers=self.checker.num_layers,
+                epoch=ring.epoch, job_id=self.job_id, round=result.round, nonce=self.nonce,
+                sent_digest=sent_digest, received_digest=received, assignments=view.assignments)
+        except VerificationError as exc:
+            self.failed = True
+            # The receipt under blame names its layers; its index in a short chain need
+            # not be the stage's place in the ring.
+            peer = next((p for p, r in ring.stages if exc.layers == (r.start, r.end)), None)
+            raise ReceiptRejected(self.job_id, result.round, exc, peer) from exc
+        self._rounds[result.round] = RoundRecord(result.round, ring.epoch, sent_digest, received, tuple(result.receipts))
+        self._verified[result.round] = VerifiedRound(ring.epoch, decoded)
+
+    def finish(self, output_ids: list[int]) -> None:
+        """Sign and keep the bundle of the verified rounds; hand the job to listeners.
+        A job whose receipts failed gets no bundle: nothing of it is vouched for."""
+        checker = self.checker
+        if self.failed or not self._rounds:
+            return
+        epochs = sorted({r.epoch for r in self._rounds.values()})
+        bundle = sign_bundle(
+            checker.key, job_id=self.job_id, nonce=self.nonce, manifest_digest=checker.manifest_digest,
+            num_layers=checker.num_layers, request_digest=token_digest(self.prompt_ids),
+            output_digest=token_digest(output_ids),
+            assignments=[a for e in epochs for a in self._epochs[e].stage_assignments],
+            rounds=[self._rounds[r] for r in sorted(self._rounds)])
+        checker._keep(self.job_id, bundle_to_json(bundle))
+        if checker.bundle_store is not None:
+            checker.bundle_store.append(bundle)
+        done = FinishedJob(self.job_id, {e: list(rs) for e, rs in self._order.items()}, dict(self._verified),
+                           dict(self._epochs))
+        for listener in checker.listeners:
+            listener(done)
