@@ -11,6 +11,7 @@ from typing import Mapping
 
 from ring.network import PeerId
 from shard.layers import LayerRange
+from shard.wire import roles as wire_roles
 
 
 @dataclass(frozen=True, order=True)
@@ -41,11 +42,15 @@ class StageTiming:
 
 
 class RoleKind(enum.Enum):
-    HOT_STANDBY = "hot_standby"
-    SPOT_CHECK_VERIFIER = "spot_check_verifier"
-    WEIGHT_SEEDER = "weight_seeder"
-    DECODE_REPLICA = "decode_only_replica"
-    RELAY = "relay"
+    """What a node does in a ring epoch. The values are the wire's role names (one table,
+    shard.wire.roles), so `RoleKind(assignment.role)` converts at the boundary."""
+
+    STAGE = wire_roles.ROLE_STAGE  # a ring member; plans give roles only to the others
+    HOT_STANDBY = wire_roles.ROLE_HOT_STANDBY
+    SPOT_CHECK_VERIFIER = wire_roles.ROLE_SPOT_CHECK_VERIFIER
+    WEIGHT_SEEDER = wire_roles.ROLE_WEIGHT_SEEDER
+    DECODE_REPLICA = wire_roles.ROLE_DECODE_REPLICA
+    RELAY = wire_roles.ROLE_RELAY
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from shard.errors import WireError
 from shard.wire.dtypes import BY_TORCH, FLOAT_NAMES, FP8_NAMES
 from shard.wire.fields import Bytes, Float, Int, ListOf, MapOf, OptionalOf, Str, Tensor, kind_of, spec
 from shard.wire.limits import MAX_PAYLOAD_BYTES, MAX_RECEIPT_BYTES, MAX_RECEIPTS, Limits
+from shard.wire.roles import ROLE_STAGE
 
 # 2: per-stage trailer fields (receipts, compute_s) left the header for a trailer after
 # the tensor bytes, so a frame's canonical bytes are a prefix of its wire bytes.
@@ -41,7 +42,6 @@ F32 = frozenset({"f32"})
 # codec writes them in a trailer after the tensor bytes, outside the canonical bytes that
 # receipts hash (codec.encode_body), so appending never changes what was signed.
 TRAILER_FIELDS = ("receipts", "compute_s")
-ROLE_STAGE = "stage"  # Assignment.role of a ring member; every other role serves no frames
 
 
 def _fail_shape(name: str, expected: object, t: torch.Tensor) -> WireError:
