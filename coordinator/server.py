@@ -23,9 +23,9 @@ from shard.identity import identity_signing_key, load_or_create_identity
 from shard.node import CONTROL_PROTOCOL, RING_PROTOCOL
 from shard.store import cache_root, open_or_prepare
 from shard.transport import open_host
+from shard.wire.dtypes import BY_CLI_NAME, from_cli_name
 
 log = logging.getLogger("shard.coordinator")
-WIRE_DTYPE_NAMES = {"f32": "f32", "bf16": "bf16", "f16": "f16", "fp8": "f8_e4m3fn"}
 
 
 def _opt(default, help: str, **meta):
@@ -43,9 +43,9 @@ class CoordConfig:
     key_path: str | None = _opt(None, "identity key file (default: <cache>/coordinator.key)")
     local_nodes: int = _opt(0, "spawn this many nodes on loopback and serve with them")
     min_nodes: int = _opt(0, "form a ring once this many nodes joined (default: local-nodes, else 1)")
-    wire_dtype: str = _opt("f32", "activation dtype on the wire", choices=tuple(WIRE_DTYPE_NAMES))
+    wire_dtype: str = _opt("f32", "activation dtype on the wire", choices=tuple(BY_CLI_NAME))
     aux_dtype: str | None = _opt(None, "dtype of the EAGLE aux features on the wire (default: the wire dtype; fp8 "
-                                       "halves a draft row's aux bytes on a 16-bit wire)", choices=tuple(WIRE_DTYPE_NAMES))
+                                       "halves a draft row's aux bytes on a 16-bit wire)", choices=tuple(BY_CLI_NAME))
     link_latency_ms: float = _opt(0.0, "emulated one-way latency on every ring edge")
     link_upload_mbps: float = _opt(0.0, "emulated uplink of every ring sender in Mbit/s (0 = unlimited)")
     link_jitter_ms: float = _opt(0.0, "emulated jitter on every ring edge")
@@ -78,8 +78,8 @@ async def serve_coordinator(config: CoordConfig, task_status=trio.TASK_STATUS_IG
     topology = TopologyConfig(prefill_chunk_tokens=config.prefill_chunk_tokens,
                               coordinator_link_latency_s=config.link_latency_ms / 1e3)
     swarm = Swarm(store, identity_signing_key(keypair), SwarmConfig(
-        min_nodes=min_nodes, wire_dtype=WIRE_DTYPE_NAMES[config.wire_dtype],
-        aux_dtype=WIRE_DTYPE_NAMES[config.aux_dtype] if config.aux_dtype else None, topology=topology))
+        min_nodes=min_nodes, wire_dtype=from_cli_name(config.wire_dtype),
+        aux_dtype=from_cli_name(config.aux_dtype) if config.aux_dtype else None, topology=topology))
     host_name, port = config.http.rsplit(":", 1)
     async with open_host(keypair, config.listen) as host:
         seed = identity_signing_key(keypair)

@@ -35,9 +35,11 @@ from coordinator.swarm.topology import TopologyConfig
 from shard.identity import keypair_from_seed
 from shard.node import CONTROL_PROTOCOL, RING_PROTOCOL, Node, NodeConfig
 from shard.transport import open_host
+from shard.wire.dtypes import from_cli_name
 from shard.wire.messages import Forward, Result
 
-WIRE_DTYPES = {"f32": "f32", "bf16": "bf16", "fp8": "f8_e4m3fn"}  # CLI name -> wire dtype
+# The activation dtypes the ring benchmarks compare, as flags name them -> wire name.
+WIRE_DTYPES = {cli: from_cli_name(cli) for cli in ("f32", "bf16", "fp8")}
 
 
 @dataclass(frozen=True)

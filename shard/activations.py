@@ -8,20 +8,19 @@ from __future__ import annotations
 
 import torch
 
-from shard.wire.dtypes import BY_NAME
+from shard.wire.dtypes import ACTIVATION_NAMES, BY_NAME
 from shard.wire.fp8 import decode_fp8, encode_fp8
-
-WIRE_DTYPES = ("f32", "f16", "bf16", "f8_e4m3fn", "f8_e5m2")
 
 
 def to_wire(h: torch.Tensor, wire_dtype: str) -> tuple[torch.Tensor, torch.Tensor | None]:
     """h (T, W) in any float dtype -> (tensor in wire dtype, per-row f32 scales or None)."""
-    if wire_dtype not in WIRE_DTYPES:
-        raise ValueError(f"wire dtype must be one of {WIRE_DTYPES}, got {wire_dtype!r}")
-    if wire_dtype.startswith("f8_"):
-        q, scales = encode_fp8(h, fmt=wire_dtype[3:], scale="row")
+    if wire_dtype not in ACTIVATION_NAMES:
+        raise ValueError(f"wire dtype must be one of {ACTIVATION_NAMES}, got {wire_dtype!r}")
+    row = BY_NAME[wire_dtype]
+    if row.is_fp8:
+        q, scales = encode_fp8(h, fmt=wire_dtype.removeprefix("f8_"), scale="row")
         return q.contiguous(), scales
-    return h.to(BY_NAME[wire_dtype].torch_dtype).contiguous(), None
+    return h.to(row.torch_dtype).contiguous(), None
 
 
 def from_wire(t: torch.Tensor, scales: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:

@@ -34,6 +34,7 @@ from shard.stage_worker import StageWorker, WorkerConfig
 from shard.store import ModelStore, open_or_prepare
 from shard.transport import FramedStream, Host, TransportError
 from shard.wire.codec import decode, decode_frame, encode
+from shard.wire.dtypes import COMPUTE_DTYPES
 from shard.wire.limits import Limits
 from shard.wire.messages import (ROLE_STAGE, Assignment, AuditReply, AuditRequest, EndJob, Forward, JobError,
                                  Ping, Pong, ProbePeers, Ready, Register)
@@ -42,7 +43,6 @@ log = logging.getLogger("shard.node")
 
 CONTROL_PROTOCOL = "/shard/control/1.0.0"
 RING_PROTOCOL = "/shard/ring/1.0.0"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Frames computed and waiting for the uplink. Sending runs in its own task so a stage
 # computes frame r+1 while frame r uploads (a chunked prefill would otherwise idle every
 # stage for each chunk's serialisation); this bound is the backpressure that keeps a slow
@@ -155,7 +155,7 @@ class Node:
         stream is fatal. Resource handling: all tasks live in this call's nursery."""
         cfg = self.config
         self.limits = Limits.for_model(self.store.config, max_tokens_per_frame=2048)
-        dtype = DTYPES[cfg.dtype]
+        dtype = COMPUTE_DTYPES[cfg.dtype]
         decode_s, prefill_s = await trio.to_thread.run_sync(measure_compute, self.store, dtype, cfg.device)
         self.coordinator_id = await self.host.connect(cfg.coordinator)
         self.host.set_handler(RING_PROTOCOL, self._on_ring_stream)
@@ -253,7 +253,7 @@ class Node:
         await self._send_control(Ready(peer_id=self.host.peer_id, epoch=a.epoch))
 
     def _load_stage(self, r: LayerRange) -> Stage:
-        cfg, dtype = self.store.config, DTYPES[self.config.dtype]
+        cfg, dtype = self.store.config, COMPUTE_DTYPES[self.config.dtype]
         weights = self.store.load_layers(r, dtype, self.config.device)
         embedding = self.store.load_embedding(dtype, self.config.device) if r.start == 0 else None
         return Stage(cfg, r, weights, dtype=dtype, device=self.config.device, embedding=embedding)

@@ -44,6 +44,7 @@ from shard.stage import Stage
 from shard.store import ModelStore
 from shard.transport import TransportError
 from shard.wire.codec import decode
+from shard.wire.dtypes import DTYPES, WireDType
 from shard.wire.messages import AuditReply, AuditRequest, Forward, Result
 
 log = logging.getLogger("shard.coordinator")
@@ -52,17 +53,29 @@ log = logging.getLogger("shard.coordinator")
 # own f32 by ~1e-5 of the row's magnitude (accumulation error follows the row's RMS, not
 # each element: a near-zero element next to large ones carries the same absolute error);
 # after the wire codec that is at most one step of the wire dtype on an element that sat
-# next to a rounding boundary. So an element may differ by abs_tol row RMSes plus one wire
-# ulp (rel_tol), and a rare few (max_outlier_fraction) by more. Calibrated on SmolLM2
-# (docs/receipts.md: largest honest error at most 0.05 of the bound for f32, 0.2 for
-# bf16, 0.5 for fp8) and on honest tiny-model rings (tests/e2e/test_receipts_ring.py).
-TOLERANCES: dict[str, Tolerance] = {
-    "f32": Tolerance(abs_tol=1e-4, rel_tol=1e-3, max_outlier_fraction=1e-3),
-    "f16": Tolerance(abs_tol=1e-3, rel_tol=2e-3, max_outlier_fraction=1e-3),
-    "bf16": Tolerance(abs_tol=1e-2, rel_tol=1.6e-2, max_outlier_fraction=1e-3),  # ulp 2^-7
-    "f8_e4m3fn": Tolerance(abs_tol=2e-2, rel_tol=0.13, max_outlier_fraction=2e-3),  # ulp 2^-3
-    "f8_e5m2": Tolerance(abs_tol=4e-2, rel_tol=0.26, max_outlier_fraction=2e-3),  # ulp 2^-2
-}
+# next to a rounding boundary. So an element may differ by abs_tol row RMSes plus a wire
+# step of itself (rel_tol), and a rare few (max_outlier_fraction) by more. Both follow the
+# dtype's step u = 2^-mantissa_bits (shard.wire.dtypes); f32's step is far below the
+# recomputation error, where the floors take over. The multipliers were calibrated on
+# SmolLM2 (docs/receipts.md: largest honest error at most 0.05 of the bound for f32, 0.2
+# for bf16, 0.5 for fp8) and on honest tiny-model rings (tests/e2e/test_receipts_ring.py).
+ABS_TOL_FLOOR, REL_TOL_FLOOR = 1e-4, 1e-3
+# (abs_tol in u, rel_tol in u, outlier fraction). An fp8 row carries its own scale, so its
+# codec error is bounded per element (shard.wire.fp8) and a step of the element is most of it.
+STEPS_16BIT = (1.28, 2.0, 1e-3)
+STEPS_FP8 = (0.16, 1.04, 2e-3)
+
+
+def wire_tolerance(row: WireDType) -> Tolerance:
+    """How far an honest stage's output in float dtype `row` may be from its replay."""
+    abs_steps, rel_steps, outliers = STEPS_FP8 if row.is_fp8 else STEPS_16BIT
+    step = 2.0 ** -row.mantissa_bits
+    return Tolerance(abs_tol=max(ABS_TOL_FLOOR, abs_steps * step), rel_tol=max(REL_TOL_FLOOR, rel_steps * step),
+                     max_outlier_fraction=outliers)
+
+
+# Derived from the dtype table: never edit by hand.
+TOLERANCES: dict[str, Tolerance] = {d.name: wire_tolerance(d) for d in DTYPES if d.is_float}
 
 
 @dataclass(frozen=True)

@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import torch
 
-from shard.wire.dtypes import BY_NAME
+from shard.wire.dtypes import BY_NAME, DTYPES
 
-FORMATS = ("e4m3fn", "e5m2")
+FORMATS = tuple(d.name.removeprefix("f8_") for d in DTYPES if d.is_fp8)  # ("e4m3fn", "e5m2")
 SCALINGS = ("row", "tensor")
 # Smallest positive normal float32: scales never go below it, so x / scale stays finite
 # for all-zero and denormal rows alike (the row then quantises to (near) zero).
