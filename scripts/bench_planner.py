@@ -80,7 +80,7 @@ def acceptance_by_depth(prompt: list[int], answer: list[int], counts: dict) -> N
         accepted = len(accept_as_committed(tree, answer[i:] + [-1] * (longest + 1)).nodes)
         for depth in range(1, min(accepted + 1, tree.num_nodes) + 1):  # tried: up to the first miss
             bucket = next(b for b, (lo, hi) in enumerate(DEPTH_BUCKETS) if lo <= depth <= hi)
-            for key in (tree.source, "all"):
+            for key in (str(tree.source), "all"):  # JSON keys: the source as text
                 row = counts.setdefault(key, [[0, 0] for _ in DEPTH_BUCKETS])[bucket]
                 row[0] += depth <= accepted
                 row[1] += 1

@@ -154,7 +154,7 @@ class RingJob:
                 self.ttft_s = time.monotonic() - self.started_s
             self.undrafted_rounds = 0 if tree.num_nodes else self.undrafted_rounds + 1
             if tree.num_nodes:
-                family = tree.source.split(":")[0]
+                family = tree.source.family
                 self.drafted[family] = self.drafted.get(family, 0) + 1
                 self.drafted_tokens[family] = self.drafted_tokens.get(family, 0) + len(tokens)
                 self.adapt = adapt.apply(adapt.RoundVerified(

@@ -57,8 +57,7 @@ from dataclasses import dataclass, field, replace
 
 from coordinator.spec.draft_tree import DraftTree
 from coordinator.spec.drafting import DraftBudget
-
-ALL_SOURCES = ""  # acceptance key that pools every drafter
+from coordinator.spec.source import ALL_SOURCES, DraftSource
 
 
 class DraftKind(enum.Enum):
@@ -137,25 +136,27 @@ class TraversalFit:
 
 @dataclass(frozen=True)
 class AdaptState:
-    acceptance: Mapping[str, AcceptanceStats] = field(default_factory=dict)
+    # per source at every width (`DraftSource.fallbacks`): its own, its family's, all drafters'
+    acceptance: Mapping[DraftSource, AcceptanceStats] = field(default_factory=dict)
     traversal: TraversalFit | None = None
     draft_s_per_node: float = 0.0
     rounds: int = 0
-    # per drafter family: EWMAs of accepted nodes and of the draft's predicted acceptances
-    confidence: Mapping[str, AcceptanceStats] = field(default_factory=dict)
+    # per drafter family (`DraftSource.family_key`): EWMAs of accepted nodes and of the
+    # draft's predicted acceptances
+    confidence: Mapping[DraftSource, AcceptanceStats] = field(default_factory=dict)
     # EWMA of how long one round in flight ahead delays another (Q in the module
     # docstring); None until a round has been sent behind another
     queue_s: float | None = None
-    # per drafter family, over its chain rounds: EWMAs of whole acceptances (1 or 0) and
-    # of what the rank model predicted for them (a^K)
-    whole: Mapping[str, AcceptanceStats] = field(default_factory=dict)
+    # per drafter family (`DraftSource.family_key`), over its chain rounds: EWMAs of whole
+    # acceptances (1 or 0) and of what the rank model predicted for them (a^K)
+    whole: Mapping[DraftSource, AcceptanceStats] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
 class DraftOutcome:
     """How one drafter's part of a merged draft fared, judged on its own nodes."""
 
-    source: str
+    source: DraftSource
     tried: int
     accepted: int
     predicted: float | None = None
@@ -165,7 +166,7 @@ class DraftOutcome:
 class RoundVerified:
     """One round came back and was verified."""
 
-    source: str  # DraftTree.source, e.g. "ngram:3" or "eagle"
+    source: DraftSource  # DraftTree.source, e.g. ngram:3 or eagle:tree
     nodes: int  # draft nodes sent (the ring computed nodes + 1 rows)
     tried: int  # Acceptance.tried
     accepted: int  # len(Acceptance.nodes)
@@ -226,7 +227,7 @@ def apply(event: Event, state: AdaptState, config: AdaptConfig = AdaptConfig()) 
     alpha = config.ewma_alpha
     whole = dict(state.whole)
     if event.chain and event.nodes:
-        family = event.source.split(":")[0]
+        family = event.source.family_key
         predicted = acceptance_rate(state, event.source, config) ** event.nodes
         hit = float(event.accepted == event.nodes)
         whole[family] = _fold(whole.get(family), hit, predicted, alpha)
@@ -234,11 +235,11 @@ def apply(event: Event, state: AdaptState, config: AdaptConfig = AdaptConfig()) 
     confidence = dict(state.confidence)
     outcomes = event.parts or (DraftOutcome(event.source, event.tried, event.accepted, event.predicted),)
     for out in outcomes:
-        family = out.source.split(":")[0]
-        for key in dict.fromkeys((out.source, family, ALL_SOURCES)):  # unique, in order
+        for key in out.source.fallbacks:
             prior = AcceptanceStats(config.prior_acceptance, 1.0)
             acceptance[key] = _fold(acceptance.get(key, prior), out.accepted, out.tried, alpha)
         if out.predicted is not None:
+            family = out.source.family_key
             confidence[family] = _fold(confidence.get(family), out.accepted, out.predicted, alpha)
     n, t = float(event.nodes + 1), event.traversal_s
     fit, queue = state.traversal, state.queue_s
@@ -258,19 +259,19 @@ def apply(event: Event, state: AdaptState, config: AdaptConfig = AdaptConfig()) 
     return AdaptState(acceptance, fit, draft, state.rounds + 1, confidence, queue, whole)
 
 
-def calibration(state: AdaptState, source: str, config: AdaptConfig = AdaptConfig()) -> float:
+def calibration(state: AdaptState, source: DraftSource, config: AdaptConfig = AdaptConfig()) -> float:
     """Accepted nodes per unit of predicted acceptance for `source`'s family."""
-    stats = state.confidence.get(source.split(":")[0])
+    stats = state.confidence.get(source.family_key)
     c = stats.accepted / stats.tried if stats is not None and stats.tried > 0 else config.prior_calibration
     low, high = config.calibration_range
     return min(max(c, low), high)
 
 
-def chain_survives(state: AdaptState, source: str, a: float, nodes: int) -> float:
+def chain_survives(state: AdaptState, source: DraftSource, a: float, nodes: int) -> float:
     """s in the module docstring: the chance that a chain of `nodes` from `source`, at
     per-node acceptance `a`, is accepted whole with the bonus the drafter guesses: a^K
     calibrated by the family's measured whole acceptances (1 until measured), times a."""
-    stats = state.whole.get(source.split(":")[0])
+    stats = state.whole.get(source.family_key)
     c = stats.accepted / stats.tried if stats is not None and stats.tried > 0 else 1.0
     return min(1.0, c * a**nodes) * a
 
@@ -280,7 +281,7 @@ def path_probabilities(tree: DraftTree) -> list[float]:
     return tree.cumulative_logprobs().exp().tolist()
 
 
-def confidence_floor(state: AdaptState, source: str, config: AdaptConfig = AdaptConfig()) -> float:
+def confidence_floor(state: AdaptState, source: DraftSource, config: AdaptConfig = AdaptConfig()) -> float:
     """The least cumulative draft log-prob worth drafting below: a node adds about c * P
     tokens for per_row_s of ring time, which cannot pay while c * P < per_row_s * r,
     where r >= 1 / (fixed_s + per_row_s) (plain decoding's rate) is the best round's rate."""
@@ -305,10 +306,11 @@ def size_by_confidence(tree: DraftTree, state: AdaptState, draft_s: float,
     return best_m, best_e
 
 
-def acceptance_rate(state: AdaptState, source: str = ALL_SOURCES, config: AdaptConfig = AdaptConfig()) -> float:
+def acceptance_rate(state: AdaptState, source: DraftSource = ALL_SOURCES,
+                    config: AdaptConfig = AdaptConfig()) -> float:
     """Per-node acceptance for `source`, falling back to its family ("ngram"), then to
     all drafters, then to the prior."""
-    for key in (source, source.split(":")[0], ALL_SOURCES):
+    for key in source.fallbacks:
         if key in state.acceptance:
             return min(state.acceptance[key].rate, config.max_acceptance)
     return min(config.prior_acceptance, config.max_acceptance)
@@ -390,7 +392,7 @@ def _shapes(config: AdaptConfig) -> list[tuple[DraftKind, int, int]]:
     return shapes
 
 
-def plan(state: AdaptState, config: AdaptConfig = AdaptConfig(), source: str = ALL_SOURCES) -> DraftShape:
+def plan(state: AdaptState, config: AdaptConfig = AdaptConfig(), source: DraftSource = ALL_SOURCES) -> DraftShape:
     """The shape (and pipelining depth) with the most expected tokens per second.
     Ties keep the earlier shape in `_shapes` order: chains, then smaller trees."""
     a = acceptance_rate(state, source, config)

@@ -26,12 +26,13 @@ from collections.abc import Sequence
 from coordinator.spec import adapt, routing
 from coordinator.spec.draft_tree import ChildSampling, DraftTree
 from coordinator.spec.drafting import DraftBudget, Drafter
+from coordinator.spec.source import DraftSource
 
 # When the planner finds drafting not worth it, a small probe draft every few rounds keeps
 # the acceptance estimate fresh (text changes; a drafter that missed early may fit later).
 PROBE_EVERY_ROUNDS = 8
 PROBE_NODES = 2
-MERGED_SOURCE = "merged"  # the source of a merged draft; its parts keep their own
+MERGED_SOURCE = DraftSource("merged")  # the source of a merged draft; its parts keep their own
 
 
 def draft_round(drafters: Sequence[Drafter], committed: Sequence[int], state: adapt.AdaptState, *, room: int,
@@ -54,9 +55,9 @@ def draft_round(drafters: Sequence[Drafter], committed: Sequence[int], state: ad
         if confident:
             nodes, depth = fixed_tree or (config.confident_nodes, config.confident_depth)
             if not fixed_tree:
-                floor = adapt.confidence_floor(state, drafter.name, config)
+                floor = adapt.confidence_floor(state, family_of(drafter), config)
         else:
-            shape = adapt.plan(state, config, source=getattr(drafter, "name", adapt.ALL_SOURCES))
+            shape = adapt.plan(state, config, source=family_of(drafter))
             wanted = shape.nodes > 0
             probe = not wanted and undrafted_rounds >= PROBE_EVERY_ROUNDS
             # Where the drafter's average says no draft pays, still look at its evidence
@@ -94,9 +95,9 @@ def draft_round(drafters: Sequence[Drafter], committed: Sequence[int], state: ad
     return best.tree, drafted_s, tuple(skipped)
 
 
-def evidence_shape(state: adapt.AdaptState, config: adapt.AdaptConfig, source: str,
+def evidence_shape(state: adapt.AdaptState, config: adapt.AdaptConfig, source: DraftSource,
                    wanted: bool = False) -> tuple[int, int] | None:
-    """(nodes, depth) that a draft's own evidence (`source`, e.g. "ngram:3") asks for, or
+    """(nodes, depth) that a draft's own evidence (`source`, e.g. ngram:3) asks for, or
     None when its record says no draft pays. At least one node when the drafter's average
     wanted a draft or the evidence has no record yet: evidence judged only by drafts never
     sent would keep a low estimate for good (measured: n-gram drafted half as many rounds)."""
@@ -132,7 +133,7 @@ def side_draft_pays(drafter: Drafter, candidates: Sequence[routing.DraftCandidat
     """Whether `drafter` (confident, drafting after the others) can still beat the best
     draft so far, judged by its recent rounds (`routing.side_draft_can_pay`); True until it
     has a record."""
-    stats, draft_s = state.acceptance.get(drafter.name), getattr(drafter, "propose_s", None)
+    stats, draft_s = state.acceptance.get(family_of(drafter)), getattr(drafter, "propose_s", None)
     if stats is None or draft_s is None:
         return True
     best = candidates[routing.route(candidates, state, config)]
@@ -150,7 +151,12 @@ def merged_candidate(drafters: Sequence[Drafter], candidates: Sequence[routing.D
     return routing.DraftCandidate(merged, draft_s, expected)
 
 
-def is_confident(drafters: Sequence[Drafter], source: str) -> bool:
+def is_confident(drafters: Sequence[Drafter], source: DraftSource) -> bool:
     """Whether the drafter behind `source` reports log-probs that estimate acceptance."""
-    family = source.split(":")[0]
-    return any(getattr(d, "confidence", False) and d.name == family for d in drafters)
+    return any(getattr(d, "confidence", False) and d.name == source.family for d in drafters)
+
+
+def family_of(drafter: Drafter) -> DraftSource:
+    """The source that stands for all of `drafter`'s drafts (the pool of every drafter
+    for one without a name)."""
+    return DraftSource(getattr(drafter, "name", ""))

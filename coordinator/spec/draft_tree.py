@@ -12,7 +12,8 @@ speculative sampling needs the proposal distribution every child was drawn from.
 unites several drafters' GREEDY trees into one (hybrid rounds verify them together).
 
 This module does not know about models, logits of the target, the wire, or which
-drafter made a tree beyond the `source` label; it never touches the network.
+drafter made a tree beyond its `source` (`coordinator.spec.source`); it never touches
+the network.
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 import torch
-from coordinator.errors import DraftShapeError
 
+from coordinator.errors import DraftShapeError
+from coordinator.spec.source import ALL_SOURCES, DraftSource
 
 
 class ChildSampling(enum.Enum):
@@ -51,7 +53,7 @@ class DraftTree:
     logprobs: torch.Tensor | None = None  # (M,) float: log q(token_i | path to its parent)
     probs: torch.Tensor | None = None  # (M+1, V) float: q at the root and at each node
     sampling: ChildSampling = ChildSampling.GREEDY
-    source: str = field(default="")  # which drafter and evidence, e.g. "ngram:3"
+    source: DraftSource = field(default=ALL_SOURCES)  # which drafter and evidence, e.g. ngram:3
     merged_from: tuple["DraftTree", ...] = ()  # the drafts a merged tree unites, in merge order
 
     def __post_init__(self) -> None:
@@ -73,7 +75,7 @@ class DraftTree:
     # -- constructors ---------------------------------------------------------------
 
     @classmethod
-    def empty(cls, source: str = "") -> DraftTree:
+    def empty(cls, source: DraftSource = ALL_SOURCES) -> DraftTree:
         """No draft: the round verifies the root alone and commits one token."""
         none = torch.zeros(0, dtype=torch.int64)
         return cls(tokens=none, parents=none.clone(), source=source)
@@ -86,7 +88,7 @@ class DraftTree:
         logprobs: torch.Tensor | None = None,
         probs: torch.Tensor | None = None,
         sampling: ChildSampling = ChildSampling.GREEDY,
-        source: str = "",
+        source: DraftSource = ALL_SOURCES,
     ) -> DraftTree:
         """A chain of K tokens: node i's parent is i-1."""
         t = torch.as_tensor(tokens, dtype=torch.int64).reshape(-1)
@@ -94,7 +96,8 @@ class DraftTree:
         return cls(t, parents, logprobs=logprobs, probs=probs, sampling=sampling, source=source)
 
     @classmethod
-    def from_branches(cls, branches: Sequence[Sequence[int]], max_nodes: int, source: str = "") -> DraftTree:
+    def from_branches(cls, branches: Sequence[Sequence[int]], max_nodes: int,
+                      source: DraftSource = ALL_SOURCES) -> DraftTree:
         """Merge token sequences into a trie (shared prefixes become one node), earlier
         branches first, stopping at `max_nodes`. Siblings keep first-seen order, so the
         first branch is tried first. Children are GREEDY picks."""
@@ -116,7 +119,7 @@ class DraftTree:
         return cls(torch.tensor(tokens, dtype=torch.int64), torch.tensor(parents, dtype=torch.int64), source=source)
 
     @classmethod
-    def merge(cls, trees: Sequence[DraftTree], source: str) -> tuple[DraftTree, list[list[int]]]:
+    def merge(cls, trees: Sequence[DraftTree], source: DraftSource) -> tuple[DraftTree, list[list[int]]]:
         """One tree holding every path of `trees` (GREEDY ones): nodes with the same
         token under the same parent become one, and an earlier tree's children are tried
         before a later one's. Returns it with, per input tree, the merged index of each of

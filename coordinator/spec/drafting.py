@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from coordinator.spec.draft_tree import DraftTree
+from coordinator.spec.source import DraftSource
 
 
 @dataclass(frozen=True)
@@ -43,8 +44,8 @@ class DraftBudget:
 
 class Drafter(Protocol):
     """Proposes a draft below the last token of `context_ids` within `budget`. `name` is
-    the family its drafts' `DraftTree.source` starts with ("ngram" for "ngram:3"): the
-    planner sizes each drafter's next draft by that family's acceptance."""
+    the family of its drafts' `DraftTree.source` (`DraftSource.family`): the planner
+    sizes each drafter's next draft by that family's acceptance."""
 
     name: str
 
@@ -130,8 +131,9 @@ class NgramDrafter:
             if len(branches) >= self.config.max_branches:
                 break
         if not branches or budget.max_nodes == 0 or budget.max_depth == 0:
-            return DraftTree.empty(source="ngram:0")
-        return DraftTree.from_branches(branches, budget.max_nodes, source=f"ngram:{match_n}")
+            return DraftTree.empty(source=DraftSource(self.name, "0"))
+        # The evidence is the match length: long matches are accepted far more often.
+        return DraftTree.from_branches(branches, budget.max_nodes, source=DraftSource(self.name, str(match_n)))
 
 
 def _continuation(ctx: list[int], start: int, depth: int) -> list[int]:

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from coordinator.spec.draft_tree import DraftTree
 from coordinator.spec.drafting import DraftBudget
+from coordinator.spec.source import DraftSource
 from shard.arch import ModelConfig
 from shard.linear import Linear
 from shard.rope import RotaryTable, apply_rotary
@@ -319,7 +320,7 @@ class EagleDrafter:
         are GREEDY picks; `logprobs` hold the head's log q(token | path), which the
         planner reads as the head's confidence."""
         if not self.in_sync(context_ids) or budget.max_nodes == 0 or budget.max_depth == 0:
-            return DraftTree.empty(source="eagle:0")
+            return DraftTree.empty(source=DraftSource(self.name, "0"))
         t0 = time.perf_counter()
         tree = self._grow(context_ids, budget)
         took = time.perf_counter() - t0
@@ -382,7 +383,7 @@ class EagleDrafter:
         # topological order in which the likeliest max_nodes form a tree.
         return DraftTree(torch.tensor(tokens, dtype=torch.int64), torch.tensor(parents, dtype=torch.int64),
                          logprobs=torch.tensor(logps, dtype=torch.float32),
-                         source="eagle:chain" if chain else "eagle:tree").keep_likeliest(budget.max_nodes)
+                         source=DraftSource(self.name, "chain" if chain else "tree")).keep_likeliest(budget.max_nodes)
 
 
 def shipped_head_dir(model_name: str) -> pathlib.Path | None:

@@ -21,6 +21,7 @@ from coordinator.spec.draft_tree import DraftTree
 from coordinator.spec.drafting import DraftBudget, NgramDrafter
 from coordinator.jobs.ring_engine import EngineConfig
 from coordinator.spec.sampling import SamplingParams
+from coordinator.spec.source import DraftSource
 from tests.e2e.ringkit import generate_greedy, generate_greedy_with_stats, open_local_ring
 
 PROMPTS = [[1, 40, 41, 42, 40, 41, 42, 40, 41], [1, 100, 7, 200, 33], [1] + list(range(3, 60))]
@@ -51,7 +52,7 @@ class NoisyOracleDrafter:
             for _ in range(2):
                 cut = self.rng.randrange(len(chain))
                 branches.append(chain[:cut] + [self.rng.randrange(3, 259) for _ in range(len(chain) - cut)])
-        return DraftTree.from_branches(branches, budget.max_nodes, source="noisy")
+        return DraftTree.from_branches(branches, budget.max_nodes, source=DraftSource("noisy"))
 
 
 async def generate(engine, prompt: list[int]) -> list[int]:
@@ -159,7 +160,7 @@ def test_a_new_job_starts_from_what_finished_jobs_learned(tiny_llama_store):
 
     epoch, ring_epoch, learned, started, elsewhere = trio.run(main)
     assert epoch == ring_epoch and learned.rounds > 0 and learned.traversal is not None
-    assert learned.acceptance["noisy"].tried > 0
+    assert learned.acceptance[DraftSource("noisy")].tried > 0
     assert started is learned
     assert elsewhere.traversal is None and elsewhere.acceptance == learned.acceptance
 
@@ -175,7 +176,7 @@ class ConfidentNoisyDrafter(NoisyOracleDrafter):
     def propose(self, context_ids: Sequence[int], budget: DraftBudget) -> DraftTree:
         tree = super().propose(context_ids, budget)
         logprobs = torch.tensor([-0.1 - self.rng.random() * (1 + i % 3) for i in range(tree.num_nodes)])
-        return DraftTree(tree.tokens, tree.parents, logprobs=logprobs, source=f"confident:{tree.num_nodes}")
+        return DraftTree(tree.tokens, tree.parents, logprobs=logprobs, source=DraftSource(self.name, str(tree.num_nodes)))
 
 
 def random_eagle_head(store, path) -> None:

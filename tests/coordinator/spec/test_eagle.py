@@ -14,6 +14,7 @@ import torch
 from coordinator.spec.draft_tree import DraftTree
 from coordinator.spec.drafting import DraftBudget
 from coordinator.spec.eagle import EagleConfig, EagleDraftConfig, EagleDrafter, EagleHead, PairCache, init_weights, save_head, shipped_head_dir
+from coordinator.spec.source import DraftSource
 from coordinator.errors import EagleHeadError
 from shard.arch import ModelConfig
 
@@ -98,14 +99,14 @@ def test_trees_are_well_formed_and_keep_the_likeliest_paths():
     ids = [1, 2, 3, 4, 5]
     drafter.observe(ids[:4], aux_rows(4, 6))
     tree = drafter.propose(ids, DraftBudget(12, 3))
-    assert tree.num_nodes == 12 and tree.max_depth <= 3 and tree.source == "eagle:tree"
+    assert tree.num_nodes == 12 and tree.max_depth <= 3 and tree.source == DraftSource("eagle", "tree")
     assert set(tree.tokens.tolist()) <= set(head.d2t.tolist())
     for node in range(-1, tree.num_nodes):
         kids = [int(tree.tokens[c]) for c in tree.children(node)]
         assert len(kids) == len(set(kids))  # siblings differ, so a path names one node
         assert float(torch.exp(tree.logprobs[list(tree.children(node))]).sum()) <= 1.0 + 1e-6
     chain = drafter.propose(ids, DraftBudget.chain(4))
-    assert chain.source == "eagle:chain" and chain.parents.tolist() == [-1, 0, 1, 2]
+    assert chain.source == DraftSource("eagle", "chain") and chain.parents.tolist() == [-1, 0, 1, 2]
 
 
 def _path_logprobs(head: EagleHead, ids: list[int], aux: torch.Tensor, path: list[int]) -> torch.Tensor:
@@ -172,7 +173,7 @@ def test_drafts_carry_the_drafters_name_as_their_source_family():
     drafter.observe([1, 2, 3], aux_rows(3, 9))
     sources = {drafter.propose([1, 2, 3, 4], budget).source for budget in (DraftBudget(4, 4), DraftBudget(8, 3))}
     sources.add(drafter.propose([1, 2], DraftBudget(4, 4)).source)  # unsynced: empty
-    assert {s.split(":")[0] for s in sources} == {drafter.name} == {"eagle"}
+    assert {s.family for s in sources} == {drafter.name} == {"eagle"}
 
 
 def test_unsynced_context_gives_an_empty_draft():

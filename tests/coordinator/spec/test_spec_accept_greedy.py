@@ -23,6 +23,7 @@ from coordinator.spec.accept import (
 )
 from coordinator.spec.draft_tree import DraftTree
 from coordinator.spec.drafting import DraftBudget, NgramDrafter
+from coordinator.spec.source import DraftSource
 
 VOCAB = 32
 EOS = 3
@@ -179,7 +180,7 @@ def test_each_part_of_a_merged_draft_is_judged_as_if_verified_alone(seed):
     rng = random.Random(seed)
     parts = [DraftTree.from_branches([[rng.randrange(4) for _ in range(rng.randint(1, 5))]
                                       for _ in range(rng.randint(1, 3))], 10) for _ in range(2)]
-    merged, where = DraftTree.merge(parts, source="merged")
+    merged, where = DraftTree.merge(parts, source=DraftSource("merged"))
     # One target: a fixed next token per context (path tokens), as a deterministic model gives.
     table: dict[tuple[int, ...], int] = {}
 

@@ -33,12 +33,13 @@ from coordinator.spec.adapt import (
     traversal_line,
 )
 from coordinator.spec.draft_tree import DraftTree
+from coordinator.spec.source import ALL_SOURCES, DraftSource
 
 rates = st.floats(0.0, 0.99)
 
 
 def state_with(a: float, **kw) -> AdaptState:
-    return AdaptState(acceptance={"": AcceptanceStats(a, 1.0)}, **kw)
+    return AdaptState(acceptance={ALL_SOURCES: AcceptanceStats(a, 1.0)}, **kw)
 
 
 @given(rates, st.integers(0, 12))
@@ -82,20 +83,20 @@ def test_acceptance_ewma_stays_a_probability(rounds):
     state = AdaptState()
     for tried, accepted in rounds:
         accepted = min(accepted, tried)
-        state = apply(RoundVerified("ngram:2", tried + 1, tried, accepted, 0.1, 0.0), state)
-    for key in ("ngram:2", "ngram", ""):
+        state = apply(RoundVerified(DraftSource("ngram", "2"), tried + 1, tried, accepted, 0.1, 0.0), state)
+    for key in (DraftSource("ngram", "2"), DraftSource("ngram"), ALL_SOURCES):
         assert 0.0 <= acceptance_rate(state, key) <= AdaptConfig().max_acceptance
 
 
 def test_acceptance_converges_and_is_kept_per_source():
     state = AdaptState()
     for _ in range(60):
-        state = apply(RoundVerified("ngram:4", 4, 4, 4, 0.1, 0.0), state)  # always accepted
-        state = apply(RoundVerified("eagle", 4, 2, 1, 0.1, 0.01), state)  # half
-    assert acceptance_rate(state, "ngram:4") == pytest.approx(0.99)  # capped
-    assert acceptance_rate(state, "eagle") == pytest.approx(0.5, abs=1e-3)
-    assert acceptance_rate(state, "ngram:1") == acceptance_rate(state, "ngram")  # family fallback
-    assert acceptance_rate(AdaptState(), "x") == AdaptConfig().prior_acceptance
+        state = apply(RoundVerified(DraftSource("ngram", "4"), 4, 4, 4, 0.1, 0.0), state)  # always accepted
+        state = apply(RoundVerified(DraftSource("eagle"), 4, 2, 1, 0.1, 0.01), state)  # half
+    assert acceptance_rate(state, DraftSource("ngram", "4")) == pytest.approx(0.99)  # capped
+    assert acceptance_rate(state, DraftSource("eagle")) == pytest.approx(0.5, abs=1e-3)
+    assert acceptance_rate(state, DraftSource("ngram", "1")) == acceptance_rate(state, DraftSource("ngram"))  # family fallback
+    assert acceptance_rate(AdaptState(), DraftSource("x")) == AdaptConfig().prior_acceptance
 
 
 def test_traversal_line_is_fitted_and_forgotten_on_ring_change():
@@ -103,7 +104,7 @@ def test_traversal_line_is_fitted_and_forgotten_on_ring_change():
     state = AdaptState()
     for i in range(80):
         nodes = 4 if i % 2 else 20
-        state = apply(RoundVerified("", nodes, 1, 1, 0.3 + 0.01 * (nodes + 1), 0.0), state)
+        state = apply(RoundVerified(ALL_SOURCES, nodes, 1, 1, 0.3 + 0.01 * (nodes + 1), 0.0), state)
     fixed, per_row = traversal_line(state)
     assert fixed == pytest.approx(0.3, abs=1e-6) and per_row == pytest.approx(0.01, abs=1e-6)
     assert traversal_line(apply(RingChanged(), state)) == (AdaptConfig().prior_traversal_s, AdaptConfig().prior_per_node_s)
@@ -112,7 +113,7 @@ def test_traversal_line_is_fitted_and_forgotten_on_ring_change():
 def test_one_shape_keeps_the_prior_slope():
     state = AdaptState()
     for _ in range(10):
-        state = apply(RoundVerified("", 7, 1, 1, 0.5, 0.0), state)
+        state = apply(RoundVerified(ALL_SOURCES, 7, 1, 1, 0.5, 0.0), state)
     fixed, per_row = traversal_line(state)
     assert per_row == AdaptConfig().prior_per_node_s and fixed == pytest.approx(0.5 - 8 * per_row)
 
@@ -159,10 +160,10 @@ def test_queue_is_measured_by_rounds_sent_behind_others_and_leaves_the_line_alon
     line = traversal_line(state)
     assert state.queue_s is None
     # 9 rows: the line predicts 0.209 s; sent behind 2 rounds it took 0.109 s longer.
-    behind = apply(RoundVerified("ngram:4", 8, 8, 8, 0.209 + 0.109, 0.0, queued_behind=2), state)
+    behind = apply(RoundVerified(DraftSource("ngram", "4"), 8, 8, 8, 0.209 + 0.109, 0.0, queued_behind=2), state)
     assert behind.queue_s == pytest.approx(0.0545)
     assert traversal_line(behind) == pytest.approx(line)
-    faster = apply(RoundVerified("ngram:4", 8, 8, 8, 0.1, 0.0, queued_behind=1), behind)
+    faster = apply(RoundVerified(DraftSource("ngram", "4"), 8, 8, 8, 0.1, 0.0, queued_behind=1), behind)
     assert faster.queue_s == pytest.approx(0.8 * 0.0545)  # never negative
     assert apply(RingChanged(), faster).queue_s is None  # a new ring queues differently
 
@@ -177,9 +178,9 @@ def test_a_round_ahead_counts_by_the_share_of_it_still_to_run():
     assert queued_share([(10.0, 9), (9.0, 9)], 10.1045, state) == pytest.approx(0.5)  # one long back
     # Half a round queued ahead and 0.05 s of excess: Q = 0.1 s. Below half a round the
     # excess is too small a part to divide, and the round still leaves the line alone.
-    half = apply(RoundVerified("ngram:4", 8, 8, 8, 0.209 + 0.05, 0.0, queued_behind=0.5), state)
+    half = apply(RoundVerified(DraftSource("ngram", "4"), 8, 8, 8, 0.209 + 0.05, 0.0, queued_behind=0.5), state)
     assert half.queue_s == pytest.approx(0.1)
-    little = apply(RoundVerified("ngram:4", 8, 8, 8, 0.209 + 0.05, 0.0, queued_behind=0.2), state)
+    little = apply(RoundVerified(DraftSource("ngram", "4"), 8, 8, 8, 0.209 + 0.05, 0.0, queued_behind=0.2), state)
     assert little.queue_s is None and little.traversal == state.traversal
 
 
@@ -189,7 +190,7 @@ def test_pipeline_depth_follows_the_measured_queue():
     # whole round (stages sharing one CPU), the discarded rounds cost more than the
     # overlap buys, so nothing is sent ahead.
     timed = _timed_state(0.2, 0.001)
-    fast = replace(timed, acceptance={"": AcceptanceStats(0.95, 1.0)}, queue_s=0.005)
+    fast = replace(timed, acceptance={ALL_SOURCES: AcceptanceStats(0.95, 1.0)}, queue_s=0.005)
     busy = replace(fast, queue_s=0.19)
     assert plan(fast).pipeline_depth >= 3
     assert plan(busy).pipeline_depth == 1
@@ -208,21 +209,21 @@ def test_whole_chain_acceptance_is_measured_and_moves_pipelining():
     def run(accepted_per_round):  # n-gram chains of 8, one traversal each on the line
         state = timed
         for accepted in accepted_per_round:
-            state = apply(RoundVerified("ngram:4", 8, min(accepted + 1, 8), accepted, 0.209, 0.0, chain=True), state)
+            state = apply(RoundVerified(DraftSource("ngram", "4"), 8, min(accepted + 1, 8), accepted, 0.209, 0.0, chain=True), state)
         return state
 
     copying, drifting = run([8, 0, 0, 0] * 10), run([7] * 40)  # a about 0.73 and 0.875
     for state in (copying, drifting):
-        a = acceptance_rate(state, "ngram:4")
-        assert chain_survives(replace(state, whole={}), "ngram:4", a, 8) == pytest.approx(a**9)
-    a = acceptance_rate(copying, "ngram:4")
-    assert chain_survives(copying, "ngram:4", a, 8) > 2 * a**9  # a quarter whole, not a^8 = 8%
-    assert chain_survives(drifting, "ngram:4", 0.875, 8) == 0.0
+        a = acceptance_rate(state, DraftSource("ngram", "4"))
+        assert chain_survives(replace(state, whole={}), DraftSource("ngram", "4"), a, 8) == pytest.approx(a**9)
+    a = acceptance_rate(copying, DraftSource("ngram", "4"))
+    assert chain_survives(copying, DraftSource("ngram", "4"), a, 8) > 2 * a**9  # a quarter whole, not a^8 = 8%
+    assert chain_survives(drifting, DraftSource("ngram", "4"), 0.875, 8) == 0.0
     eights = AdaptConfig(max_chain=8, kinds=(DraftKind.CHAIN,))  # the chains these rounds sent
-    assert plan(replace(drifting, whole={}), eights, source="ngram:4").pipeline_depth > 1
-    assert plan(drifting, eights, source="ngram:4").pipeline_depth == 1
+    assert plan(replace(drifting, whole={}), eights, source=DraftSource("ngram", "4")).pipeline_depth > 1
+    assert plan(drifting, eights, source=DraftSource("ngram", "4")).pipeline_depth == 1
     # Trees are never sent ahead of: their rounds teach nothing about whole chains.
-    tree_round = RoundVerified("ngram:4", 8, 3, 2, 0.209, 0.0, chain=False)
+    tree_round = RoundVerified(DraftSource("ngram", "4"), 8, 3, 2, 0.209, 0.0, chain=False)
     assert apply(tree_round, copying).whole == copying.whole
 
 
@@ -233,10 +234,10 @@ def test_planned_like_the_emulated_ring_eagle_keeps_drafting():
     # what the emulated ring measured (fixed 275 ms, 14 ms per row, EAGLE 8.9 ms per node,
     # a = 0.43) it chose "no draft, 4 rounds in flight", so EAGLE stopped drafting.
     # Sound: one node commits 1 + a = 1.43 tokens per round for 23 ms (8%) more.
-    state = AdaptState(acceptance={"eagle": AcceptanceStats(0.43, 1.0)}, draft_s_per_node=0.0089)
+    state = AdaptState(acceptance={DraftSource("eagle"): AcceptanceStats(0.43, 1.0)}, draft_s_per_node=0.0089)
     for max_pipeline_depth in (4, 1):
         config = AdaptConfig(prior_traversal_s=0.275, prior_per_node_s=0.014, max_pipeline_depth=max_pipeline_depth)
-        assert plan(state, config, source="eagle").nodes >= 1
+        assert plan(state, config, source=DraftSource("eagle")).nodes >= 1
     assert plan(state_with(0.9), AdaptConfig(kinds=(DraftKind.TREE,))).pipeline_depth == 1
     assert plan(state_with(0.01)) == plan(state_with(0.01), AdaptConfig(max_pipeline_depth=1))
 
@@ -245,14 +246,14 @@ def _timed_state(fixed_s: float, per_row_s: float, **kw) -> AdaptState:
     state = AdaptState(**kw)
     for i in range(40):
         nodes = 2 if i % 2 else 12
-        state = apply(RoundVerified("x", nodes, 1, 1, fixed_s + per_row_s * (nodes + 1), 0.0), state)
+        state = apply(RoundVerified(DraftSource("x"), nodes, 1, 1, fixed_s + per_row_s * (nodes + 1), 0.0), state)
     return AdaptState(state.acceptance, state.traversal, 0.0, state.rounds, kw.get("confidence", {}))
 
 
 def test_confident_drafts_are_cut_where_another_node_stops_paying():
     # Path probabilities 0.9, 0.81, ... of a chain: the marginal node's expected tokens
     # fall geometrically while each costs per_row_s, so m must stop where the rate peaks.
-    tree = DraftTree.chain(list(range(10)), logprobs=torch.full((10,), math.log(0.9)), source="eagle:chain")
+    tree = DraftTree.chain(list(range(10)), logprobs=torch.full((10,), math.log(0.9)), source=DraftSource("eagle", "chain"))
     cheap = _timed_state(0.2, 0.001)
     dear = _timed_state(0.2, 0.05)
     m_cheap, e_cheap = size_by_confidence(tree, cheap, 0.0)
@@ -269,10 +270,10 @@ def test_confident_drafts_are_cut_where_another_node_stops_paying():
 def test_calibration_learns_an_overconfident_head_per_family():
     state = AdaptState()
     for _ in range(30):  # predicted 4 accepted nodes a round, 1 came
-        state = apply(RoundVerified("eagle:tree", 16, 3, 1, 0.3, 0.0, predicted=4.0), state)
-    assert calibration(state, "eagle:chain") == pytest.approx(0.25, abs=0.01)
-    assert calibration(state, "ngram:3") == AdaptConfig().prior_calibration
-    tree = DraftTree.chain([5, 6, 7], logprobs=torch.log(torch.tensor([0.9, 0.9, 0.9])), source="eagle:chain")
+        state = apply(RoundVerified(DraftSource("eagle", "tree"), 16, 3, 1, 0.3, 0.0, predicted=4.0), state)
+    assert calibration(state, DraftSource("eagle", "chain")) == pytest.approx(0.25, abs=0.01)
+    assert calibration(state, DraftSource("ngram", "3")) == AdaptConfig().prior_calibration
+    tree = DraftTree.chain([5, 6, 7], logprobs=torch.log(torch.tensor([0.9, 0.9, 0.9])), source=DraftSource("eagle", "chain"))
     _, expected = size_by_confidence(tree, state, 0.0, AdaptConfig(prior_per_node_s=0.0))
     assert expected == pytest.approx(1 + 0.25 * (0.9 + 0.81 + 0.729), rel=0.05)
 
@@ -293,9 +294,9 @@ def test_confidence_floor_is_where_a_node_cannot_pay_for_its_row():
     from coordinator.spec.adapt import confidence_floor
 
     state = _timed_state(0.2, 0.01)
-    c = calibration(state, "eagle")
-    assert math.exp(confidence_floor(state, "eagle")) == pytest.approx(0.01 / (0.21 * c), rel=1e-3)
-    assert confidence_floor(_timed_state(0.2, 0.0), "eagle") < math.log(1e-9)  # free rows: draft everything
+    c = calibration(state, DraftSource("eagle"))
+    assert math.exp(confidence_floor(state, DraftSource("eagle"))) == pytest.approx(0.01 / (0.21 * c), rel=1e-3)
+    assert confidence_floor(_timed_state(0.2, 0.0), DraftSource("eagle")) < math.log(1e-9)  # free rows: draft everything
 
 
 def test_a_merged_round_teaches_each_part_not_the_merge():
@@ -304,12 +305,12 @@ def test_a_merged_round_teaches_each_part_not_the_merge():
     # learning it under the merge's own source would leave the router comparing the
     # n-gram and EAGLE drafts on stale rates. Sound: the parts are separate EWMA keys.
     state = AdaptState()
-    parts = (DraftOutcome("ngram:3", tried=4, accepted=3), DraftOutcome("eagle:tree", tried=2, accepted=0, predicted=1.5))
-    state = apply(RoundVerified("merged", 12, 5, 3, 0.3, 0.01, parts=parts), state)
-    assert "merged" not in state.acceptance
-    assert state.acceptance["ngram:3"].accepted > AdaptConfig().prior_acceptance * (1 - AdaptConfig().ewma_alpha)
-    assert acceptance_rate(state, "ngram:3") > acceptance_rate(state, "eagle:tree")
-    assert state.confidence["eagle"] == AcceptanceStats(0, 1.5) and "ngram" not in state.confidence
+    parts = (DraftOutcome(DraftSource("ngram", "3"), tried=4, accepted=3), DraftOutcome(DraftSource("eagle", "tree"), tried=2, accepted=0, predicted=1.5))
+    state = apply(RoundVerified(DraftSource("merged"), 12, 5, 3, 0.3, 0.01, parts=parts), state)
+    assert DraftSource("merged") not in state.acceptance
+    assert state.acceptance[DraftSource("ngram", "3")].accepted > AdaptConfig().prior_acceptance * (1 - AdaptConfig().ewma_alpha)
+    assert acceptance_rate(state, DraftSource("ngram", "3")) > acceptance_rate(state, DraftSource("eagle", "tree"))
+    assert state.confidence[DraftSource("eagle")] == AcceptanceStats(0, 1.5) and DraftSource("ngram") not in state.confidence
     assert state.traversal is not None and state.traversal.n == 13  # the round's rows, once
 
 

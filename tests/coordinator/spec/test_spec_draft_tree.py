@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from coordinator.spec.draft_tree import ChildSampling, DraftTree
+from coordinator.spec.source import DraftSource
 from coordinator.errors import DraftShapeError
 
 
@@ -78,7 +79,7 @@ def test_keep_likeliest_keeps_a_tree_of_the_best_paths():
     #      a(-0.1)      b(-1.0)
     #   c(-0.2) d(0.0)   e(-0.1)
     tree = DraftTree(torch.tensor([10, 20, 30, 40, 50]), torch.tensor([-1, -1, 0, 0, 1]),
-                     logprobs=torch.tensor([-0.1, -1.0, -0.2, 0.0, -0.1]), source="eagle:tree")
+                     logprobs=torch.tensor([-0.1, -1.0, -0.2, 0.0, -0.1]), source=DraftSource("eagle", "tree"))
     # Cumulative: a -0.1, b -1.0, c -0.3, d -0.1 (ties its parent: the parent goes first), e -1.1.
     two = tree.keep_likeliest(2)
     assert two.tokens.tolist() == [10, 40] and two.parents.tolist() == [-1, 0]
@@ -86,7 +87,7 @@ def test_keep_likeliest_keeps_a_tree_of_the_best_paths():
     assert three.tokens.tolist() == [10, 30, 40] and three.parents.tolist() == [-1, 0, 0]
     four = tree.keep_likeliest(4)
     assert four.tokens.tolist() == [10, 20, 30, 40] and four.parents.tolist() == [-1, -1, 0, 0]
-    assert four.logprobs.tolist() == pytest.approx([-0.1, -1.0, -0.2, 0.0]) and four.source == "eagle:tree"
+    assert four.logprobs.tolist() == pytest.approx([-0.1, -1.0, -0.2, 0.0]) and four.source == DraftSource("eagle", "tree")
     assert tree.keep_likeliest(9) is tree
     sampled = DraftTree(tree.tokens, tree.parents, logprobs=tree.logprobs, probs=torch.ones(6, 4) / 4,
                         sampling=ChildSampling.WITHOUT_REPLACEMENT)
@@ -105,8 +106,8 @@ def test_merge_holds_every_path_once_and_maps_each_part(parts):
     # path would hide a drafter's right guess, a duplicated (parent, token) child would
     # waste a ring row, and a wrong map would credit the wrong drafter with its accepted
     # nodes. Sound: paths compared as token tuples, recomputed by walking parents.
-    merged, where = DraftTree.merge(parts, source="merged")
-    assert merged.merged_from == tuple(parts) and merged.source == "merged"
+    merged, where = DraftTree.merge(parts, source=DraftSource("merged"))
+    assert merged.merged_from == tuple(parts) and merged.source == DraftSource("merged")
     assert paths_of(merged) == set().union(*(paths_of(p) for p in parts))
     assert len(paths_of(merged)) == merged.num_nodes  # no two nodes share a path
     for part, mine in zip(parts, where):
@@ -121,4 +122,4 @@ def test_merge_holds_every_path_once_and_maps_each_part(parts):
 def test_merge_refuses_sampled_children():
     sampled = DraftTree.chain([1, 2], probs=torch.full((3, 4), 0.25), sampling=ChildSampling.IID)
     with pytest.raises(DraftShapeError, match="GREEDY children to merge"):
-        DraftTree.merge([DraftTree.chain([1]), sampled], source="merged")
+        DraftTree.merge([DraftTree.chain([1]), sampled], source=DraftSource("merged"))

@@ -7,13 +7,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from coordinator.spec.drafting import DraftBudget, NgramConfig, NgramDrafter
+from coordinator.spec.source import DraftSource
 
 
 def test_longest_suffix_match_wins_and_names_its_length():
     ctx = [9, 1, 2, 3, 7, 7, 2, 3, 8, 8, 1, 2, 3]
     tree = NgramDrafter(NgramConfig(max_n=3, max_branches=1)).propose(ctx, DraftBudget.chain(3))
     # "1 2 3" occurred at the start (followed by 7 7 2); "2 3" alone is more recent (8 8 1).
-    assert tree.tokens.tolist() == [7, 7, 2] and tree.source == "ngram:3"
+    assert tree.tokens.tolist() == [7, 7, 2] and tree.source == DraftSource("ngram", "3")
 
 
 def test_several_occurrences_become_branches_most_recent_first():
@@ -28,7 +29,7 @@ def test_drafts_carry_the_drafters_name_as_their_source_family():
     # drafter without a name was planned by every drafter's pooled acceptance.
     drafter = NgramDrafter()
     for ctx in ([1, 2, 3, 1, 2], [1, 2, 3]):
-        assert drafter.propose(ctx, DraftBudget.chain(3)).source.split(":")[0] == drafter.name == "ngram"
+        assert drafter.propose(ctx, DraftBudget.chain(3)).source.family == drafter.name == "ngram"
 
 
 def test_repeating_run_continues_periodically():
