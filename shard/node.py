@@ -29,6 +29,7 @@ from shard.layers import LayerRange
 from shard.linkprobe import PROBE_PROTOCOL
 from shard.node_links import NodeLinks
 from shard.receipt_signer import make_signer
+from shard.ring_observer import NO_OBSERVER, RingObserver
 from shard.stage import Stage
 from shard.stage_worker import StageWorker, WorkerConfig
 from shard.store import ModelStore, open_or_prepare
@@ -143,6 +144,7 @@ class Node:
     links: NodeLinks | None = None  # set in __post_init__: emulation and probes
     _tasks: trio.Nursery | None = None
     _warm: Stage | None = None  # a slice kept loaded for an off-ring role (e.g. hot standby)
+    observer: RingObserver = NO_OBSERVER  # what a benchmark watches of this node's frames
 
     def __post_init__(self) -> None:
         cfg = self.config
@@ -313,12 +315,14 @@ class Node:
         if msg.epoch != state.assignment.epoch:
             await self._job_error(msg, "stale_epoch", f"frame for epoch {msg.epoch}, serving {state.assignment.epoch}")
             return
+        self.observer.stage_received(self.host.peer_id, msg)
         try:
             _, out = await trio.to_thread.run_sync(state.worker.process_frame, msg, received, limiter=self.compute_limiter)
         except ShardError as exc:
             log.warning("job %s round %d failed: %s", msg.job_id, msg.round, exc)
             await self._job_error(msg, type(exc).__name__, str(exc))
             return
+        self.observer.stage_computed(self.host.peer_id, msg)
         await self._outbox.send((state, out, msg))  # returns at once unless OUTBOX_FRAMES wait
 
     async def _send_ring_loop(self, outbox: trio.MemoryReceiveChannel) -> None:
@@ -358,6 +362,7 @@ class Node:
             stream = await self.host.open_stream(target, RING_PROTOCOL)
             stream = await self.links.emulate(stream)
             self._out_streams[target] = stream
+        self.observer.frame_sent(self.host.peer_id, len(body) + 4)
         await stream.send_frame(body)
 
 

@@ -2,7 +2,8 @@
 
 It owns the model's two ends (the head stage embeds; the coordinator keeps the final norm
 and LM head), sends token frames to the head, receives the tail's hidden states directly,
-and hands each to its job (coordinator.jobs.ring_job), which turns them into committed tokens.
+and delivers each to its job's inbox (coordinator.jobs.ring_job), which turns them into
+committed tokens; a job asks the engine only through the port built for it (EnginePort).
 Prefill, decode and recovery are one procedure: "bring the ring's KV up to the committed
 context, then give me the next logits" — after a ring change the ring holds nothing for
 the job, so the same call re-prefills it. A dead node therefore costs time, not tokens. It
@@ -16,7 +17,6 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 import trio
 
 from receipts import sha256_digest
@@ -25,51 +25,21 @@ from coordinator.trust.receipt_check import ReceiptChecker
 from coordinator.spec import adapt
 from coordinator.spec.drafting import Drafter, NgramDrafter
 from coordinator.spec.eagle import EagleDrafter, EagleHead, shipped_head_dir
-from coordinator.jobs.ring_job import Arrived, RingJob
+from coordinator.jobs.engine_config import EngineConfig
+from coordinator.jobs.port import Arrived
+from coordinator.jobs.ring_job import RingJob
 from coordinator.errors import RingLost
 from coordinator.spec.sampling import SamplingParams
 from coordinator.swarm.swarm import RingState, Swarm
-from shard.activations import from_wire
+from coordinator.swarm.topology import Traversal
 from shard.errors import WireError
 from shard.stage import OutputHead
 from shard.transport import FramedStream, Host, TransportError
 from shard.node import RING_PROTOCOL
-from shard.wire.codec import decode_frame, encode
-from shard.wire.messages import EndJob, Forward, JobError, Result
+from shard.wire.codec import decode_frame
+from shard.wire.messages import JobError, Result
 
 log = logging.getLogger("shard.coordinator")
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    prefill_chunk_tokens: int = 256  # the largest prefill chunk (coordinator.jobs.prefill)
-    prefill_edge_chunk_tokens: int = 64  # the first and last: short pipeline fill and drain
-    frame_timeout_s: float = 120.0  # one traversal; past it the job resumes on a new ring
-    max_resumes: int = 3
-    resume_wait_s: float = 10.0  # after a stage error, how long to wait for the ring to re-form
-    link_latency_ms: float = 0.0  # emulated one-way latency on the coordinator -> head edge
-    link_upload_mbps: float = 0.0
-    link_jitter_ms: float = 0.0
-    draft: str = "hybrid"  # none | ngram | eagle | hybrid (n-gram and EAGLE, routed per round)
-    eagle_head: str | None = None  # head directory; default: the one shipped for the model
-    eagle_tree: tuple[int, int] | None = None  # fixed (nodes, depth); default: sized by the head's confidence
-    # Most rounds in flight (later ones sent before earlier are verified); 1 = off. The
-    # planner picks the depth below this cap from acceptance and the measured queue a round
-    # in flight makes (coordinator/spec/adapt.py), so on a compute-bound ring it rarely sends a
-    # round ahead whatever the cap (docs/benchmarks.md).
-    max_pipeline_depth: int = 4
-
-    def __post_init__(self) -> None:
-        if not 1 <= self.max_pipeline_depth <= MAX_PIPELINE_DEPTH:
-            raise ValueError(f"pipeline depth (rounds in flight) must be 1..{MAX_PIPELINE_DEPTH}, "
-                             f"got {self.max_pipeline_depth}")
-        if self.eagle_tree is not None and not (1 <= self.eagle_tree[1] <= self.eagle_tree[0] <= MAX_EAGLE_TREE):
-            raise ValueError(f"eagle_tree (nodes, depth) needs 1 <= depth <= nodes <= {MAX_EAGLE_TREE}, "
-                             f"got {self.eagle_tree}")
-
-
-MAX_EAGLE_TREE = 256  # draft nodes in one verify frame
-MAX_PIPELINE_DEPTH = 8  # rounds in flight for one job
 
 
 def parse_tree(text: str | None) -> tuple[int, int] | None:
@@ -141,7 +111,8 @@ class RingEngine:
         job_id = os.urandom(8).hex()
         send, recv = trio.open_memory_channel(256)
         self._jobs[job_id] = send
-        job = RingJob(self, job_id, list(prompt_ids), params, recv, drafters=self.make_drafters(),
+        job = RingJob(EnginePort(self, job_id), job_id, list(prompt_ids), params, recv, self.config, self.head,
+                      self.max_context_tokens, drafters=self.make_drafters(),
                       adapt=self.starting_adapt(self.swarm.ring.epoch))
         if self.receipts is not None:
             job.receipts = self.receipts.open_job(job_id, job.nonce, job.prompt_ids)
@@ -173,9 +144,6 @@ class RingEngine:
                 "wire_dtype": self.swarm.config.wire_dtype, "topology": self.swarm.topology_info()}
 
     # -- frames ----------------------------------------------------------------------------
-    async def send(self, ring: RingState, msg: Forward | EndJob) -> None:
-        await self.send_body(ring, encode(msg))
-
     async def send_body(self, ring: RingState, body: bytes) -> None:
         """Send an encoded frame body to the ring's head."""
         async with self._send_lock:
@@ -248,6 +216,32 @@ class RingEngine:
         if channel is not None:
             channel.close()
 
-    def hidden(self, result: Result) -> torch.Tensor:
-        """The last stage's hidden rows (T, H) in f32; `head.logits` turns rows into logits."""
-        return from_wire(result.hidden, result.hidden_scale, torch.float32)
+
+@dataclass(frozen=True)
+class EnginePort:
+    """One job's port (coordinator.jobs.port.JobPort) onto the engine and its swarm."""
+
+    engine: RingEngine
+    job_id: str
+
+    @property
+    def ring(self) -> RingState | None:
+        return self.engine.swarm.ring
+
+    async def wait_ring(self) -> RingState:
+        return await self.engine.swarm.wait_ring()
+
+    async def wait_change(self, epoch: int, timeout_s: float) -> None:
+        await self.engine.swarm.wait_change(epoch, timeout_s)
+
+    async def send_body(self, ring: RingState, body: bytes) -> None:
+        await self.engine.send_body(ring, body)
+
+    def record_traversal(self, t: Traversal) -> None:
+        self.engine.swarm.record_traversal(t)
+
+    def hand_back(self, epoch: int, learned: adapt.AdaptState) -> None:
+        self.engine.learned_adapt = (epoch, learned)
+
+    def close(self) -> None:
+        self.engine.close_job(self.job_id)

@@ -1,0 +1,62 @@
+"""What a ring job and the engine that runs it exchange, and nothing else.
+
+A job asks its engine through a `JobPort`: send a frame body to the ring's head, wait for
+a ring or for the ring to change, read the current ring, record a traversal it measured,
+hand back what its planner learned, close its inbox. Into that inbox the engine delivers
+`Arrived` results, the stages' `JobError`s and `RingLost`. The engine builds one port
+per job; a test builds a fake one. This module does not know streams, the swarm's
+bookkeeping, or how a job turns results into tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from coordinator.spec.adapt import AdaptState
+from coordinator.swarm.swarm import RingState
+from coordinator.swarm.topology import Traversal
+from shard.wire.messages import Result
+
+
+@dataclass(frozen=True)
+class Arrived:
+    """A Result from the tail, with the SHA-256 of its canonical bytes as received (what
+    the tail's receipt must name as its output; b"" when receipts are off)."""
+
+    result: Result
+    digest: bytes
+
+
+class JobPort(Protocol):
+    """The ring as one job may use it."""
+
+    @property
+    def ring(self) -> RingState | None:
+        """The current ring, None while none is formed."""
+        ...
+
+    async def wait_ring(self) -> RingState:
+        """The current ring, once there is one."""
+        ...
+
+    async def wait_change(self, epoch: int, timeout_s: float) -> None:
+        """Return once the ring is no longer epoch `epoch` (no ring counts as changed) or
+        `timeout_s` passed; always a checkpoint."""
+        ...
+
+    async def send_body(self, ring: RingState, body: bytes) -> None:
+        """Send one encoded frame body to `ring`'s head. Raises TransportError."""
+        ...
+
+    def record_traversal(self, t: Traversal) -> None:
+        """A round the job measured, for the swarm's predictions against measurements."""
+        ...
+
+    def hand_back(self, epoch: int, learned: AdaptState) -> None:
+        """What the job's planner learned on ring `epoch`; the next job starts from it."""
+        ...
+
+    def close(self) -> None:
+        """Stop delivering to the job's inbox (idempotent)."""
+        ...
