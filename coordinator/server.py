@@ -17,7 +17,7 @@ from coordinator.gateway.api import ApiConfig, create_app, serve_http
 from coordinator.trust.audit import AuditConfig, Auditor
 from coordinator.trust.receipt_check import ReceiptChecker, ReceiptConfig
 from coordinator.jobs.ring_engine import EngineConfig, RingEngine, parse_tree
-from coordinator.swarm.swarm import Swarm, SwarmConfig
+from coordinator.swarm.swarm import REPORT_BUFFER, Swarm, SwarmConfig
 from coordinator.swarm.topology import TopologyConfig
 from shard.identity import identity_signing_key, load_or_create_identity
 from shard.node import CONTROL_PROTOCOL, RING_PROTOCOL
@@ -77,21 +77,28 @@ async def serve_coordinator(config: CoordConfig, task_status=trio.TASK_STATUS_IG
     min_nodes = config.min_nodes or config.local_nodes or 1
     topology = TopologyConfig(prefill_chunk_tokens=config.prefill_chunk_tokens,
                               coordinator_link_latency_s=config.link_latency_ms / 1e3)
+    # What one component reports to another travels on a channel, each read by one serve().
+    job_errors_in, job_errors = trio.open_memory_channel(REPORT_BUFFER)
+    ring_changes_in, ring_changes = trio.open_memory_channel(REPORT_BUFFER)
+    audit_replies_in, audit_replies = trio.open_memory_channel(REPORT_BUFFER)
+    audit_config = AuditConfig(rate=config.audit_rate)
+    finished_in, finished = trio.open_memory_channel(audit_config.max_queued_jobs)
     swarm = Swarm(store, identity_signing_key(keypair), SwarmConfig(
         min_nodes=min_nodes, wire_dtype=from_cli_name(config.wire_dtype),
-        aux_dtype=from_cli_name(config.aux_dtype) if config.aux_dtype else None, topology=topology))
+        aux_dtype=from_cli_name(config.aux_dtype) if config.aux_dtype else None, topology=topology),
+        job_errors=job_errors_in, ring_changes=ring_changes_in, audit_replies=audit_replies_in)
     host_name, port = config.http.rsplit(":", 1)
     async with open_host(keypair, config.listen) as host:
         seed = identity_signing_key(keypair)
-        checker = ReceiptChecker(store, seed, ReceiptConfig(receipts_dir=config.receipts_dir))
-        auditor = Auditor(swarm, store, seed, AuditConfig(rate=config.audit_rate))
-        checker.listeners.append(auditor.submit_nowait)
+        checker = ReceiptChecker(store, seed, ReceiptConfig(receipts_dir=config.receipts_dir), finished=finished_in)
+        auditor = Auditor(swarm, store, seed, audit_config, finished=finished, audit_replies=audit_replies)
         engine = RingEngine(swarm, host, tokenizer, EngineConfig(
             prefill_chunk_tokens=config.prefill_chunk_tokens, prefill_edge_chunk_tokens=config.prefill_edge_chunk_tokens,
             draft=config.draft, eagle_head=config.eagle_head, eagle_tree=parse_tree(config.eagle_tree),
             max_pipeline_depth=config.pipeline_depth,
             link_latency_ms=config.link_latency_ms,
-            link_upload_mbps=config.link_upload_mbps, link_jitter_ms=config.link_jitter_ms), receipts=checker)
+            link_upload_mbps=config.link_upload_mbps, link_jitter_ms=config.link_jitter_ms), receipts=checker,
+            job_errors=job_errors, ring_changes=ring_changes)
         host.set_handler(CONTROL_PROTOCOL, swarm.handle_control)
         host.set_handler(RING_PROTOCOL, engine.handle_ring_stream)
         addr = host.addrs[0]

@@ -44,7 +44,7 @@ from coordinator.jobs.engine import encode_chat  # noqa: E402
 from coordinator.trust.receipt_check import ReceiptChecker  # noqa: E402
 from coordinator.jobs.ring_engine import EngineConfig, RingEngine  # noqa: E402
 from coordinator.spec.sampling import SamplingParams  # noqa: E402
-from coordinator.swarm.swarm import Swarm, SwarmConfig  # noqa: E402
+from coordinator.swarm.swarm import REPORT_BUFFER, Swarm, SwarmConfig  # noqa: E402
 from shard.identity import keypair_from_seed  # noqa: E402
 from shard.node import CONTROL_PROTOCOL, RING_PROTOCOL, Node, NodeConfig  # noqa: E402
 from shard.store import open_or_prepare  # noqa: E402
@@ -90,19 +90,25 @@ class Ring:
         self.store, self.tokenizer, self.receipts, self.wire_dtype = store, tokenizer, receipts, wire_dtype
         self.compute = {"s": 0.0, "frames": 0}  # sum of stage compute_s over Results
         self.check_s = 0.0
-        self.finished: list = []  # FinishedJob, audited after the timed runs
+        self._finished: list = []  # FinishedJob, audited after the timed runs
 
     async def start(self, nursery) -> None:
         seed = os.urandom(32)
+        job_errors_in, job_errors = trio.open_memory_channel(REPORT_BUFFER)
+        ring_changes_in, ring_changes = trio.open_memory_channel(REPORT_BUFFER)
+        audit_replies_in, audit_replies = trio.open_memory_channel(REPORT_BUFFER)
+        finished_in, self._finished_out = trio.open_memory_channel(1024)
+        self.audit_in, audit_jobs = trio.open_memory_channel(AuditConfig.max_queued_jobs)
         self.swarm = Swarm(self.store, seed, SwarmConfig(min_nodes=STAGES, wire_dtype=self.wire_dtype,
                                                                # every node a stage: on loopback with
                                                                # memory to spare the topology selector
                                                                # would seat one node alone
-                                                               planner="all_nodes"))
-        self.checker = ReceiptChecker(self.store, seed) if self.receipts else None
-        self.auditor = Auditor(self.swarm, self.store, seed, AuditConfig(rate=1.0))
+                                                               planner="all_nodes"),
+                           job_errors=job_errors_in, ring_changes=ring_changes_in, audit_replies=audit_replies_in)
+        self.checker = ReceiptChecker(self.store, seed, finished=finished_in) if self.receipts else None
+        self.auditor = Auditor(self.swarm, self.store, seed, AuditConfig(rate=1.0), finished=audit_jobs,
+                               audit_replies=audit_replies)
         if self.checker is not None:
-            self.checker.listeners.append(self.finished.append)
             open_job = self.checker.open_job
 
             def timed_open_job(*args):  # time what the engine calls per round and per job
@@ -113,7 +119,8 @@ class Ring:
 
             self.checker.open_job = timed_open_job
         host = await nursery.start(_host, seed)
-        self.engine = RingEngine(self.swarm, host, self.tokenizer, EngineConfig(), receipts=self.checker)
+        self.engine = RingEngine(self.swarm, host, self.tokenizer, EngineConfig(), receipts=self.checker,
+                                 job_errors=job_errors, ring_changes=ring_changes)
         deliver = self.engine._deliver
 
         def counting(msg):  # an Arrived (a Result and its digest) or a JobError
@@ -127,6 +134,7 @@ class Ring:
         host.set_handler(CONTROL_PROTOCOL, self.swarm.handle_control)
         host.set_handler(RING_PROTOCOL, self.engine.handle_ring_stream)
         await nursery.start(self.swarm.serve_formation)
+        await nursery.start(self.engine.serve)
         await nursery.start(self.auditor.serve)
         for _ in range(STAGES):
             s = os.urandom(32)
@@ -137,6 +145,15 @@ class Ring:
         while self.swarm.ring is None or len(self.swarm.ring.stages) < STAGES:
             await self.swarm.wait_ring()
             await trio.sleep(0.01)
+
+    @property
+    def finished(self) -> list:
+        """Every FinishedJob the checker handed over so far, oldest first."""
+        while True:
+            try:
+                self._finished.append(self._finished_out.receive_nowait())
+            except trio.WouldBlock:
+                return self._finished
 
     def _timed(self, fn):
         def timed(*args, **kw):
@@ -165,12 +182,12 @@ class Ring:
                 "check_s": self.check_s - k0, "sign_s": SIGN_S["s"] - s0, "signed_frames": SIGN_S["frames"] - n0}
 
 
-async def _audit(auditor: Auditor, job, into: dict) -> None:
+async def _audit(auditor: Auditor, audit_in: trio.MemorySendChannel, job, into: dict) -> None:
     """Audit every (job, stage) (the auditor's rate is 1) and add what it cost to `into`.
     max_replay_rows=1 replays one frame per forward, as the stage ran them."""
     st = auditor.stats
     before = (st.audits, st.frames_compared, st.replay.forwards, st.replay.rows, st.replay_s)
-    auditor.submit_nowait(job)
+    audit_in.send_nowait(dataclasses.replace(job, finished_s=time.monotonic()))  # its wait starts now
     await auditor.wait_idle()
     now = (st.audits, st.frames_compared, st.replay.forwards, st.replay.rows, st.replay_s)
     for name, b, a in zip(("audits", "frames_compared", "replay_forwards", "replay_rows", "replay_s"), before, now):
@@ -204,7 +221,7 @@ async def bench(store, tokenizer, args) -> dict:
                     if side == "on":  # audit the job now, while no request runs
                         for mode, rows in (("tree", batched.max_replay_rows), ("frame_by_frame", 1)):
                             on.auditor.config = dataclasses.replace(batched, max_replay_rows=rows)
-                            await _audit(on.auditor, on.finished[-1], audits[drafter][mode])
+                            await _audit(on.auditor, on.audit_in, on.finished[-1], audits[drafter][mode])
         on.auditor.config = batched
         nursery.cancel_scope.cancel()
     out: dict = {}

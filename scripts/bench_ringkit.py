@@ -30,7 +30,7 @@ import trio
 
 from coordinator.trust.receipt_check import ReceiptChecker
 from coordinator.jobs.ring_engine import EngineConfig, RingEngine
-from coordinator.swarm.swarm import Swarm, SwarmConfig
+from coordinator.swarm.swarm import REPORT_BUFFER, Swarm, SwarmConfig
 from coordinator.swarm.topology import TopologyConfig
 from shard.identity import keypair_from_seed
 from shard.node import CONTROL_PROTOCOL, RING_PROTOCOL, Node, NodeConfig
@@ -158,8 +158,7 @@ def _instrument_engine(engine: RingEngine, probe: FrameProbe) -> None:
         return out
 
     engine.open_job, engine._deliver, engine.head.logits = timed_open_job, timed_deliver, timed_logits
-    _count_ring_streams(engine.host, lambda: probe.edge_sizes(0))
-    engine.swarm.job_error_handler = timed_deliver
+    _count_ring_streams(engine.host, lambda: probe.edge_sizes(0))  # job errors reach timed_deliver via serve()
 
 
 def _instrument_node(node: Node, probe: FrameProbe, index_of: Callable[[str], int]) -> None:
@@ -219,12 +218,16 @@ async def open_bench_ring(store, tokenizer, stages: int, link: LinkSpec, wire_dt
     aux_dtype = WIRE_DTYPES.get(aux, aux) if aux else None
     # Every node a stage: a benchmark of an N-stage ring wants N, while ring.select_ring
     # rightly prefers fewer hops on loopback.
+    job_errors_in, job_errors = trio.open_memory_channel(REPORT_BUFFER)
+    ring_changes_in, ring_changes = trio.open_memory_channel(REPORT_BUFFER)
     swarm = Swarm(store, seed, SwarmConfig(min_nodes=stages, wire_dtype=wire, aux_dtype=aux_dtype, planner="all_nodes",
-                                           topology=TopologyConfig(coordinator_link_latency_s=link.one_way_latency_ms / 1e3)))
+                                           topology=TopologyConfig(coordinator_link_latency_s=link.one_way_latency_ms / 1e3)),
+                  job_errors=job_errors_in, ring_changes=ring_changes_in)
     probe = FrameProbe(stages)
     async with contextlib.AsyncExitStack() as stack:
         host = await stack.enter_async_context(open_host(keypair_from_seed(seed)))
-        engine = RingEngine(swarm, host, tokenizer, engine_config, receipts=ReceiptChecker(store, seed))
+        engine = RingEngine(swarm, host, tokenizer, engine_config, receipts=ReceiptChecker(store, seed),
+                            job_errors=job_errors, ring_changes=ring_changes)
         _instrument_engine(engine, probe)
         host.set_handler(CONTROL_PROTOCOL, swarm.handle_control)
         host.set_handler(RING_PROTOCOL, engine.handle_ring_stream)

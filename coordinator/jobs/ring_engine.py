@@ -55,7 +55,10 @@ def parse_tree(text: str | None) -> tuple[int, int] | None:
 
 class RingEngine:
     def __init__(self, swarm: Swarm, host: Host, tokenizer: Any, config: EngineConfig,
-                 receipts: ReceiptChecker | None = None) -> None:
+                 receipts: ReceiptChecker | None = None, *, job_errors: trio.MemoryReceiveChannel,
+                 ring_changes: trio.MemoryReceiveChannel) -> None:
+        """`job_errors` and `ring_changes` carry what the swarm reports (its JobErrors, its
+        RingState or None on every change); serve() hands them to the jobs they concern."""
         self.receipts = receipts  # None: rounds are not checked (receipts off)
         store = swarm.store
         self.swarm, self.host, self.tokenizer, self.config = swarm, host, tokenizer, config
@@ -78,8 +81,7 @@ class RingEngine:
         # and on which ring epoch: a new job starts from it rather than from the priors,
         # which a 50-token request would otherwise spend most of its rounds unlearning.
         self.learned_adapt: tuple[int, adapt.AdaptState] = (-1, adapt.AdaptState())
-        swarm.job_error_handler = self._deliver
-        swarm.ring_listeners.append(self._on_ring_change)
+        self._job_errors, self._ring_changes = job_errors, ring_changes
 
     def make_drafters(self) -> list[Drafter]:
         """Fresh drafters for one job; several means the router picks per round (hybrid),
@@ -156,10 +158,21 @@ class RingEngine:
             await stream.send_frame(body)
 
     async def serve(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        """Hold the nursery that pumps emulated links; never returns."""
+        """Hand the swarm's job errors and ring changes to the jobs, and hold the nursery
+        that pumps emulated links; never returns."""
         async with trio.open_nursery() as self._links:
+            self._links.start_soon(self._serve_job_errors)
+            self._links.start_soon(self._serve_ring_changes)
             task_status.started()
             await trio.sleep_forever()
+
+    async def _serve_job_errors(self) -> None:
+        async for error in self._job_errors:
+            self._deliver(error)
+
+    async def _serve_ring_changes(self) -> None:
+        async for ring in self._ring_changes:
+            self._on_ring_change(ring)
 
     async def _emulate(self, stream):
         from shard.linkemu import EmulatedLink, link_settings

@@ -91,8 +91,8 @@ def node_info(reg: Register, held: LayerRange | None = None) -> NodeInfo:
     )
 
 
-def record_rtts(links: Mapping[tuple[str, str], float], reporter: str, rtt_ms: Mapping[str, float],
-                coordinator: str, coordinator_link_latency_s: float = 0.0) -> dict[tuple[str, str], float]:
+def record_rtts(links: Mapping[tuple[PeerId, PeerId], float], reporter: PeerId, rtt_ms: Mapping[str, float],
+                coordinator: PeerId, coordinator_link_latency_s: float = 0.0) -> dict[tuple[PeerId, PeerId], float]:
     """One-way latencies (src, dst) -> s after `reporter` measured these round trips.
 
     A round trip cannot tell the two directions apart, so each gets half. That is exact for
@@ -101,7 +101,8 @@ def record_rtts(links: Mapping[tuple[str, str], float], reporter: str, rtt_ms: M
     the cycle's one-way latencies.
     """
     out = dict(links)
-    for peer, ms in rtt_ms.items():
+    for name, ms in rtt_ms.items():
+        peer = PeerId(name)  # as the report names it (the wire's text form)
         if peer == reporter or not (ms >= 0 and math.isfinite(ms)):
             continue
         rtt_s = ms / 1e3 + (coordinator_link_latency_s if peer == coordinator else 0.0)
@@ -109,18 +110,19 @@ def record_rtts(links: Mapping[tuple[str, str], float], reporter: str, rtt_ms: M
     return out
 
 
-def forget_peer(links: Mapping[tuple[str, str], float], peer: str) -> dict[tuple[str, str], float]:
+def forget_peer(links: Mapping[tuple[PeerId, PeerId], float], peer: PeerId) -> dict[tuple[PeerId, PeerId], float]:
     return {k: v for k, v in links.items() if peer not in k}
 
 
-def build_network(coordinator: str, registrations: Mapping[str, Register], links: Mapping[tuple[str, str], float],
-                  held: Mapping[str, LayerRange], config: TopologyConfig) -> Network:
+def build_network(coordinator: PeerId, registrations: Mapping[PeerId, Register],
+                  links: Mapping[tuple[PeerId, PeerId], float], held: Mapping[PeerId, LayerRange],
+                  config: TopologyConfig) -> Network:
     """The pool as ring sees it: every registered node, the links measured among them and
     to the coordinator (others estimated by ring.LatencyMatrix), and what each holds."""
     nodes = tuple(node_info(reg, held.get(peer)) for peer, reg in sorted(registrations.items()))
     present = set(registrations) | {coordinator}
-    measured = {(PeerId(a), PeerId(b)): s for (a, b), s in links.items() if a in present and b in present}
-    return Network(PeerId(coordinator), nodes, LatencyMatrix(measured, config.unknown_latency_s),
+    measured = {(a, b): s for (a, b), s in links.items() if a in present and b in present}
+    return Network(coordinator, nodes, LatencyMatrix(measured, config.unknown_latency_s),
                    config.coordinator_upload_bytes_per_s)
 
 

@@ -37,6 +37,7 @@ from coordinator.trust.audit_replay import ReplayStats, replay
 from coordinator.trust.receipt_check import FinishedJob
 from coordinator.swarm.swarm import Swarm
 from receipts import (NodeKey, Receipt, SpotCheck, Tolerance, compare_outputs, sha256_digest, sign_evidence)
+from ring import PeerId
 from shard.activations import from_wire
 from shard.errors import WireError
 from shard.layers import LayerRange
@@ -102,7 +103,7 @@ class AuditPlan:
 
     job_id: str
     epoch: int
-    peer_id: str
+    peer_id: PeerId
     layers: LayerRange
     is_tail: bool
     wire_dtype: str
@@ -242,45 +243,50 @@ class AuditStats:
 
 class Auditor:
     def __init__(self, swarm: Swarm, store: ModelStore, coordinator_seed: bytes, config: AuditConfig = AuditConfig(),
-                 rng: random.Random | None = None) -> None:
+                 rng: random.Random | None = None, *, finished: trio.MemoryReceiveChannel,
+                 audit_replies: trio.MemoryReceiveChannel) -> None:
+        """`finished`: the jobs receipt_check finished (its buffer, AuditConfig.max_queued_jobs
+        in the assembled coordinator, is the audit queue); `audit_replies`: (peer, AuditReply)
+        pairs from the swarm's control streams. serve() is their only reader."""
         self.swarm, self.store, self.config = swarm, store, config
+        self._finished, self._replies = finished, audit_replies
         self.key = NodeKey.from_private_bytes(coordinator_seed)
         self.rng = rng or random.SystemRandom()
         self.evidence: list = []  # EvidenceRecord, newest last
         self.stats = AuditStats()
-        self._send, self._recv = trio.open_memory_channel(config.max_queued_jobs)
         self._waiting: dict[tuple, list] = {}  # (peer, job, epoch, round, side) -> [Event, reply]
         self._slices: OrderedDict[LayerRange, Stage] = OrderedDict()
         self._limiter = trio.CapacityLimiter(1)
-        self._pending = 0  # jobs submitted and not yet audited
-        self._idle = trio.Event()
-        self._idle.set()
-        swarm.audit_reply_handler = self._on_reply
-
-    def submit_nowait(self, job: FinishedJob) -> None:
-        """Queue a finished job (a receipt_check listener). Never blocks; drops when full."""
-        try:
-            self._send.send_nowait((time.monotonic(), job))
-        except trio.WouldBlock:
-            log.warning("audit queue full: job %s is not audited", job.job_id)
-            return
-        if self._pending == 0:
-            self._idle = trio.Event()
-        self._pending += 1
+        self._settled = trio.Event()  # set each time serve() has audited all it was handed
 
     async def wait_idle(self) -> None:
-        """Return once every submitted job has been audited (tests and benchmarks)."""
-        await self._idle.wait()
+        """Return once every finished job handed over has been audited (tests and benchmarks).
+        serve() waiting on an empty `finished` channel is exactly that: it parks there only
+        with nothing queued and nothing in hand (a job handed straight to it unparks it)."""
+        while not self._finished.statistics().tasks_waiting_receive:
+            await self._settled.wait()
 
     async def serve(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        """Audit finished jobs one at a time, forever. Error handling: a stage that left
-        the swarm is skipped (the swarm already re-forms without it); nothing here raises."""
-        task_status.started()
+        """Audit finished jobs one at a time, and route audit replies to the fetches waiting
+        for them, forever. Error handling: a stage that left the swarm is skipped (the
+        swarm already re-forms without it); nothing here raises."""
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._serve_replies)
+            task_status.started()
+            await self._serve_audits()
+
+    async def _serve_replies(self) -> None:
+        async for peer, reply in self._replies:
+            self._on_reply(peer, reply)
+
+    async def _serve_audits(self) -> None:
         while True:
-            submitted_s, job = await self._recv.receive()
-            if time.monotonic() - submitted_s > self.config.max_job_age_s:
+            self._settled.set()
+            self._settled = trio.Event()
+            job = await self._finished.receive()
+            if time.monotonic() - job.finished_s > self.config.max_job_age_s:
                 log.warning("audit backlog: job %s waited %.0f s, its frame logs may be gone; not audited",
-                            job.job_id, time.monotonic() - submitted_s)
+                            job.job_id, time.monotonic() - job.finished_s)
                 self.stats.skipped_stale += 1
                 plans = []
             else:
@@ -291,9 +297,6 @@ class Auditor:
                 except (TransportError, trio.TooSlowError) as exc:
                     self.stats.skipped_gone += 1
                     log.info("audit of %s on job %s skipped, the stage left: %s", plan.peer_id, plan.job_id, exc)
-            self._pending -= 1
-            if self._pending == 0:
-                self._idle.set()
 
     async def audit(self, plan: AuditPlan) -> Finding | None:
         """Audit one stage's frames of one job. Raises TransportError or TooSlowError only
@@ -365,7 +368,7 @@ class Auditor:
         reply: AuditReply = slot[1]
         return None if reply.frame is None else reply.frame.numpy().tobytes()
 
-    def _on_reply(self, peer: str, reply: AuditReply) -> None:
+    def _on_reply(self, peer: PeerId, reply: AuditReply) -> None:
         slot = self._waiting.get((peer, reply.job_id, reply.epoch, reply.round, reply.side))
         if slot is not None:  # replies nobody asked for (or from another peer) are dropped
             slot[1] = reply

@@ -6,7 +6,7 @@ before its hidden states become tokens (fail closed: `ReceiptRejected`, an Coord
 the HTTP layer turns into a clear 503, never caught by the resume loop). At the end the
 verified rounds, the assignments of every epoch the job used and the request/output token
 digests are signed into a `Bundle`, kept in memory (`recent` most recent) and appended to
-a BundleStore when a directory is configured. Finished jobs are handed to listeners (the
+a BundleStore when a directory is configured. Finished jobs leave on a channel (to the
 auditor). The layer count and digests come from the coordinator's own model store; the
 expected signers from the epoch's signed assignments (peer id -> Ed25519 key).
 
@@ -16,9 +16,11 @@ It does not send frames, choose rings, or recompute anything (coordinator.trust.
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict
-from collections.abc import Callable
 from dataclasses import dataclass, field
+
+import trio
 
 from coordinator.errors import ReceiptRejected
 from coordinator.swarm.swarm import RingState
@@ -35,6 +37,7 @@ from receipts import (
     verify_chain,
 )
 from receipts.bundle import bundle_to_json
+from ring import PeerId
 from shard.layers import LayerRange
 from shard.node import public_key_of_peer
 from shard.store import ModelStore
@@ -58,7 +61,7 @@ class EpochView:
     ring: RingState
     assignments: dict[bytes, Assignment]
     stage_assignments: tuple[StageAssignment, ...]
-    peer_of_key: dict[bytes, str]
+    peer_of_key: dict[bytes, PeerId]
 
 
 @dataclass
@@ -76,11 +79,16 @@ class FinishedJob:
     sent_rounds: dict[int, list[int]]  # epoch -> rounds sent on it, in order
     verified: dict[int, VerifiedRound]  # round -> receipts
     epochs: dict[int, EpochView]
+    finished_s: float = field(default_factory=time.monotonic)  # when the job finished (monotonic clock)
 
 
 class ReceiptChecker:
-    def __init__(self, store: ModelStore, coordinator_seed: bytes, config: ReceiptConfig = ReceiptConfig()) -> None:
+    def __init__(self, store: ModelStore, coordinator_seed: bytes, config: ReceiptConfig = ReceiptConfig(), *,
+                 finished: trio.MemorySendChannel | None = None) -> None:
+        """`finished` gets every job that finishes with a bundle (the auditor reads it); a
+        full or closed channel drops the job from auditing, never blocks. None: nobody."""
         self.config = config
+        self._finished = finished
         self.key = NodeKey.from_private_bytes(coordinator_seed)
         self.store = store
         self.manifest_digest = bytes.fromhex(store.digest)
@@ -88,7 +96,6 @@ class ReceiptChecker:
         self.bundle_store = BundleStore(config.receipts_dir) if config.receipts_dir else None
         self._epochs: dict[int, EpochView] = {}
         self._recent: OrderedDict[str, dict] = OrderedDict()
-        self.listeners: list[Callable[[FinishedJob], None]] = []
 
     def epoch_view(self, ring: RingState) -> EpochView:
         view = self._epochs.get(ring.epoch)
@@ -99,7 +106,7 @@ class ReceiptChecker:
                 weights = bytes.fromhex(self.store.weights_digest(LayerRange(a.layer_start, a.layer_end)))
                 assignments[key] = Assignment(a.layer_start, a.layer_end, weights)
                 stage_assignments.append(StageAssignment(key, a.layer_start, a.layer_end, weights, ring.epoch))
-                peers[key] = a.peer_id
+                peers[key] = PeerId(a.peer_id)
             view = self._epochs[ring.epoch] = EpochView(ring, assignments, tuple(stage_assignments), peers)
             for old in sorted(self._epochs)[:-64]:  # jobs span a few epochs at most
                 del self._epochs[old]
@@ -165,7 +172,7 @@ class JobReceipts:
         self._verified[result.round] = VerifiedRound(ring.epoch, decoded)
 
     def finish(self, output_ids: list[int]) -> None:
-        """Sign and keep the bundle of the verified rounds; hand the job to listeners.
+        """Sign and keep the bundle of the verified rounds; hand the job to the auditor.
         A job whose receipts failed gets no bundle: nothing of it is vouched for."""
         checker = self.checker
         if self.failed or not self._rounds:
@@ -180,7 +187,13 @@ class JobReceipts:
         checker._keep(self.job_id, bundle_to_json(bundle))
         if checker.bundle_store is not None:
             checker.bundle_store.append(bundle)
+        if checker._finished is None:
+            return
         done = FinishedJob(self.job_id, {e: list(rs) for e, rs in self._order.items()}, dict(self._verified),
                            dict(self._epochs))
-        for listener in checker.listeners:
-            listener(done)
+        try:
+            checker._finished.send_nowait(done)
+        except trio.WouldBlock:
+            log.warning("audit queue full: job %s is not audited", self.job_id)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            log.info("job %s is not audited: nobody audits any more", self.job_id)

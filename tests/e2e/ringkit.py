@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 
 from coordinator.jobs.ring_engine import EngineConfig, RingEngine
 from coordinator.spec.sampling import SamplingParams
-from coordinator.swarm.swarm import Swarm, SwarmConfig
+from coordinator.swarm.swarm import REPORT_BUFFER, Swarm, SwarmConfig
 from shard.identity import keypair_from_seed
 from shard.node import CONTROL_PROTOCOL, RING_PROTOCOL, Node, NodeConfig
 from shard.transport import open_host
@@ -79,9 +79,12 @@ async def open_local_ring(store, nodes: int, *, wire_dtype: str = "f32", engine:
                           node_config: dict | None = None) -> AsyncIterator[LocalRing]:
     seed = os.urandom(32)
     tokenizer = AutoTokenizer.from_pretrained(str(store.tokenizer_dir))
-    swarm = Swarm(store, seed, SwarmConfig(min_nodes=nodes, wire_dtype=wire_dtype))
+    job_errors_in, job_errors = trio.open_memory_channel(REPORT_BUFFER)
+    ring_changes_in, ring_changes = trio.open_memory_channel(REPORT_BUFFER)
+    swarm = Swarm(store, seed, SwarmConfig(min_nodes=nodes, wire_dtype=wire_dtype), job_errors=job_errors_in,
+                  ring_changes=ring_changes_in)
     async with open_host(keypair_from_seed(seed)) as host:
-        ring_engine = RingEngine(swarm, host, tokenizer, engine)
+        ring_engine = RingEngine(swarm, host, tokenizer, engine, job_errors=job_errors, ring_changes=ring_changes)
         host.set_handler(CONTROL_PROTOCOL, swarm.handle_control)
         host.set_handler(RING_PROTOCOL, ring_engine.handle_ring_stream)
         async with trio.open_nursery() as nursery:

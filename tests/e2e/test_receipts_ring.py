@@ -36,7 +36,7 @@ from coordinator.trust.receipt_check import ReceiptChecker, ReceiptConfig
 from coordinator.errors import ReceiptRejected
 from coordinator.jobs.ring_engine import EngineConfig, RingEngine
 from coordinator.spec.sampling import SamplingParams
-from coordinator.swarm.swarm import Swarm, SwarmConfig
+from coordinator.swarm.swarm import REPORT_BUFFER, Swarm, SwarmConfig
 from receipts import decode_evidence, encode_evidence, verify_evidence
 from receipts.cli import main as receipts_cli
 from shard.identity import keypair_from_seed
@@ -115,20 +115,27 @@ async def run_ring(store, *, wire_dtype="f32", rate=1.0, requests=2, tokens=8, c
                    aux_dtype=None, eagle_head=None):
     """Start the ring, serve `requests` greedy requests, wait for audits; return what happened."""
     coord_seed = os.urandom(32)
+    job_errors_in, job_errors = trio.open_memory_channel(REPORT_BUFFER)
+    ring_changes_in, ring_changes = trio.open_memory_channel(REPORT_BUFFER)
+    audit_replies_in, audit_replies = trio.open_memory_channel(REPORT_BUFFER)
+    finished_in, finished = trio.open_memory_channel(AuditConfig.max_queued_jobs)
     swarm = Swarm(store, coord_seed, SwarmConfig(min_nodes=2, wire_dtype=wire_dtype, aux_dtype=aux_dtype,
-                                                 ready_timeout_s=30, planner="all_nodes"))
-    checker = ReceiptChecker(store, coord_seed, ReceiptConfig(receipts_dir=receipts_dir))
-    auditor = Auditor(swarm, store, coord_seed, AuditConfig(rate=rate, reply_timeout_s=reply_timeout_s), rng=random.Random(seed))
-    checker.listeners.append(auditor.submit_nowait)
+                                                 ready_timeout_s=30, planner="all_nodes"),
+                  job_errors=job_errors_in, ring_changes=ring_changes_in, audit_replies=audit_replies_in)
+    checker = ReceiptChecker(store, coord_seed, ReceiptConfig(receipts_dir=receipts_dir), finished=finished_in)
+    auditor = Auditor(swarm, store, coord_seed, AuditConfig(rate=rate, reply_timeout_s=reply_timeout_s), rng=random.Random(seed),
+                      finished=finished, audit_replies=audit_replies)
     out = {"errors": [], "job_ids": [], "outputs": [], "swarm": swarm, "auditor": auditor, "checker": checker}
     with trio.fail_after(50):
         async with open_host(keypair_from_seed(coord_seed), "/ip4/127.0.0.1/tcp/0") as host:
             engine = RingEngine(swarm, host, _tokenizer(), EngineConfig(draft=draft, eagle_head=eagle_head, frame_timeout_s=10,
-                                                                        max_resumes=3, resume_wait_s=5), receipts=checker)
+                                                                        max_resumes=3, resume_wait_s=5), receipts=checker,
+                                job_errors=job_errors, ring_changes=ring_changes)
             host.set_handler(CONTROL_PROTOCOL, swarm.handle_control)
             host.set_handler(RING_PROTOCOL, engine.handle_ring_stream)
             async with trio.open_nursery() as nursery:
                 await nursery.start(swarm.serve_formation)
+                await nursery.start(engine.serve)
                 await nursery.start(auditor.serve)
                 nodes = []
                 for i in range(3):

@@ -19,7 +19,7 @@ import trio
 from transformers import AutoTokenizer
 
 from coordinator.jobs.ring_engine import EngineConfig, RingEngine
-from coordinator.swarm.swarm import Swarm, SwarmConfig
+from coordinator.swarm.swarm import REPORT_BUFFER, Swarm, SwarmConfig
 from coordinator.swarm.topology import TopologyConfig
 from ring import ChurnPolicy
 from shard.identity import keypair_from_seed
@@ -45,10 +45,14 @@ async def open_topology_ring(store, node_configs: list[dict], min_nodes: int
     # The tiny model's layers (150 kB) move faster than loopback latency noise (a few ms per
     # hop, times every decode traversal); charge moves as a real model's layers would cost.
     churn = ChurnPolicy(amortise_over_requests=0.01)
-    swarm = Swarm(store, seed, SwarmConfig(min_nodes=min_nodes, probe_wait_s=20.0, topology=topo, churn=churn))
+    job_errors_in, job_errors = trio.open_memory_channel(REPORT_BUFFER)
+    ring_changes_in, ring_changes = trio.open_memory_channel(REPORT_BUFFER)
+    swarm = Swarm(store, seed, SwarmConfig(min_nodes=min_nodes, probe_wait_s=20.0, topology=topo, churn=churn),
+                  job_errors=job_errors_in, ring_changes=ring_changes_in)
     async with open_host(keypair_from_seed(seed)) as host:
         engine = RingEngine(swarm, host, tokenizer, EngineConfig(draft="none", prefill_chunk_tokens=64,
-                                                                 link_latency_ms=LATENCY_MS))
+                                                                 link_latency_ms=LATENCY_MS),
+                            job_errors=job_errors, ring_changes=ring_changes)
         host.set_handler(CONTROL_PROTOCOL, swarm.handle_control)
         host.set_handler(RING_PROTOCOL, engine.handle_ring_stream)
         scopes, nodes = [], []

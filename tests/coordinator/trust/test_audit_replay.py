@@ -188,14 +188,17 @@ def test_jobs_older_than_the_frame_log_grace_are_not_audited():
     (The swarm here has no send_control: any fetch would fail the test.)"""
     from coordinator.trust.audit import AuditConfig, Auditor
 
-    swarm = SimpleNamespace(audit_reply_handler=None)
+    swarm = SimpleNamespace()
     job = finished_job(3, {1: [1, 2]}, {1: 1, 2: 1})
 
     async def main():
-        auditor = Auditor(swarm, None, bytes(32), AuditConfig(rate=1.0, max_job_age_s=-1.0), rng=random.Random(0))
+        finished_in, finished = trio.open_memory_channel(1)
+        _, replies = trio.open_memory_channel(0)
+        auditor = Auditor(swarm, None, bytes(32), AuditConfig(rate=1.0, max_job_age_s=-1.0), rng=random.Random(0),
+                          finished=finished, audit_replies=replies)
         async with trio.open_nursery() as nursery:
             await nursery.start(auditor.serve)
-            auditor.submit_nowait(job)
+            finished_in.send_nowait(job)
             await auditor.wait_idle()
             nursery.cancel_scope.cancel()
         return auditor

@@ -1,0 +1,211 @@
+"""Ring formation's decision: which ring, what each stage is assigned, what role the rest get.
+
+Pure: a snapshot of the registry (registrations, measured links, layers held, faulty
+nodes, the plan and ring in force, the last epoch handed out) and the swarm's config in;
+a `Formation` out (the stages in ring order, one unsigned stage Assignment each for the
+epoch it names, one unsigned role Assignment for every member off the ring that has a
+role) or a `NoRing` saying why none fits. The ring itself is chosen by ring/
+(select_ring, reselect once a ring exists so survivors keep their layers, or the
+capacity split). Knows nothing of streams, signing keys, who has acknowledged what, or
+when to form (the swarm does those).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from coordinator.swarm import topology
+from coordinator.swarm.topology import TopologyConfig
+from ring import (AssignError, Capacity, ChurnPolicy, Constraints, InfeasibleError, ModelSpec, Network, PeerId, Plan,
+                  RingError, RoleKind, Stage, evaluate, reselect, select_ring, split_by_capacity)
+from shard.layers import LayerRange
+from shard.options import option
+from shard.wire.dtypes import BY_CLI_NAME, BY_NAME, from_cli_name
+from shard.wire.messages import Assignment, Register
+
+MAX_SUCCESSOR_ADDRS = 16  # Assignment.successor_addrs' wire bound
+
+# Wire dtypes are flags by their CLI names ("fp8"), fields by their table names.
+WIRE_DTYPE_FLAG = dict(parse=from_cli_name, show=lambda name: BY_NAME[name].cli_name, choices=tuple(BY_CLI_NAME))
+
+
+@dataclass(frozen=True)
+class SwarmConfig:
+    min_nodes: int = 1  # form the first ring only once this many nodes have registered (healing ignores it)
+    wire_dtype: str = option("f32", "activation dtype on the wire", **WIRE_DTYPE_FLAG)
+    aux_dtype: str | None = option(None, "dtype of the EAGLE aux features on the wire (default: the wire dtype; fp8 "
+                                         "halves a draft row's aux bytes on a 16-bit wire)", **WIRE_DTYPE_FLAG)
+    ready_timeout_s: float = 300.0  # loading a slice can take a while on a slow disk
+    # Before forming, wait this long at most for newcomers' link reports: a ring chosen
+    # on estimated latencies is a worse ring, but a missing report must not stall it.
+    probe_wait_s: float = 10.0
+    probe_interval_s: float = 300.0  # re-measure every node's links this often
+    probe_bandwidth_bytes: int = 256 << 10  # payload of the periodic upload/download probes
+    topology: TopologyConfig = TopologyConfig()
+    churn: ChurnPolicy = ChurnPolicy()  # how re-selection weighs weight moves against ring speed
+    # "select_ring": the upload-aware selector (ring/). "all_nodes": every node is a stage,
+    # layers split by speed (ring.assign), still costed by ring.evaluate.
+    planner: str = "select_ring"
+
+    def __post_init__(self) -> None:
+        if self.planner not in ("select_ring", "all_nodes"):
+            raise ValueError(f"planner must be 'select_ring' or 'all_nodes', got {self.planner!r}")
+
+
+@dataclass(frozen=True)
+class RingState:
+    """A formed ring: every stage acknowledged its Assignment for `epoch`."""
+
+    epoch: int
+    stages: tuple[tuple[PeerId, LayerRange], ...]  # in ring order: head first
+    assignments: tuple[Assignment, ...]
+
+    @property
+    def head(self) -> PeerId:
+        return self.stages[0][0]
+
+    @property
+    def tail(self) -> PeerId:
+        return self.stages[-1][0]
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """What formation decides on: the registry as it stands."""
+
+    coordinator: PeerId
+    registrations: Mapping[PeerId, Register]  # every registered node
+    links: Mapping[tuple[PeerId, PeerId], float]  # measured one-way latency (src, dst) -> s
+    held: Mapping[PeerId, LayerRange]  # layers each node reported Ready with
+    faulty: Mapping[PeerId, str]  # peer -> why audits excluded it
+    plan: Plan | None = None  # the plan in force
+    ring: RingState | None = None  # the ring in force
+    epoch: int = 0  # the last epoch handed out (formed or not)
+
+
+@dataclass(frozen=True)
+class ModelIdentity:
+    """What every Assignment names about the model and its wire format."""
+
+    spec: ModelSpec
+    manifest_digest: str
+    wire_dtype: str
+    aux_dtype: str | None
+
+
+@dataclass(frozen=True)
+class Formation:
+    """A ring to form (or keep) and the roles around it. Assignments are unsigned."""
+
+    members: frozenset[PeerId]  # the eligible members it was decided for
+    plan: Plan
+    network: Network  # what `plan` was chosen on
+    epoch: int
+    # False: the same stages as the ring in force, which keeps its epoch (and every job's
+    # K/V); `assignments` is then empty and only roles may have changed.
+    new_ring: bool
+    stages: tuple[tuple[PeerId, LayerRange], ...]  # ring order
+    assignments: tuple[Assignment, ...]  # one per stage, ring order
+    roles: tuple[Assignment, ...]  # members off the ring with a role, by peer id
+
+
+@dataclass(frozen=True)
+class NoRing:
+    members: frozenset[PeerId]
+    reason: str
+
+
+def eligible(snapshot: Snapshot) -> frozenset[PeerId]:
+    """Registered nodes an audit has not excluded."""
+    return frozenset(snapshot.registrations) - frozenset(snapshot.faulty)
+
+
+def choose(snapshot: Snapshot, members: frozenset[PeerId], config: SwarmConfig, model: ModelSpec) -> tuple[Plan, Network]:
+    """The ring for `members` on what was measured: ring.reselect when some of the ring in
+    force survives (moving weights costs more than a slightly slower ring), else
+    ring.select_ring (or the capacity split, planner "all_nodes"). Raises ring.RingError
+    when no ring fits."""
+    cfg = config.topology
+    regs = {p: snapshot.registrations[p] for p in members}
+    network = topology.build_network(snapshot.coordinator, regs, snapshot.links, snapshot.held, cfg)
+    constraints = Constraints(one_per_subnet=cfg.one_per_subnet)
+    workload = cfg.workload()
+    if config.planner == "all_nodes":
+        try:
+            split = split_by_capacity([Capacity(p, r.memory_bytes, r.decode_s_per_layer) for p, r in regs.items()],
+                                      model.num_layers, model.bytes_per_layer)
+        except AssignError as exc:
+            raise InfeasibleError(str(exc), len(regs)) from None
+        return evaluate([Stage(PeerId(p), r) for p, r in split], network, model, workload), network
+    if snapshot.plan is not None and set(snapshot.plan.peers) & members:
+        return reselect(snapshot.plan, network, model, workload, constraints, config.churn), network
+    return select_ring(network, model, workload, constraints), network
+
+
+def decide(snapshot: Snapshot, members: frozenset[PeerId], config: SwarmConfig,
+           model: ModelIdentity) -> Formation | NoRing:
+    """The formation for `members`. A ring with the stages of the one in force keeps its
+    epoch; any other ring gets the next epoch after `snapshot.epoch`."""
+    try:
+        plan, network = choose(snapshot, members, config, model.spec)
+    except RingError as exc:
+        return NoRing(members, str(exc))
+    stages = tuple((s.peer, s.layers) for s in plan.stages)
+    ring = snapshot.ring
+    if ring is not None and ring.stages == stages:
+        return Formation(members, plan, network, ring.epoch, False, stages, (),
+                         role_assignments(plan, snapshot, members, ring.epoch, model))
+    epoch = snapshot.epoch + 1
+    return Formation(members, plan, network, epoch, True, stages, stage_assignments(stages, snapshot, epoch, model),
+                     role_assignments(plan, snapshot, members, epoch, model))
+
+
+def stage_assignments(stages: tuple[tuple[PeerId, LayerRange], ...], snapshot: Snapshot, epoch: int,
+                      model: ModelIdentity) -> tuple[Assignment, ...]:
+    """One stage Assignment per stage: its layers, its neighbours (None: the coordinator)
+    and where to dial its successor."""
+    out = []
+    for i, (peer, layers) in enumerate(stages):
+        successor = stages[i + 1][0] if i + 1 < len(stages) else None
+        addrs = snapshot.registrations[successor].listen_addrs[:MAX_SUCCESSOR_ADDRS] if successor is not None else ()
+        out.append(_assignment(model, epoch, peer, RoleKind.STAGE, layers, predecessor=stages[i - 1][0] if i > 0 else None,
+                               successor=successor, successor_addrs=addrs))
+    return tuple(out)
+
+
+def role_layers(plan: Plan, peer: PeerId, held: Mapping[PeerId, LayerRange], num_layers: int) -> LayerRange | None:
+    """The slice a member off the ring keeps warm or checks: a standby's or verifier's
+    stage, a decode replica's whole model, what a seeder or relay holds. None: nothing."""
+    role = plan.roles[peer]
+    if role.stage_index is not None:
+        return plan.stages[role.stage_index].layers
+    if role.kind is RoleKind.DECODE_REPLICA:
+        return LayerRange(0, num_layers)
+    return held.get(peer)
+
+
+def role_assignments(plan: Plan, snapshot: Snapshot, members: frozenset[PeerId], epoch: int,
+                     model: ModelIdentity) -> tuple[Assignment, ...]:
+    """An Assignment naming its role for every member off the ring the plan gave one, in
+    peer order. A role that holds nothing names the empty range [0, 0) on the wire."""
+    on_ring = set(plan.peers)
+    return tuple(_assignment(model, epoch, peer, plan.roles[peer].kind,
+                             role_layers(plan, peer, snapshot.held, model.spec.num_layers))
+                 for peer in sorted(members - on_ring) if peer in plan.roles)
+
+
+def same_assignment(a: Assignment | None, b: Assignment) -> bool:
+    """Whether `b` says what `a` said (signatures aside): no need to send it again."""
+    return a is not None and dataclasses.replace(a, signature=b"") == dataclasses.replace(b, signature=b"")
+
+
+def _assignment(model: ModelIdentity, epoch: int, peer: PeerId, kind: RoleKind, layers: LayerRange | None, *,
+                predecessor: PeerId | None = None, successor: PeerId | None = None,
+                successor_addrs: tuple[str, ...] = ()) -> Assignment:
+    start, end = (layers.start, layers.end) if layers is not None else (0, 0)
+    return Assignment(epoch=epoch, peer_id=peer, role=kind.value, layer_start=start, layer_end=end,
+                      predecessor=predecessor, successor=successor, successor_addrs=successor_addrs,
+                      model=model.spec.name, manifest_digest=model.manifest_digest, wire_dtype=model.wire_dtype,
+                      aux_dtype=model.aux_dtype)

@@ -1,0 +1,136 @@
+"""Ring formation's decision (coordinator/swarm/formation.py): pure, no streams, no keys."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from coordinator.swarm import formation
+from coordinator.swarm.formation import Formation, ModelIdentity, NoRing, RingState, Snapshot, SwarmConfig
+from ring import ModelSpec, PeerId, Role, RoleKind, Stage, evaluate
+from shard.layers import LayerRange
+from shard.wire.messages import Register
+from shard.wire.roles import ROLE_STAGE
+
+COORD = PeerId("coord")
+MODEL = ModelSpec("m", num_layers=4, bytes_per_layer=1 << 20, kv_bytes_per_token_layer=1024,
+                  activation_bytes_per_token=256)
+IDENTITY = ModelIdentity(MODEL, "digest", "f32", None)
+
+
+def _reg(peer: str, *, memory: int = 1 << 30, up: float = 12.5e6, decode_s: float = 1e-3) -> Register:
+    return Register(peer_id=peer, model="m", manifest_digest="digest", device="cpu", memory_bytes=memory,
+                    decode_s_per_layer=decode_s, prefill_s_per_layer_token=1e-5, upload_bytes_per_s=up,
+                    download_bytes_per_s=5 * up, listen_addrs=(f"/ip4/127.0.0.1/tcp/{len(peer)}", f"/dns/{peer}"))
+
+
+def _snapshot(regs: list[Register], **kw) -> Snapshot:
+    return Snapshot(COORD, {PeerId(r.peer_id): r for r in regs}, kw.pop("links", {}), kw.pop("held", {}),
+                    kw.pop("faulty", {}), **kw)
+
+
+def _decide(snapshot: Snapshot, config: SwarmConfig = SwarmConfig()) -> Formation | NoRing:
+    return formation.decide(snapshot, formation.eligible(snapshot), config, IDENTITY)
+
+
+def _chain_is_well_formed(f: Formation) -> None:
+    peers = [p for p, _ in f.stages]
+    assert [a.peer_id for a in f.assignments] == peers
+    assert [(a.layer_start, a.layer_end) for a in f.assignments] == [(r.start, r.end) for _, r in f.stages]
+    assert f.stages[0][1].start == 0 and f.stages[-1][1].end == MODEL.num_layers
+    assert all(a.end == b.start for (_, a), (_, b) in zip(f.stages, f.stages[1:]))
+    assert [a.predecessor for a in f.assignments] == [None, *peers[:-1]]
+    assert [a.successor for a in f.assignments] == [*peers[1:], None]
+    assert all(a.role == ROLE_STAGE and a.epoch == f.epoch and a.signature == b"" for a in f.assignments)
+
+
+def test_a_first_ring_gets_the_next_epoch_and_a_linked_chain_of_unsigned_assignments():
+    # Bug guarded: an assignment naming the wrong neighbour or epoch, which every stage
+    # would refuse frames over. Sound: checks each link of the chain against the stages.
+    snapshot = _snapshot([_reg("a"), _reg("b"), _reg("c")], epoch=6)
+    f = _decide(snapshot, SwarmConfig(planner="all_nodes"))
+    assert isinstance(f, Formation) and f.new_ring and f.epoch == 7
+    assert sorted(p for p, _ in f.stages) == ["a", "b", "c"]  # all_nodes: every member a stage
+    _chain_is_well_formed(f)
+    for a in f.assignments[:-1]:  # where to dial the successor: its own listen addresses
+        assert a.successor_addrs == snapshot.registrations[a.successor].listen_addrs
+    assert all((a.model, a.manifest_digest, a.wire_dtype) == ("m", "digest", "f32") for a in f.assignments)
+
+
+def test_the_same_stages_keep_the_epoch_and_send_no_stage_assignments():
+    # Bug guarded: re-forming an unchanged ring under a new epoch, which drops every job's
+    # K/V for nothing. Sound: the second decision runs on the first one's outcome.
+    snapshot = _snapshot([_reg("a"), _reg("b")], epoch=2)
+    first = _decide(snapshot, SwarmConfig(planner="all_nodes"))
+    assert isinstance(first, Formation) and first.new_ring
+    formed = dataclasses.replace(snapshot, plan=first.plan, ring=RingState(first.epoch, first.stages, first.assignments),
+                                 epoch=first.epoch)
+    again = _decide(formed, SwarmConfig(planner="all_nodes"))
+    assert isinstance(again, Formation) and not again.new_ring
+    assert again.epoch == first.epoch == 3 and again.stages == first.stages and again.assignments == ()
+
+
+def test_no_ring_is_a_decision_with_its_reason():
+    # Bug guarded: a ring error escaping the formation task (the coordinator would stop
+    # forming). Sound: nodes without memory for a single layer cannot form any ring.
+    snapshot = _snapshot([_reg("a", memory=0), _reg("b", memory=0)])
+    decision = _decide(snapshot)
+    assert isinstance(decision, NoRing)
+    assert decision.members == {"a", "b"} and "no feasible ring among 2 candidate nodes" in decision.reason
+
+
+def test_faulty_nodes_are_not_eligible():
+    snapshot = _snapshot([_reg("a"), _reg("b"), _reg("c")], faulty={PeerId("b"): "audit output_mismatch"})
+    assert formation.eligible(snapshot) == {"a", "c"}
+    f = _decide(snapshot, SwarmConfig(planner="all_nodes"))
+    assert isinstance(f, Formation) and "b" not in {p for p, _ in f.stages} and f.members == {"a", "c"}
+
+
+def test_a_role_that_holds_nothing_names_the_empty_range_instead_of_raising():
+    # Bug guarded: the role of a seeder or relay that holds no layers was built as
+    # LayerRange(0, 0), which raises, so one such node stopped the coordinator forming.
+    # Sound: a node with no memory can only be a seeder or a relay, and holds nothing.
+    snapshot = _snapshot([_reg("a"), _reg("poor", memory=0, up=1e6), _reg("rich", memory=0, up=1e9)])
+    f = _decide(snapshot)
+    assert isinstance(f, Formation) and f.new_ring
+    roles = {a.peer_id: a for a in f.roles}
+    assert roles["poor"].role == RoleKind.RELAY.value and roles["rich"].role == RoleKind.WEIGHT_SEEDER.value
+    assert all((a.layer_start, a.layer_end, a.epoch) == (0, 0, f.epoch) for a in roles.values())
+    held = dataclasses.replace(snapshot, held={PeerId("rich"): LayerRange(1, 3)})
+    f = _decide(held)
+    assert isinstance(f, Formation)
+    assert {a.peer_id: (a.layer_start, a.layer_end) for a in f.roles}["rich"] == (1, 3)  # a seeder seeds what it holds
+
+
+def test_role_layers_follow_the_role():
+    # Bug guarded: a standby warming the wrong slice (it could not take its stage over).
+    # Sound: one plan with one member of each kind, the expected slice written out.
+    snapshot = _snapshot([_reg(p) for p in "abcdef"], held={PeerId("e"): LayerRange(2, 4)})
+    plan = evaluate([Stage(PeerId("a"), LayerRange(0, 1)), Stage(PeerId("b"), LayerRange(1, 4))],
+                    formation.choose(snapshot, frozenset("ab"), SwarmConfig(), MODEL)[1], MODEL,
+                    SwarmConfig().topology.workload())
+    plan = dataclasses.replace(plan, roles={
+        PeerId("c"): Role(RoleKind.HOT_STANDBY, "", 1), PeerId("d"): Role(RoleKind.DECODE_REPLICA, ""),
+        PeerId("e"): Role(RoleKind.WEIGHT_SEEDER, ""), PeerId("f"): Role(RoleKind.SPOT_CHECK_VERIFIER, "", 0)})
+    got = formation.role_assignments(plan, snapshot, frozenset("abcdef"), 9, IDENTITY)
+    assert [(a.peer_id, a.role, a.layer_start, a.layer_end, a.epoch) for a in got] == [
+        ("c", "hot_standby", 1, 4, 9), ("d", "decode_only_replica", 0, 4, 9), ("e", "weight_seeder", 2, 4, 9),
+        ("f", "spot_check_verifier", 0, 1, 9)]
+    assert all(a.predecessor is None and a.successor is None and a.signature == b"" for a in got)
+    # Members not in `members` (left meanwhile) get nothing.
+    assert [a.peer_id for a in formation.role_assignments(plan, snapshot, frozenset("abc"), 9, IDENTITY)] == ["c"]
+
+
+def test_deciding_twice_on_one_snapshot_gives_one_decision():
+    # Bug guarded: formation depending on hidden state (set or dict order, a clock).
+    # Sound: equal inputs, compared whole.
+    snapshot = _snapshot([_reg("a", decode_s=2e-3), _reg("b"), _reg("c", memory=0)], epoch=1)
+    assert _decide(snapshot) == _decide(dataclasses.replace(snapshot, registrations=dict(
+        reversed(list(snapshot.registrations.items())))))
+
+
+def test_same_assignment_ignores_only_the_signature():
+    f = _decide(_snapshot([_reg("a")]))
+    a = f.assignments[0]
+    assert formation.same_assignment(a, dataclasses.replace(a, signature=b"x" * 64))
+    assert not formation.same_assignment(a, dataclasses.replace(a, epoch=a.epoch + 1))
+    assert not formation.same_assignment(None, a)
