@@ -154,7 +154,7 @@ class RingJob:
         """Fold a committed round into the job's counters and the planner's state."""
         tree = got.tree
         self._fold(job_stats.RoundCommitted(
-            family=tree.source.split(":")[0] if tree.num_nodes else None, tokens=len(tokens),
+            family=tree.source.family if tree.num_nodes else None, tokens=len(tokens),
             pipelined=got.pipelined, since_start_s=time.monotonic() - self.started_s))
         if tree.num_nodes:
             self.adapt = adapt.apply(adapt.RoundVerified(

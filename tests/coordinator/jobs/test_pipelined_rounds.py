@@ -23,6 +23,7 @@ from coordinator.spec.drafting import DraftBudget, NgramDrafter
 from coordinator.jobs.engine_config import EngineConfig
 from coordinator.jobs.ring_job import RingJob
 from coordinator.spec.sampling import SamplingParams
+from coordinator.spec.source import DraftSource
 from coordinator.swarm.swarm import RingState
 
 QUOTE = list(range(100, 140))
@@ -39,7 +40,7 @@ class RecordingPort:
         self.sent.append(body)
 
 
-def latency_bound_state(rates: dict[str, float]) -> AdaptState:
+def latency_bound_state(rates: dict[DraftSource, float]) -> AdaptState:
     """A WAN-like ring (200 ms a traversal, 1 ms a row, 5 ms of queue per round ahead)
     with the given per-source acceptance: long chains and deep pipelines pay."""
     n, var, fixed_s, per_row_s = 5.0, 4.0, 0.2, 0.001
@@ -64,12 +65,12 @@ def send_ahead(state: AdaptState, base: DraftTree, committed: list[int] = PROMPT
 
 
 def test_a_round_sent_ahead_is_as_long_as_its_own_evidence_asks():
-    state = latency_bound_state({"ngram": 0.95, "ngram:4": 0.95})
+    state = latency_bound_state({DraftSource("ngram"): 0.95, DraftSource("ngram", "4"): 0.95})
     chains = adapt.AdaptConfig(max_pipeline_depth=4, kinds=(adapt.DraftKind.CHAIN,))
-    wanted = adapt.plan(state, chains, source="ngram:4")
+    wanted = adapt.plan(state, chains, source=DraftSource("ngram", "4"))
     # Sound only if the planner itself wants long, pipelined chains on this evidence.
     assert wanted.nodes >= 8 and wanted.pipeline_depth >= 2, wanted
-    base = DraftTree.chain(QUOTE[4:6], source="ngram:4")  # the awaited round: 2 drafts
+    base = DraftTree.chain(QUOTE[4:6], source=DraftSource("ngram", "4"))  # the awaited round: 2 drafts
     job = send_ahead(state, base)
     assert job.ahead, "nothing was sent ahead"
     first = job.ahead[0]
@@ -84,20 +85,20 @@ def test_a_round_sent_ahead_is_as_long_as_its_own_evidence_asks():
 def test_evidence_whose_record_says_no_draft_pays_sends_nothing_ahead():
     # The awaited round's evidence pipelines, but the guess for the next round comes from
     # evidence measured as always wrong: a round carrying it would be discarded.
-    state = latency_bound_state({"ngram": 0.95, "ngram:4": 0.95, "ngram:1": 0.0})
+    state = latency_bound_state({DraftSource("ngram"): 0.95, DraftSource("ngram", "4"): 0.95, DraftSource("ngram", "1"): 0.0})
     chains = adapt.AdaptConfig(max_pipeline_depth=4, kinds=(adapt.DraftKind.CHAIN,))
-    assert adapt.plan(state, chains, source="ngram:1").nodes == 0
+    assert adapt.plan(state, chains, source=DraftSource("ngram", "1")).nodes == 0
     committed = [1, 2, 77, 5, 6, 8]
     # The assumed context ends 9, 77: only the 1-token match 77 -> 5 6 8 ... is found.
-    assert NgramDrafter().propose([*committed, 9, 77], DraftBudget.chain(3)).source == "ngram:1"
-    job = send_ahead(state, DraftTree.chain([9, 77], source="ngram:4"), committed)
+    assert NgramDrafter().propose([*committed, 9, 77], DraftBudget.chain(3)).source == DraftSource("ngram", "1")
+    job = send_ahead(state, DraftTree.chain([9, 77], source=DraftSource("ngram", "4")), committed)
     assert not job.ahead and not job.port.sent
 
 
 def test_a_round_sent_ahead_fits_the_context_left():
     # The guess never drafts past the context limit: `room` nodes below its root at
     # most, and nothing at all without room.
-    state = latency_bound_state({"ngram": 0.95, "ngram:4": 0.95})
+    state = latency_bound_state({DraftSource("ngram"): 0.95, DraftSource("ngram", "4"): 0.95})
     assumed = [*PROMPT, *QUOTE[4:6]]
     root, chain = draft_ahead(NgramDrafter(), assumed, state, room=3, max_pipeline_depth=4)
     assert (root, chain.tokens.tolist()) == (QUOTE[6], QUOTE[7:10])
