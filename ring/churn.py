@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from typing import Iterable
 
 from ring.cost import NodeTerms, evaluate, max_layers
-from ring.errors import InfeasibleError, InvalidInputError, RingError
-from ring.network import Network, NodeInfo, PeerId
+from ring.errors import InfeasibleError, RingError
+from ring.network import Network, NodeInfo
 from ring.plan import Move, Plan, Stage
 from ring.roles import assign_roles, missing_layers
 from ring.search import Constraints, select_ring
