@@ -1,5 +1,7 @@
 """The swarm: registered nodes, their measured links, ring formation and roles.
 
-Decides with ring/ (pure), then signs and sends assignments; runs no requests.
+Formation decides in pure code (formation, on ring/); the Swarm signs and sends what it
+decided, waits for Ready and reports on channels it is given; status shows it all as JSON.
+Runs no requests.
 Imports: coordinator.errors.
 """

@@ -256,11 +256,6 @@ class Swarm:
         return Snapshot(self.peer_id, {p: m.register for p, m in self.members.items()}, dict(self.links),
                         dict(self.held), dict(self.faulty), self.plan, self.ring, self.epoch)
 
-    def choose(self, members: frozenset[PeerId]) -> tuple[Plan, Network]:
-        """The ring for `members` on what was measured (coordinator.swarm.formation.choose).
-        Raises ring.RingError when no ring fits."""
-        return formation.choose(self.snapshot(), members, self.config, self.model)
-
     async def _form(self, members: frozenset[PeerId]) -> None:
         """Decide (coordinator.swarm.formation), then sign, send, wait for every stage's
         Ready and commit the ring."""
