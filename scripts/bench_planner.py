@@ -12,7 +12,8 @@ costs well under a millisecond). Reported per category and group: tokens per tra
 (tau) and model-time speed-up over plain decoding (one row per traversal), for the planner
 and for fixed chains and trees; and how acceptance depends on a node's depth: at every
 answer position a chain of 24 is drafted and walked, and per depth bucket the share of
-tried nodes accepted (given the parent was) is counted, per n-gram match length.
+tried nodes accepted (given the parent was) is counted, per n-gram match length. The
+replay and the depth count are `coordinator.spec.replay`'s; this script runs them.
 
     python scripts/bench_planner.py --json OUT [--answers docs/results/bench_spec.json]
 """
@@ -26,10 +27,9 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from coordinator.spec import adapt  # noqa: E402
-from coordinator.spec.accept import accept_as_committed  # noqa: E402
-from coordinator.spec.draft_round import PROBE_EVERY_ROUNDS, draft_round  # noqa: E402
-from coordinator.spec.drafting import DraftBudget, NgramDrafter  # noqa: E402
+from coordinator.spec.draft_round import PROBE_EVERY_ROUNDS  # noqa: E402
+from coordinator.spec.drafting import DraftBudget  # noqa: E402
+from coordinator.spec.replay import DEPTH_BUCKETS, acceptance_by_depth, replay  # noqa: E402
 from scripts import spec_prompts  # noqa: E402
 
 # (fixed s, per row s): the CPU ring of bench_spec (4 stages on 2 cores, 25 ms a hop:
@@ -38,52 +38,6 @@ from scripts import spec_prompts  # noqa: E402
 TIMINGS = {"cpu-ring": (0.215, 0.005), "gpu-like": (0.130, 0.0003)}
 FIXED_SHAPES = {"chain 4": DraftBudget.chain(4), "chain 8": DraftBudget.chain(8), "chain 16": DraftBudget.chain(16),
                 "tree 32x16": DraftBudget(32, 16), "tree 64x24": DraftBudget(64, 24)}
-
-
-def replay(prompt: list[int], answer: list[int], timing: tuple[float, float], policy: DraftBudget | None,
-           state: adapt.AdaptState = adapt.AdaptState()) -> tuple[int, float, adapt.AdaptState]:
-    """(traversals, model seconds, the planner's state after) to commit `answer` after its
-    first token (the prefill's): the planner's shapes from `state` when `policy` is None,
-    else that fixed shape every round."""
-    fixed_s, per_row_s = timing
-    drafter, undrafted, i, traversals, seconds = NgramDrafter(), 0, 1, 0, 0.0
-    while i < len(answer):
-        context = prompt + answer[:i]
-        if policy is None:
-            tree, _, _ = draft_round([drafter], context, state, room=len(answer) - i, max_pipeline_depth=1,
-                                     undrafted_rounds=undrafted)
-        else:
-            tree = drafter.propose(context, policy)
-        acc = accept_as_committed(tree, answer[i:] + [-1] * (tree.num_nodes + 1))
-        round_s = fixed_s + per_row_s * (tree.num_nodes + 1)
-        traversals, seconds = traversals + 1, seconds + round_s
-        undrafted = 0 if tree.num_nodes else undrafted + 1
-        if tree.num_nodes and policy is None:
-            state = adapt.apply(adapt.RoundVerified(
-                source=tree.source, nodes=tree.num_nodes, tried=acc.tried, accepted=len(acc.nodes),
-                traversal_s=round_s, draft_s=0.0, chain=tree.is_chain), state)
-        i += min(len(acc.nodes) + 1, len(answer) - i)
-    return traversals, seconds, state
-
-
-DEPTH_BUCKETS = ((1, 1), (2, 2), (3, 4), (5, 8), (9, 16), (17, 24))
-
-
-def acceptance_by_depth(prompt: list[int], answer: list[int], counts: dict) -> None:
-    """Add to `counts[source][bucket] = [accepted, tried]` the walk of a chain of 24 drafted
-    at every answer position (the target's choice there is the answer's next token)."""
-    drafter, longest = NgramDrafter(), DEPTH_BUCKETS[-1][1]
-    for i in range(1, len(answer)):
-        tree = drafter.propose(prompt + answer[:i], DraftBudget.chain(longest))
-        if not tree.num_nodes:
-            continue
-        accepted = len(accept_as_committed(tree, answer[i:] + [-1] * (longest + 1)).nodes)
-        for depth in range(1, min(accepted + 1, tree.num_nodes) + 1):  # tried: up to the first miss
-            bucket = next(b for b, (lo, hi) in enumerate(DEPTH_BUCKETS) if lo <= depth <= hi)
-            for key in (str(tree.source), "all"):  # JSON keys: the source as text
-                row = counts.setdefault(key, [[0, 0] for _ in DEPTH_BUCKETS])[bucket]
-                row[0] += depth <= accepted
-                row[1] += 1
 
 
 def main(argv=None) -> int:

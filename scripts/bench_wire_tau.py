@@ -14,7 +14,8 @@ features and the target's greedy token. At every answer position each drafter th
 drafts from the reference prefix (EAGLE on that wire's aux features), and greedy
 verification is walked against that wire's target: a draft token is accepted when it is
 the target's greedy token there; the walk stops at the first miss or when an accepted
-token leaves the reference (the target's next choice off the reference is unknown).
+token leaves the reference (the target's next choice off the reference is unknown;
+`coordinator.spec.replay.walk`).
 tau = 1 + accepted tokens. Also reported: how often each wire's greedy token differs from
 the fp32 reference (the target's own disagreement).
 
@@ -34,10 +35,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from coordinator.spec.accept import accept_greedy_lazy  # noqa: E402
-from coordinator.spec.draft_tree import DraftTree  # noqa: E402
 from coordinator.spec.drafting import DraftBudget, NgramDrafter  # noqa: E402
 from coordinator.spec.eagle import EagleDrafter, EagleHead, shipped_head_dir  # noqa: E402
+from coordinator.spec.replay import walk  # noqa: E402
 from coordinator.jobs.engine import encode_chat  # noqa: E402
 from scripts import spec_prompts  # noqa: E402
 from scripts.bench_ringkit import base_conditions  # noqa: E402
@@ -113,20 +113,6 @@ def reference(pipe: Pipeline, prompt_ids: list[int], max_tokens: int, eos: int) 
         if nxt == eos:
             break
     return ids
-
-
-def walk(tree: DraftTree, root: int, ref: list[int], greedy: list[int]) -> int:
-    """Draft tokens accepted below position `root` (see the module docstring): the
-    engine's greedy acceptance, with the target's choice at a node that left the
-    reference (or ran past the text) unknown, so nothing matches it."""
-    depths, toks = tree.depths.tolist(), tree.tokens.tolist()
-
-    def target_choice(row: int) -> int:  # row 0 = the root, row i + 1 = node i
-        at = root + (depths[row - 1] if row else 0)  # the text position of that row
-        if at >= len(greedy) or (row and toks[row - 1] != ref[at]):
-            return -1
-        return greedy[at]
-    return len(accept_greedy_lazy(tree, target_choice).nodes)
 
 
 def measure(pipe, head, texts: list[tuple[str, list[int], int]], wire: str) -> dict:

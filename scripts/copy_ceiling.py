@@ -21,8 +21,8 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from coordinator.spec.drafting import DraftBudget, NgramDrafter  # noqa: E402
+from coordinator.spec.replay import accepted_length  # noqa: E402
 from scripts import spec_prompts  # noqa: E402
-from scripts.eagle_fit import accepted_length  # noqa: E402
 
 LONGEST = 16
 

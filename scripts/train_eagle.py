@@ -6,11 +6,12 @@
    template (batched transformers generate, mostly greedy, a quarter at temperature
    0.7); forward hooks capture, at every fed position, the outputs of the three aux
    layers, the target's greedy next token (the distillation label) and its final-norm
-   hidden state (for --soft-labels). Shards are safetensors under --work-dir and are
-   reused by a later run.
+   hidden state (for --soft-labels). Shards are captured sequences under --work-dir
+   (their format: coordinator/spec/captured.py) and are reused by a later run.
 2. train: one EAGLE-3 decoder layer (coordinator/spec/eagle.py) with a training-time-test
-   loss unrolled --ttt-steps steps: step 1 sees the target's fused features, step s > 1
-   the head's own outputs of step s-1, with the attention pattern drafting uses.
+   loss unrolled --ttt-steps steps (coordinator/spec/eagle_train.py): step 1 sees the
+   target's fused features, step s > 1 the head's own outputs of step s-1, with the
+   attention pattern drafting uses.
 3. evaluate on held-out prompts: top-1 accuracy per step and simulated tokens per
    traversal of chains and trees against the target's greedy continuation; then the same
    simulation on the benchmark's prompts (scripts/spec_prompts.py: no template, topic or
@@ -24,16 +25,27 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import pathlib
 import random
 import sys
 import time
+from dataclasses import asdict
 
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
+from coordinator.spec.captured import (UNSEEN_FILE, Captured, load_shards, load_unseen, save_sequences,  # noqa: E402
+                                       shard_path)
+from coordinator.spec.drafting import DraftBudget  # noqa: E402
+from coordinator.spec.eagle import EagleConfig, EagleHead, init_weights, save_head  # noqa: E402
+from coordinator.spec.eagle_train import (FitConfig, collate, draft_vocabulary, evaluate_steps,  # noqa: E402
+                                          make_batches, soft_targets, step_losses, ttt_forward)
+from coordinator.spec.replay import simulate_tau  # noqa: E402
+from scripts import spec_prompts  # noqa: E402
 from scripts.eagle_prompts import build_prompts, messages  # noqa: E402
+from shard.rope import RotaryTable  # noqa: E402
 from shard.store import open_or_prepare  # noqa: E402
 
 
@@ -86,7 +98,7 @@ def generate_shards(model, tokenizer, aux_layers, work_dir: pathlib.Path, deadli
                for k in range(0, len(order), batch)]
     random.Random(seed).shuffle(batches)
     for n, idx in enumerate(batches):
-        path = work_dir / f"shard_{n:04d}.safetensors"
+        path = shard_path(work_dir, n)
         if path.exists():
             continue
         if time.monotonic() > deadline_s:
@@ -103,7 +115,7 @@ def generate_shards(model, tokenizer, aux_layers, work_dir: pathlib.Path, deadli
 
 
 def answer_batch(model, tokenizer, texts: list[str], aux_layers, sampling: dict, max_new_tokens: int
-                 ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
+                 ) -> list[Captured]:
     """Answer `texts` in one batched generate; per text (ids, feats f16, labels, final f16)
     over its fed positions (prompt and answer up to, not including, EOS): the aux layers'
     outputs, the target's greedy token there (the hard label) and its hidden state after
@@ -134,20 +146,6 @@ def answer_batch(model, tokenizer, texts: list[str], aux_layers, sampling: dict,
     return seqs
 
 
-def save_sequences(path: pathlib.Path, seqs, heldout: list[bool], metadata: dict[str, str]) -> None:
-    from safetensors.torch import save_file
-
-    offsets = [0]
-    for ids, *_ in seqs:
-        offsets.append(offsets[-1] + len(ids))
-    save_file({"ids": torch.cat([s[0] for s in seqs]).to(torch.int32),
-               "feats": torch.cat([s[1] for s in seqs]).contiguous(),
-               "labels": torch.cat([s[2] for s in seqs]).to(torch.int32),
-               "final": torch.cat([s[3] for s in seqs]).contiguous(), "offsets": torch.tensor(offsets),
-               "heldout": torch.tensor([int(h) for h in heldout])}, str(path), metadata=metadata)
-
-
-UNSEEN_FILE = "unseen.safetensors"
 UNSEEN_TOKENS = 48  # as the benchmarks answer
 
 
@@ -158,8 +156,6 @@ def generate_unseen(model, tokenizer, aux_layers, work_dir: pathlib.Path,
     per category; no template, topic or passage shared with the training prompts),
     answered greedily like the shards: the check of a head on prompts unlike any it was
     trained on."""
-    from scripts import spec_prompts
-
     prompts = spec_prompts.prompt_set(3) if prompts is None else prompts
     texts = [tokenizer.apply_chat_template(spec_prompts.messages(p), tokenize=False, add_generation_prompt=True)
              for _, p in prompts]
@@ -174,43 +170,123 @@ def generate_unseen(model, tokenizer, aux_layers, work_dir: pathlib.Path,
         "categories": json.dumps([c for c, _ in prompts]), "aux_layers": json.dumps(list(aux_layers))})
 
 
-def load_unseen(work_dir: pathlib.Path) -> list[dict]:
-    """The unseen benchmark answers (`generate_unseen`), each with its "category"; [] if absent."""
-    from safetensors import safe_open
-    from safetensors.torch import load_file
-
-    path = work_dir / UNSEEN_FILE
-    if not path.exists():
-        return []
-    with safe_open(str(path), "pt") as f:
-        categories = json.loads(f.metadata()["categories"])
-    return [seq | {"category": category} for seq, category in zip(_sequences(load_file(str(path))), categories)]
-
-
 def _capture(sink: list[torch.Tensor]):
     def hook(module, args, output):
         sink.append((output[0] if isinstance(output, tuple) else output).detach().float())
     return hook
 
 
-def load_shards(work_dir: pathlib.Path) -> tuple[list[dict], list[dict]]:
-    """(train, heldout) sequences, each {"ids", "feats", "labels"} tensors, and "final"
-    where the shard has it (shards written before soft labels do not)."""
-    from safetensors.torch import load_file
-
-    train_seqs, held_seqs = [], []
-    for path in sorted(work_dir.glob("shard_*.safetensors")):
-        t = load_file(str(path))
-        for s, seq in enumerate(_sequences(t)):
-            (held_seqs if int(t["heldout"][s]) else train_seqs).append(seq)
-    return train_seqs, held_seqs
+# -- 2. and 3. fit and evaluate ----------------------------------------------------------
 
 
-def _sequences(t: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
-    """A saved file's concatenated tensors cut back into its sequences (`save_sequences`)."""
-    off = t["offsets"].tolist()
-    keys = [k for k in ("ids", "feats", "labels", "final") if k in t]
-    return [{k: t[k][off[s]:off[s + 1]] for k in keys} for s in range(len(off) - 1)]
+def answer_start(ids: torch.Tensor, marker: list[int]) -> int:
+    """Index after the last occurrence of the assistant header `marker` (0 if absent)."""
+    seq, m = ids.tolist(), len(marker)
+    for i in range(len(seq) - m, -1, -1):
+        if seq[i:i + m] == marker:
+            return i + m
+    return 0
+
+
+def fit(store, work: pathlib.Path, out: pathlib.Path, deadline_s: float, fit_cfg: FitConfig, *,
+        started_s: float, argv: list[str]) -> None:
+    """Train until the deadline, evaluating and writing the head every eval_every_s and at the end."""
+    from transformers import AutoTokenizer
+
+    rng = random.Random(fit_cfg.seed)
+    train_seqs, held = load_shards(work / "data")
+    target = store.config
+    embedding = store.load_embedding()
+    norm, lm_head = store.load_head()
+    tied_head = lm_head if lm_head is not None else embedding
+    d2t, coverage = draft_vocabulary(train_seqs, fit_cfg.draft_vocab, target.vocab_size)
+    start = EagleHead.load(fit_cfg.init_from, target, embedding, store.digest) if fit_cfg.init_from else None
+    if start is not None:
+        d2t = start.d2t
+        counts = torch.zeros(target.vocab_size)
+        for s in train_seqs:
+            counts += torch.bincount(s["labels"].long(), minlength=target.vocab_size)
+        coverage = float(counts[d2t].sum() / counts.sum())
+    t2d = torch.full((target.vocab_size,), -1, dtype=torch.long)
+    t2d[d2t] = torch.arange(len(d2t))
+    cfg = EagleConfig.for_target(target, fit_cfg.aux_layers, fit_cfg.draft_vocab)
+    gen = torch.Generator().manual_seed(fit_cfg.seed)
+    w = init_weights(cfg, tied_head, norm, d2t, gen) if start is None else {n: t.clone() for n, t in start.w.items()}
+    trainable = {n: p.requires_grad_() for n, p in w.items() if n != "lm_head.weight" or fit_cfg.train_lm_head}
+    opt = torch.optim.AdamW(trainable.values(), lr=fit_cfg.lr, weight_decay=0.0, betas=(0.9, 0.95))
+    rotary = RotaryTable(target, torch.float32)
+    tok = AutoTokenizer.from_pretrained(store.tokenizer_dir)
+    marker = tok("<|im_start|>assistant\n", add_special_tokens=False).input_ids
+    held_greedy = held[:12]
+    starts = [answer_start(s["ids"], marker) for s in held_greedy]
+    unseen = {}  # group -> (sequences, their answer starts)
+    unseen_seqs = load_unseen(work / "data")
+    for name, group in (("open_ended", spec_prompts.OPEN_ENDED), ("grounded", spec_prompts.GROUNDED)):
+        seqs = [s for s in unseen_seqs if s["category"] in group]
+        if seqs:
+            unseen[name] = (seqs, [answer_start(s["ids"], marker) for s in seqs])
+    n_train = sum(len(s["ids"]) for s in train_seqs)
+    soft = fit_cfg.soft_labels and all("final" in s for s in train_seqs)
+    draft_rows = tied_head[d2t].float()  # (Vd, H): the target's LM head over the draft vocabulary
+    print(f"[fit] {len(train_seqs)} train seqs ({n_train} positions), {len(held)} held out; "
+          f"draft vocab {len(d2t)} covers {coverage:.3f} of labels; "
+          f"{'soft' if soft else 'greedy'} labels", flush=True)
+    if fit_cfg.soft_labels and not soft:
+        print("[fit] the shards carry no final hidden states (written before soft labels): greedy labels", flush=True)
+    t0 = time.monotonic()
+    step, epoch, last_eval = 0, 0, t0
+    budget_s = max(deadline_s - t0, 1.0)
+    log: list[dict] = []
+
+    def checkpoint(final: bool) -> None:
+        accs = evaluate_steps(w, cfg, target.rms_norm_eps, rotary, embedding, d2t, held, fit_cfg)
+        head = EagleHead(cfg, target, {n: p.detach().half().float() for n, p in w.items()}, d2t, embedding)
+        tau = simulate_tau(head, held_greedy, starts, {
+            "chain4": DraftBudget.chain(4), "chain6": DraftBudget.chain(6), "tree32_d6": DraftBudget(32, 6)},
+            stride=fit_cfg.eval_stride)
+        # Every answer position a root, as bench_wire_tau walks the ring's own answers.
+        unseen_tau = {name: simulate_tau(head, seqs, seq_starts, {
+            "chain4": DraftBudget.chain(4), "tree32_d6": DraftBudget(32, 6), "tree60_d6": DraftBudget(60, 6)},
+            stride=1) for name, (seqs, seq_starts) in unseen.items()}
+        record = {"step": step, "epoch": epoch, "train_s": round(time.monotonic() - t0, 1),
+                  "heldout_top1_per_step": [round(a, 4) for a in accs], "sim_tau": tau,
+                  "unseen_benchmark_prompts_sim_tau": unseen_tau}
+        log.append(record)
+        print(f"[fit] eval {json.dumps(record)}", flush=True)
+        save_head(out, cfg, w, d2t, target_digest=store.digest, extra={
+            "target_model": store.manifest.name,
+            "recipe": asdict(fit_cfg) | {"argv": argv},
+            "data": {"train_sequences": len(train_seqs), "train_positions": n_train,
+                     "heldout_sequences": len(held), "draft_vocab_label_coverage": round(coverage, 4)},
+            "training": {"steps": step, "epochs": epoch, "final": final,
+                         "wall_s_total": round(time.monotonic() - started_s, 1)},
+            "offline_eval": record})
+
+    while True:
+        for batch in make_batches(train_seqs, fit_cfg, rng):
+            now = time.monotonic()
+            if now >= deadline_s:
+                checkpoint(final=True)
+                return
+            if now - last_eval >= fit_cfg.eval_every_s:
+                checkpoint(final=False)
+                last_eval = time.monotonic()
+            frac = min((now - t0) / budget_s, 1.0)
+            lr = fit_cfg.lr * min(1.0, (step + 1) / fit_cfg.warmup_steps) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+            for group in opt.param_groups:
+                group["lr"] = lr
+            ids, feats, labels, final = collate(batch, t2d, fit_cfg.max_seq_tokens)
+            logits = ttt_forward(w, cfg, target.rms_norm_eps, rotary, embedding, ids, feats, fit_cfg.ttt_steps)
+            loss, accs = step_losses(logits, labels, soft_targets(final, draft_rows) if soft else None)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(trainable.values(), 1.0)
+            opt.step()
+            step += 1
+            if step % 10 == 0:
+                print(f"[fit] step {step} epoch {epoch} loss {loss.item():.3f} acc {[round(a, 3) for a in accs]} "
+                      f"lr {lr:.2e} {time.monotonic() - t0:.0f} s", flush=True)
+        epoch += 1
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -255,8 +331,6 @@ def main(argv: list[str] | None = None) -> None:
                             batch=args.batch, max_new_tokens=args.max_new_tokens, seed=args.seed)
         del model
     if args.phase in ("all", "train"):
-        from scripts.eagle_fit import FitConfig, fit
-
         fit(store, work, pathlib.Path(args.out), deadline_s, FitConfig(
             aux_layers=aux_layers, draft_vocab=args.draft_vocab, ttt_steps=args.ttt_steps, seed=args.seed,
             lr=args.lr, init_from=args.init_from, train_lm_head=args.train_lm_head, soft_labels=args.soft_labels),

@@ -12,8 +12,8 @@ tree's pairs after it and never advances the committed length, so speculative K/
 overwritten by the next observe.
 
 This module does not know the ring, the wire, acceptance, or how features reach it: the
-engine hands `observe` committed tokens with their aux rows. Training lives in
-scripts/train_eagle.py, which composes the same `pair_qkv` / `pair_out` functions.
+engine hands `observe` committed tokens with their aux rows. Training's unroll
+(`coordinator.spec.eagle_train`) composes the same `pair_qkv` / `pair_out` functions.
 """
 
 from __future__ import annotations

@@ -230,7 +230,7 @@ def test_training_unroll_matches_drafting():
     # Guards train/serve skew: step s of the training-time-test unroll at index i must be
     # exactly what drafting computes at depth s-1 below the root at index i-s+1 (true
     # features up to the root, then the head's own outputs along the path).
-    from scripts.eagle_fit import ttt_forward
+    from coordinator.spec.eagle_train import ttt_forward
 
     head = tiny_head(seed=3)
     n = 10
@@ -253,7 +253,7 @@ def test_soft_labels_line_up_with_the_greedy_labels_and_reduce_to_them():
     # Guards a shifted soft target: at every index the target's distribution over the draft
     # vocabulary must be the one whose argmax is that index's greedy label, for each of two
     # sequences padded into one batch; and a one-hot target must give the greedy loss.
-    from scripts.eagle_fit import collate, soft_targets, step_losses
+    from coordinator.spec.eagle_train import collate, soft_targets, step_losses
 
     gen = torch.Generator().manual_seed(4)
     vocab, hidden = 40, 8

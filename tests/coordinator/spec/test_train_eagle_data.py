@@ -1,15 +1,17 @@
 """scripts/train_eagle.py's data: what the head is trained and checked on must line up
 with the target, position by position. Sound: a tiny seeded Llama answers real chat
 prompts in one left-padded batch; every stored row is compared with a fresh unpadded
-forward of that sequence alone."""
+forward of that sequence alone. The answering needs a transformers model, so it stays in
+the script; the captured sequences are read back through coordinator.spec.captured."""
 
 from __future__ import annotations
 
 import torch
 
+from coordinator.spec.captured import load_shards, load_unseen
 from scripts.spec_prompts import GROUNDED, OPEN_ENDED
 from scripts import train_eagle
-from scripts.train_eagle import generate_shards, generate_unseen, load_shards, load_target, load_unseen
+from scripts.train_eagle import generate_shards, generate_unseen, load_target
 
 AUX = (0, 2, 3)  # not the last layer: transformers reports that one after the final norm
 
