@@ -13,7 +13,7 @@ when to form (the swarm does those).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from coordinator.swarm import topology
@@ -111,9 +111,9 @@ class NoRing:
     reason: str
 
 
-def eligible(snapshot: Snapshot) -> frozenset[PeerId]:
-    """Registered nodes an audit has not excluded."""
-    return frozenset(snapshot.registrations) - frozenset(snapshot.faulty)
+def eligible(registered: Iterable[PeerId], faulty: Mapping[PeerId, str]) -> frozenset[PeerId]:
+    """Registered nodes an audit has not excluded: the members a ring is formed for."""
+    return frozenset(registered) - frozenset(faulty)
 
 
 def choose(snapshot: Snapshot, members: frozenset[PeerId], config: SwarmConfig, model: ModelSpec) -> tuple[Plan, Network]:

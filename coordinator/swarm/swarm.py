@@ -230,11 +230,11 @@ class Swarm:
                     if self._awaiting_reports & wanted:
                         await self._wait_for_reports()
                         continue  # membership may have changed meanwhile
-                    await self._form(frozenset(wanted))
+                    await self._form(wanted)
                 await changed.wait()
 
-    def _eligible(self) -> set[PeerId]:
-        return set(self.members) - set(self.faulty)
+    def _eligible(self) -> frozenset[PeerId]:
+        return formation.eligible(self.members, self.faulty)
 
     async def _wait_for_reports(self) -> None:
         with trio.move_on_after(self.config.probe_wait_s):

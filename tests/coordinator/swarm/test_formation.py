@@ -29,7 +29,7 @@ def _snapshot(regs: list[Register], **kw) -> Snapshot:
 
 
 def _decide(snapshot: Snapshot, config: SwarmConfig = SwarmConfig()) -> Formation | NoRing:
-    return formation.decide(snapshot, formation.eligible(snapshot), config, IDENTITY)
+    return formation.decide(snapshot, formation.eligible(snapshot.registrations, snapshot.faulty), config, IDENTITY)
 
 
 def _chain_is_well_formed(f: Formation) -> None:
@@ -80,7 +80,7 @@ def test_no_ring_is_a_decision_with_its_reason():
 
 def test_faulty_nodes_are_not_eligible():
     snapshot = _snapshot([_reg("a"), _reg("b"), _reg("c")], faulty={PeerId("b"): "audit output_mismatch"})
-    assert formation.eligible(snapshot) == {"a", "c"}
+    assert formation.eligible(snapshot.registrations, snapshot.faulty) == {"a", "c"}
     f = _decide(snapshot, SwarmConfig(planner="all_nodes"))
     assert isinstance(f, Formation) and "b" not in {p for p, _ in f.stages} and f.members == {"a", "c"}
 
