@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from ring import PeerId
+
 
 class CoordinatorError(Exception):
     """Root of every error the coordinator package raises on purpose."""
@@ -53,7 +55,7 @@ class ReceiptRejected(JobFailedError):
     check (the receipts check name), stage (index in the chain or None), peer_id (the
     peer assigned the blamed receipt's layers, or None)."""
 
-    def __init__(self, job_id: str, round: int, error: Any, peer_id: str | None) -> None:
+    def __init__(self, job_id: str, round: int, error: Any, peer_id: PeerId | None) -> None:
         self.job_id, self.round, self.check, self.stage, self.peer_id = job_id, round, error.check, error.stage, peer_id
         who = f" (peer {peer_id})" if peer_id else ""
         CoordinatorError.__init__(self, f"receipt check failed for job {job_id}: {error}{who}")
