@@ -55,8 +55,8 @@ def parse_tree(text: str | None) -> tuple[int, int] | None:
 
 class RingEngine:
     def __init__(self, swarm: Swarm, host: Host, tokenizer: Any, config: EngineConfig,
-                 receipts: ReceiptChecker | None = None, *, job_errors: trio.MemoryReceiveChannel,
-                 ring_changes: trio.MemoryReceiveChannel) -> None:
+                 receipts: ReceiptChecker | None = None, *, job_errors: trio.MemoryReceiveChannel[JobError],
+                 ring_changes: trio.MemoryReceiveChannel[RingState | None]) -> None:
         """`job_errors` and `ring_changes` carry what the swarm reports (its JobErrors, its
         RingState or None on every change); serve() hands them to the jobs they concern."""
         self.receipts = receipts  # None: rounds are not checked (receipts off)

@@ -73,8 +73,9 @@ def _offer(channel: trio.MemorySendChannel | None, item: object, what: str) -> N
 
 class Swarm:
     def __init__(self, store: ModelStore, signing_key: bytes, config: SwarmConfig, *,
-                 job_errors: trio.MemorySendChannel | None = None, ring_changes: trio.MemorySendChannel | None = None,
-                 audit_replies: trio.MemorySendChannel | None = None) -> None:
+                 job_errors: trio.MemorySendChannel[JobError] | None = None,
+                 ring_changes: trio.MemorySendChannel[RingState | None] | None = None,
+                 audit_replies: trio.MemorySendChannel[tuple[PeerId, AuditReply]] | None = None) -> None:
         """`job_errors` gets every JobError a stage reports, `ring_changes` the new RingState
         (None: no ring) whenever the ring changes, `audit_replies` (peer, AuditReply) pairs.
         None: nobody listens. A full channel drops what it cannot take."""

@@ -243,8 +243,8 @@ class AuditStats:
 
 class Auditor:
     def __init__(self, swarm: Swarm, store: ModelStore, coordinator_seed: bytes, config: AuditConfig = AuditConfig(),
-                 rng: random.Random | None = None, *, finished: trio.MemoryReceiveChannel,
-                 audit_replies: trio.MemoryReceiveChannel) -> None:
+                 rng: random.Random | None = None, *, finished: trio.MemoryReceiveChannel[FinishedJob],
+                 audit_replies: trio.MemoryReceiveChannel[tuple[PeerId, AuditReply]]) -> None:
         """`finished`: the jobs receipt_check finished (its buffer, AuditConfig.max_queued_jobs
         in the assembled coordinator, is the audit queue); `audit_replies`: (peer, AuditReply)
         pairs from the swarm's control streams. serve() is their only reader."""

@@ -84,7 +84,7 @@ class FinishedJob:
 
 class ReceiptChecker:
     def __init__(self, store: ModelStore, coordinator_seed: bytes, config: ReceiptConfig = ReceiptConfig(), *,
-                 finished: trio.MemorySendChannel | None = None) -> None:
+                 finished: trio.MemorySendChannel[FinishedJob] | None = None) -> None:
         """`finished` gets every job that finishes with a bundle (the auditor reads it); a
         full or closed channel drops the job from auditing, never blocks. None: nobody."""
         self.config = config
