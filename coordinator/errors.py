@@ -50,10 +50,11 @@ class JobFailedError(CoordinatorError):
         super().__init__(f"generation failed: {reason}")
 
 
-class ReceiptRejected(JobFailedError):
+class ReceiptRejected(CoordinatorError):
     """A round's receipt chain failed: the job is failed closed. Fields: job_id, round,
     check (the receipts check name), stage (index in the chain or None), peer_id (the
-    peer assigned the blamed receipt's layers, or None)."""
+    peer assigned the blamed receipt's layers, or None). Not a JobFailedError: a job
+    resumes after those, and a rejected chain must end the request, not be retried."""
 
     def __init__(self, job_id: str, round: int, error: Any, peer_id: PeerId | None) -> None:
         self.job_id, self.round, self.check, self.stage, self.peer_id = job_id, round, error.check, error.stage, peer_id
