@@ -222,21 +222,22 @@ class Node:
         verify_assignment(a, self.coordinator_id)
         if a.manifest_digest != self.store.digest:
             raise ShardError(f"assignment names model digest {a.manifest_digest[:12]}, this node holds {self.store.digest[:12]}")
-        r = LayerRange(a.layer_start, a.layer_end)
+        # A role off the ring may hold nothing: the wire's empty [0, 0) is no LayerRange.
+        r = LayerRange(a.layer_start, a.layer_end) if a.layer_end > a.layer_start else None
         old = self.state
-        if old is not None and old.worker.stage.layers == r:
+        if r is None:
+            stage = None
+        elif old is not None and old.worker.stage.layers == r:
             stage = old.worker.stage  # same slice: keep the weights, drop the caches
         elif self._warm is not None and self._warm.layers == r:
             stage = self._warm  # kept warm for exactly this (hot standby)
-        elif len(r):
-            stage = await trio.to_thread.run_sync(self._load_stage, r)
         else:
-            stage = None
+            stage = await trio.to_thread.run_sync(self._load_stage, r)
         if a.role != ROLE_STAGE:
             # Off the ring: refuse every ring frame this epoch, keep the named slice warm.
             self.state, self._warm = None, stage
             self._out_streams.clear()
-            log.info("epoch %d: off the ring as %s, keeping layers %s warm", a.epoch, a.role, r)
+            log.info("epoch %d: off the ring as %s, keeping layers %s warm", a.epoch, a.role, r or "none")
             await self._send_control(Ready(peer_id=self.host.peer_id, epoch=a.epoch))
             return
         self._warm = None

@@ -2,15 +2,16 @@
 
 `apply(event, stats) -> stats` is the only code that changes a count: a job reports what
 happened (a round committed, a round sent ahead, rounds discarded, a resume, drafters not
-asked) and reads `JobStats` back. `planner_figures` states what the planner measured of
-the ring. This module does not know the ring, frames, drafters or time: events carry
-the figures they count.
+asked) and reads `JobStats` back. `figures` is the one home of the names a response's
+`shard` object and the benchmarks read them by. This module does not know the ring,
+frames, drafters or time: events carry the figures they count.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from coordinator.spec import adapt
 
@@ -88,6 +89,20 @@ def apply(event: Event, stats: JobStats) -> JobStats:
     if isinstance(event, DrafterSkipped):
         return replace(stats, skipped=_counted(stats.skipped, event.names))
     raise TypeError(f"not a job event: {event!r}")
+
+
+def figures(stats: JobStats, *, generated: int, ring_epoch: int, drafter: str, planner: adapt.AdaptState,
+            job_id: str) -> dict[str, Any]:
+    """The job's figures as JSON-safe values (coordinator.jobs.engine.Job.stats)."""
+    # The first traversal (prefill) commits the first token, so tokens per traversal is
+    # generated / traversals; plain decoding gives exactly 1.0.
+    return {"traversals": stats.traversals,
+            "tokens_per_traversal": generated / stats.traversals if stats.traversals else 0.0,
+            "ring_epoch": ring_epoch, "ttft_s": stats.ttft_s, "resumes": stats.resumes,
+            "drafter": drafter, "draft_rounds": dict(stats.drafted),
+            "draft_round_tokens": dict(stats.drafted_tokens), "drafter_skipped_rounds": dict(stats.skipped),
+            "pipelined_rounds": stats.pipelined, "most_rounds_in_flight": stats.most_in_flight,
+            "pipelined_rounds_discarded": stats.discarded, "planner": planner_figures(planner), "job_id": job_id}
 
 
 def planner_figures(state: adapt.AdaptState) -> dict[str, float | None]:

@@ -116,11 +116,8 @@ class RingJob:
             got = await self._next_round(limit)
             acc = await self._accept(got, generator)
             root_slot = len(self.committed) - 1
-            self.pending_commit = commit_move(root_slot, acc.nodes)
-            self.ring_ctx = root_slot + 1 + len(acc.nodes)
-            tokens = list(acc.tokens)[: limit - len(self.committed)]
-            self._observe(got.fed, got.tree, acc, got.tree_aux, root_slot)
-            self.committed += tokens
+            tokens = self._commit(acc, limit)
+            self._observe(got, acc, root_slot)
             self._learn(got, acc, tokens)
             yield tokens
 
@@ -151,6 +148,16 @@ class RingJob:
                 lambda: accept_greedy_lazy(tree, GreedyRows(tree, lambda r: head.logits(rows[r]))))
         target = probs(await trio.to_thread.run_sync(head.logits, rows), self.params)
         return accept_sampling(tree, target, generator)
+
+    def _commit(self, acc: Acceptance, limit: int) -> list[int]:
+        """Commit the accepted path and bonus token (clipped to the context); the ring then
+        holds the root and the accepted nodes, whose K/V the next frame moves into place."""
+        root_slot = len(self.committed) - 1
+        self.pending_commit = commit_move(root_slot, acc.nodes)
+        self.ring_ctx = root_slot + 1 + len(acc.nodes)
+        tokens = list(acc.tokens)[: limit - len(self.committed)]
+        self.committed += tokens
+        return tokens
 
     def _learn(self, got: Verified, acc: Acceptance, tokens: list[int]) -> None:
         """Fold a committed round into the job's counters and the planner's state."""
@@ -186,16 +193,17 @@ class RingJob:
             self._fold(job_stats.DrafterSkipped(skipped))
         return tree, draft_s
 
-    def _observe(self, fed, tree: DraftTree, acc, tree_aux, root_slot: int) -> None:
+    def _observe(self, got: Verified, acc: Acceptance, root_slot: int) -> None:
         """Hand drafters that read the target's features (EAGLE) the aux rows of every
         token this round committed: prefill chunks whole, then the root and accepted path."""
         sinks = [d for d in self.drafters if getattr(d, "aux_layers", ())]
         if not sinks:
             return
-        batches = list(fed)
-        if tree_aux is not None:
+        batches = list(got.fed)
+        if got.tree_aux is not None:
             rows = [0] + [1 + n for n in acc.nodes]
-            batches.append((root_slot, [self.committed[root_slot]] + [int(tree.tokens[n]) for n in acc.nodes], tree_aux[rows]))
+            ids = [self.committed[root_slot]] + [int(got.tree.tokens[n]) for n in acc.nodes]
+            batches.append((root_slot, ids, got.tree_aux[rows]))
         for start, ids, aux in batches:
             for d in sinks:
                 # After a resume the ring re-prefills tokens a drafter already saw: skip those.
@@ -354,17 +362,9 @@ class RingJob:
             # a stale result from a discarded round or an old epoch: ignore it
 
     def stats(self) -> dict[str, Any]:
-        c = self.counts
-        generated = max(len(self.committed) - len(self.prompt_ids), 0)
-        # The first traversal (prefill) commits the first token, so tokens per traversal is
-        # generated / traversals; plain decoding gives exactly 1.0.
-        return {"traversals": c.traversals, "tokens_per_traversal": generated / c.traversals if c.traversals else 0.0,
-                "ring_epoch": self.ring_epoch, "ttft_s": c.ttft_s, "resumes": c.resumes,
-                "drafter": self.config.draft, "draft_rounds": dict(c.drafted),
-                "draft_round_tokens": dict(c.drafted_tokens), "drafter_skipped_rounds": dict(c.skipped),
-                "pipelined_rounds": c.pipelined, "most_rounds_in_flight": c.most_in_flight,
-                "pipelined_rounds_discarded": c.discarded, "planner": job_stats.planner_figures(self.adapt),
-                "job_id": self.job_id}
+        return job_stats.figures(self.counts, generated=max(len(self.committed) - len(self.prompt_ids), 0),
+                                 ring_epoch=self.ring_epoch, drafter=self.config.draft, planner=self.adapt,
+                                 job_id=self.job_id)
 
     async def aclose(self) -> None:
         if self.closed:

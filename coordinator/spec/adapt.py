@@ -33,13 +33,10 @@ more are pipelined (the engine sends ahead below a chain), and only when the cal
 config allows it: a drafter that needs the target's features of the round before
 (EAGLE) cannot draft ahead, so the engine plans its rounds with max_pipeline_depth 1.
 
-Confidence (EAGLE-2 style): a drafter whose log-probs estimate the target's choices
-drafts a generous tree and the planner keeps its likeliest m nodes, m chosen per round
-from the head's own path probabilities P_i: a node is accepted with probability about
-c * P_i, so m maximises (1 + c * (P_1 + ... + P_m)) / (draft + fixed + per_row * (m + 1)).
-The calibration c is an EWMA ratio of accepted nodes to the sum of P_i over the nodes
-sent, per drafter family, so an over- or under-confident head is corrected within a
-few rounds and a confident round is not judged by an unconfident one's rate.
+Confidence: a drafter whose log-probs estimate the target's choices (EAGLE) reports, per
+round, the sum of its nodes' path probabilities (`RoundVerified.predicted`); `apply`
+folds it with the accepted nodes into a per-family calibration, which
+`coordinator.spec.confidence` sizes such drafts by.
 
 Choosing among competing drafts (n-gram, EAGLE, their merge) is `coordinator.spec.routing`;
 it scores them with this module's models.
@@ -51,7 +48,6 @@ from __future__ import annotations
 
 import enum
 import heapq
-import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
@@ -259,14 +255,6 @@ def apply(event: Event, state: AdaptState, config: AdaptConfig = AdaptConfig()) 
     return AdaptState(acceptance, fit, draft, state.rounds + 1, confidence, queue, whole)
 
 
-def calibration(state: AdaptState, source: DraftSource, config: AdaptConfig = AdaptConfig()) -> float:
-    """Accepted nodes per unit of predicted acceptance for `source`'s family."""
-    stats = state.confidence.get(source.family_key)
-    c = stats.accepted / stats.tried if stats is not None and stats.tried > 0 else config.prior_calibration
-    low, high = config.calibration_range
-    return min(max(c, low), high)
-
-
 def chain_survives(state: AdaptState, source: DraftSource, a: float, nodes: int) -> float:
     """s in the module docstring: the chance that a chain of `nodes` from `source`, at
     per-node acceptance `a`, is accepted whole with the bonus the drafter guesses: a^K
@@ -279,31 +267,6 @@ def chain_survives(state: AdaptState, source: DraftSource, a: float, nodes: int)
 def path_probabilities(tree: DraftTree) -> list[float]:
     """Each node's draft probability of its whole path (needs `logprobs`)."""
     return tree.cumulative_logprobs().exp().tolist()
-
-
-def confidence_floor(state: AdaptState, source: DraftSource, config: AdaptConfig = AdaptConfig()) -> float:
-    """The least cumulative draft log-prob worth drafting below: a node adds about c * P
-    tokens for per_row_s of ring time, which cannot pay while c * P < per_row_s * r,
-    where r >= 1 / (fixed_s + per_row_s) (plain decoding's rate) is the best round's rate."""
-    fixed_s, per_row_s = traversal_line(state, config)
-    floor = per_row_s / ((fixed_s + per_row_s) * calibration(state, source, config))
-    return math.log(floor) if floor > 0 else float("-inf")
-
-
-def size_by_confidence(tree: DraftTree, state: AdaptState, draft_s: float,
-                       config: AdaptConfig = AdaptConfig()) -> tuple[int, float]:
-    """(m, expected tokens) for the likeliest m nodes of `tree` that maximise expected
-    tokens per second of round time (module docstring); m = 0 means no draft."""
-    c = calibration(state, tree.source, config)
-    fixed_s, per_row_s = traversal_line(state, config)
-    probs = sorted(path_probabilities(tree), reverse=True)
-    best_m, best_e, best_rate, expected = 0, 1.0, 1.0 / (draft_s + fixed_s + per_row_s), 1.0
-    for m, p in enumerate(probs, start=1):
-        expected += min(1.0, c * p)
-        rate = expected / (draft_s + fixed_s + per_row_s * (m + 1))
-        if rate > best_rate:
-            best_m, best_e, best_rate = m, expected, rate
-    return best_m, best_e
 
 
 def acceptance_rate(state: AdaptState, source: DraftSource = ALL_SOURCES,
@@ -339,13 +302,6 @@ def rank_reach(tree: DraftTree, a: float) -> list[float]:
         here = a * (1 - a) ** rank
         reach.append(here if p < 0 else reach[p] * here)
     return reach
-
-
-def confident_reach(tree: DraftTree, state: AdaptState, config: AdaptConfig = AdaptConfig()) -> list[float]:
-    """Each node's probability of being accepted by a confident drafter's own estimate:
-    its path probability times the drafter's calibration, at most 1."""
-    c = calibration(state, tree.source, config)
-    return [min(1.0, c * p) for p in path_probabilities(tree)]
 
 
 def expected_tokens(tree: DraftTree, a: float) -> float:

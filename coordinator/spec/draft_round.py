@@ -2,7 +2,7 @@
 the router keeps the draft likely to commit the most tokens per second of ring time.
 
 A drafter with calibrated log-probs (`confidence = True`, EAGLE) drafts a generous tree
-and keeps the likeliest nodes that pay for their ring rows (`adapt.size_by_confidence`),
+and keeps the likeliest nodes that pay for their ring rows (`confidence.size_by_confidence`),
 or a fixed tree when one is pinned; the others draft the shape `adapt.plan` picks from
 the acceptance of the evidence their draft names (an n-gram draft its match length), and
 are asked every round, since a long match can pay where their average says none does.
@@ -23,7 +23,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from coordinator.spec import adapt, routing
+from coordinator.spec import adapt, confidence, routing
 from coordinator.spec.draft_tree import ChildSampling, DraftTree
 from coordinator.spec.drafting import DraftBudget, Drafter
 from coordinator.spec.source import DraftSource
@@ -55,7 +55,7 @@ def draft_round(drafters: Sequence[Drafter], committed: Sequence[int], state: ad
         if confident:
             nodes, depth = fixed_tree or (config.confident_nodes, config.confident_depth)
             if not fixed_tree:
-                floor = adapt.confidence_floor(state, family_of(drafter), config)
+                floor = confidence.confidence_floor(state, family_of(drafter), config)
         else:
             shape = adapt.plan(state, config, source=family_of(drafter))
             wanted = shape.nodes > 0
@@ -79,7 +79,7 @@ def draft_round(drafters: Sequence[Drafter], committed: Sequence[int], state: ad
         if not tree.num_nodes:
             continue
         if confident and not fixed_tree:  # keep the likeliest nodes that pay for their rows
-            m, expected = adapt.size_by_confidence(tree, state, draft_s, config)
+            m, expected = confidence.size_by_confidence(tree, state, draft_s, config)
             if m:
                 candidates.append(routing.DraftCandidate(tree.keep_likeliest(m), draft_s, expected))
         else:
@@ -145,7 +145,7 @@ def merged_candidate(drafters: Sequence[Drafter], candidates: Sequence[routing.D
     """The drafters' drafts as one tree, with its expected tokens from each part's own
     per-node estimates (confidence for confident drafters, the rank model otherwise)."""
     merged, where = DraftTree.merge([c.tree for c in candidates], source=MERGED_SOURCE)
-    reach = [adapt.confident_reach(c.tree, state, config) if is_confident(drafters, c.tree.source)
+    reach = [confidence.confident_reach(c.tree, state, config) if is_confident(drafters, c.tree.source)
              else adapt.rank_reach(c.tree, adapt.acceptance_rate(state, c.tree.source, config)) for c in candidates]
     expected = routing.merged_expected_tokens(reach, where, merged.num_nodes)
     return routing.DraftCandidate(merged, draft_s, expected)

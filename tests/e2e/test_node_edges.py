@@ -39,7 +39,7 @@ async def run_scenario(store, node_seed: bytes, script):
     results: trio.MemorySendChannel
     results, results_out = trio.open_memory_channel(64)
     control_ready = trio.Event()
-    ctx: dict = {"results": results_out, "limits": limits}
+    ctx: dict = {"results": results_out, "limits": limits, "coord_seed": coord_seed}
 
     async def on_control(stream):
         reg = decode(await stream.recv_frame(limits.max_frame_bytes), limits)
@@ -127,5 +127,25 @@ def test_a_peer_that_is_not_the_predecessor_cannot_inject(tiny_llama_store):
         await stream.send_frame(encode(forward(2, [1, 2, 3])))
         out = await ctx["results"].receive()
         assert isinstance(out, Result) and out.round == 2
+
+    trio.run(run_scenario, store, os.urandom(32), script)
+
+
+def test_a_role_that_holds_no_layers_is_taken_not_fatal(tiny_llama_store):
+    # Bug guarded: the node built LayerRange(0, 0) from a role assignment that names no
+    # layers (a seeder or relay), which raises, so the coordinator could never send one.
+    # Sound: the node must answer Ready for the new epoch and then refuse ring frames,
+    # neither of which happens if _assume raised.
+    store = tiny_llama_store
+
+    async def script(ctx):
+        node_id = ctx["node"].host.peer_id
+        a = Assignment(epoch=2, peer_id=node_id, role="weight_seeder", layer_start=0, layer_end=0,
+                       predecessor=None, successor=None, model="tiny", manifest_digest=store.digest, wire_dtype="f32")
+        signed = dataclasses.replace(a, signature=Ed25519PrivateKey.from_private_bytes(ctx["coord_seed"]).sign(a.signing_bytes()))
+        await ctx["control"].send_frame(encode(signed))
+        ready = await ctx["results"].receive()
+        assert isinstance(ready, Ready) and ready.epoch == 2
+        assert ctx["node"].state is None  # off the ring: no stage serves frames this epoch
 
     trio.run(run_scenario, store, os.urandom(32), script)

@@ -14,7 +14,8 @@ from hypothesis import given, strategies as st
 
 from coordinator.jobs import job_stats
 from coordinator.jobs.job_stats import (
-    DrafterSkipped, JobStats, Resumed, RoundCommitted, RoundSentAhead, RoundsDiscarded, apply, planner_figures)
+    DrafterSkipped, JobStats, Resumed, RoundCommitted, RoundSentAhead, RoundsDiscarded, apply, figures,
+    planner_figures)
 from coordinator.spec import adapt
 from coordinator.spec.adapt import AdaptState, TraversalFit
 
@@ -68,6 +69,20 @@ def test_folding_never_changes_the_counters_it_was_given(events):
 def test_an_unknown_event_is_refused():
     with pytest.raises(TypeError, match="not a job event"):
         apply(object(), JobStats())  # type: ignore[arg-type]
+
+
+def test_the_figures_keep_the_names_responses_and_benchmarks_read():
+    # Bug guarded: a renamed or dropped key breaks the response's `shard` object and every
+    # benchmark reading it, silently (a missing key reads as absent, not as an error).
+    plain = RoundCommitted(None, tokens=1, pipelined=False, since_start_s=0.25)
+    stats = fold(plain, plain, plain, RoundSentAhead(2), RoundsDiscarded(1), Resumed(), DrafterSkipped(("eagle",)))
+    got = figures(stats, generated=3, ring_epoch=7, drafter="hybrid", planner=AdaptState(), job_id="j")
+    assert got == {"traversals": 3, "tokens_per_traversal": 1.0, "ring_epoch": 7, "ttft_s": 0.25, "resumes": 1,
+                   "drafter": "hybrid", "draft_rounds": {}, "draft_round_tokens": {},
+                   "drafter_skipped_rounds": {"eagle": 1}, "pipelined_rounds": 0, "most_rounds_in_flight": 2,
+                   "pipelined_rounds_discarded": 1, "planner": planner_figures(AdaptState()), "job_id": "j"}
+    assert figures(JobStats(), generated=0, ring_epoch=-1, drafter="none", planner=AdaptState(),
+                   job_id="j")["tokens_per_traversal"] == 0.0  # no traversal yet: no division by zero
 
 
 def test_planner_figures_are_milliseconds_or_none_until_measured():
