@@ -22,7 +22,6 @@ import time
 import torch
 
 from shard.frame_log import FrameLog, FrameLogConfig
-from shard.kvcache import KVCache
 from shard.layers import LayerRange
 from shard.receipt_signer import make_signer
 from shard.stage import Stage
