@@ -9,5 +9,7 @@ meta test holds them to it):
 - `coordinator.jobs`: the Engine interface and the engines that run jobs (on a ring, or local).
 - `coordinator.gateway`: the OpenAI-compatible HTTP layer over an Engine.
 
-Top-level modules assemble the process (`server`, `cli`). Nothing outside imports this package.
+Top-level modules assemble the process: `config` (the component configs composed),
+`assembly` (open_coordinator), `server` (HTTP and local nodes on top), `cli`. Nothing
+outside imports this package.
 """

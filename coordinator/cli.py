@@ -9,8 +9,8 @@ import sys
 
 import trio
 
-from coordinator.jobs.ring_engine import EngineConfig, parse_tree
-from coordinator.server import CoordConfig, serve_coordinator
+from coordinator.config import CoordConfig
+from coordinator.server import serve_coordinator
 from shard.errors import ShardError
 from shard.options import add_options, config_from_args
 
@@ -22,7 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     serve = sub.add_parser("serve", help="run the coordinator (and, with --local-nodes, a local ring)")
     add_options(serve, CoordConfig)
-    serve.add_argument("--log-level", default="INFO")
+    serve.add_argument("--log-level", default="INFO", help="logging level (default: %(default)s)")
     return parser
 
 
@@ -45,9 +45,8 @@ Ring status: curl {base}/v1/ring     Stop: Ctrl-C
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    config = config_from_args(CoordConfig, args)
-    try:  # flags the engine checks, refused before anything loads
-        EngineConfig(eagle_tree=parse_tree(config.eagle_tree), max_pipeline_depth=config.pipeline_depth)
+    try:  # flags the configs check (a parser, a range), refused before anything loads
+        config = config_from_args(CoordConfig, args)
     except ValueError as e:
         print(f"{PROG} {args.command}: error: {e}", file=sys.stderr)
         return 2

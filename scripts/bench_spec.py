@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from coordinator.jobs.engine import encode_chat  # noqa: E402
 from coordinator.errors import CoordinatorError, NotReadyError  # noqa: E402
-from coordinator.jobs.ring_engine import EngineConfig, parse_tree  # noqa: E402
+from coordinator.jobs.engine_config import EngineConfig, parse_tree  # noqa: E402
 from coordinator.spec.sampling import SamplingParams  # noqa: E402
 from scripts import spec_prompts  # noqa: E402
 from scripts.bench_ringkit import LinkSpec, base_conditions, open_bench_ring  # noqa: E402

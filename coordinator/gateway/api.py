@@ -37,6 +37,7 @@ from coordinator.jobs.engine import Engine, Finished, Generation, TextChunk, com
 from coordinator.gateway.openai_schema import ChatRequest, CompletionRequest, parse_chat_request, parse_completion_request, parse_json_object
 from coordinator.errors import (CoordinatorError, JobFailedError, NotReadyError, PromptFormatError, PromptTooLongError,
                                 RequestError, SamplingParamError)
+from shard.options import option
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +48,7 @@ class ApiConfig:
 
     host: str = "127.0.0.1"
     port: int = 8000
-    max_concurrent_jobs: int = 8  # beyond this, requests get 429 instead of queueing
+    max_concurrent_jobs: int = option(8, "requests beyond this get 429")  # instead of queueing
 
 
 def error_response(err: RequestError) -> JSONResponse:

@@ -6,28 +6,48 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shard.options import option
+
 MAX_EAGLE_TREE = 256  # draft nodes in one verify frame
 MAX_PIPELINE_DEPTH = 8  # rounds in flight for one job
 
 
+def parse_tree(text: str | None) -> tuple[int, int] | None:
+    """'NODES,DEPTH' (the --eagle-tree flag) -> (nodes, depth); None stays None."""
+    if text is None:
+        return None
+    try:
+        nodes, depth = (int(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(f"--eagle-tree takes NODES,DEPTH (two integers), got {text!r}") from None
+    return nodes, depth
+
+
 @dataclass(frozen=True)
 class EngineConfig:
-    prefill_chunk_tokens: int = 256  # the largest prefill chunk (coordinator.jobs.prefill)
-    prefill_edge_chunk_tokens: int = 64  # the first and last: short pipeline fill and drain
+    # The largest prefill chunk (coordinator.jobs.prefill), and the first and last: short
+    # pipeline fill and drain.
+    prefill_chunk_tokens: int = option(256, "largest prefill chunk; chunks are pipelined through the ring")
+    prefill_edge_chunk_tokens: int = option(64, "first and last prefill chunk (sizes ramp up and down by doubling)")
     frame_timeout_s: float = 120.0  # one traversal; past it the job resumes on a new ring
     max_resumes: int = 3
     resume_wait_s: float = 10.0  # after a stage error, how long to wait for the ring to re-form
-    link_latency_ms: float = 0.0  # emulated one-way latency on the coordinator -> head edge
-    link_upload_mbps: float = 0.0
-    link_jitter_ms: float = 0.0
-    draft: str = "hybrid"  # none | ngram | eagle | hybrid (n-gram and EAGLE, routed per round)
-    eagle_head: str | None = None  # head directory; default: the one shipped for the model
-    eagle_tree: tuple[int, int] | None = None  # fixed (nodes, depth); default: sized by the head's confidence
+    # Emulated on the coordinator -> head edge; `shard-coord serve` gives its local nodes the same.
+    link_latency_ms: float = option(0.0, "emulated one-way latency on every ring edge")
+    link_upload_mbps: float = option(0.0, "emulated uplink of every ring sender in Mbit/s (0 = unlimited)")
+    link_jitter_ms: float = option(0.0, "emulated jitter on every ring edge")
+    draft: str = option("hybrid", "speculative drafter (hybrid = n-gram and the EAGLE head, routed per round)",
+                        choices=("none", "ngram", "eagle", "hybrid"))
+    eagle_head: str | None = option(None, "EAGLE head directory (default: the head shipped for the model)")
+    eagle_tree: tuple[int, int] | None = option(
+        None, "fixed EAGLE tree NODES,DEPTH (default: each round sized by the head's confidence and the measured "
+              "ring time)", parse=parse_tree)
     # Most rounds in flight (later ones sent before earlier are verified); 1 = off. The
     # planner picks the depth below this cap from acceptance and the measured queue a round
     # in flight makes (coordinator/spec/adapt.py), so on a compute-bound ring it rarely sends a
     # round ahead whatever the cap (docs/benchmarks.md).
-    max_pipeline_depth: int = 4
+    max_pipeline_depth: int = option(4, "most speculative rounds in flight per request, later ones sent before "
+                                        "earlier ones are verified (1 = no pipelining)", flag="--pipeline-depth")
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_pipeline_depth <= MAX_PIPELINE_DEPTH:

@@ -36,29 +36,20 @@ from shard.errors import WireError
 from shard.stage import OutputHead
 from shard.transport import FramedStream, Host, TransportError
 from shard.node import RING_PROTOCOL
+from shard.ring_observer import NO_OBSERVER, ObservedHead, RingObserver
 from shard.wire.codec import decode_frame
 from shard.wire.messages import JobError, Result
 
 log = logging.getLogger("shard.coordinator")
 
 
-def parse_tree(text: str | None) -> tuple[int, int] | None:
-    """'NODES,DEPTH' (the --eagle-tree flag) -> (nodes, depth); None stays None."""
-    if text is None:
-        return None
-    try:
-        nodes, depth = (int(x) for x in text.split(","))
-    except ValueError:
-        raise ValueError(f"--eagle-tree takes NODES,DEPTH (two integers), got {text!r}") from None
-    return nodes, depth
-
-
 class RingEngine:
     def __init__(self, swarm: Swarm, host: Host, tokenizer: Any, config: EngineConfig,
                  receipts: ReceiptChecker | None = None, *, job_errors: trio.MemoryReceiveChannel[JobError],
-                 ring_changes: trio.MemoryReceiveChannel[RingState | None]) -> None:
+                 ring_changes: trio.MemoryReceiveChannel[RingState | None], observer: RingObserver = NO_OBSERVER) -> None:
         """`job_errors` and `ring_changes` carry what the swarm reports (its JobErrors, its
-        RingState or None on every change); serve() hands them to the jobs they concern."""
+        RingState or None on every change); serve() hands them to the jobs they concern.
+        `observer` watches its frames, its jobs' rounds and their logits (benchmarks)."""
         self.receipts = receipts  # None: rounds are not checked (receipts off)
         store = swarm.store
         self.swarm, self.host, self.tokenizer, self.config = swarm, host, tokenizer, config
@@ -71,6 +62,9 @@ class RingEngine:
         self.eos_token_ids = frozenset(eos)
         norm, lm_head = store.load_head()
         self.head = OutputHead(self.cfg, norm, lm_head if lm_head is not None else store.load_embedding())
+        self.observer = observer
+        if observer is not NO_OBSERVER:
+            self.head = ObservedHead(self.head, observer)
         self._jobs: dict[str, trio.MemorySendChannel] = {}
         self.eagle_head = self._load_eagle(store)
         self._head_streams: dict[int, FramedStream] = {}
@@ -115,7 +109,7 @@ class RingEngine:
         self._jobs[job_id] = send
         job = RingJob(EnginePort(self, job_id), job_id, list(prompt_ids), params, recv, self.config, self.head,
                       self.max_context_tokens, drafters=self.make_drafters(),
-                      adapt=self.starting_adapt(self.swarm.ring.epoch))
+                      adapt=self.starting_adapt(self.swarm.ring.epoch), observer=self.observer)
         if self.receipts is not None:
             job.receipts = self.receipts.open_job(job_id, job.nonce, job.prompt_ids)
         return job
@@ -155,6 +149,7 @@ class RingEngine:
                 stream = await self.host.open_stream(ring.head, RING_PROTOCOL)
                 stream = await self._emulate(stream)
                 self._head_streams[ring.epoch] = stream
+            self.observer.frame_sent(self.host.peer_id, len(body) + 4)
             await stream.send_frame(body)
 
     async def serve(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -202,6 +197,7 @@ class RingEngine:
                     log.warning("dropped a malformed frame from tail %s: %s", remote, exc)
                     continue
                 if isinstance(msg, Result):
+                    self.observer.result_arrived(msg)
                     digest = sha256_digest(memoryview(body)[:canonical_len]) if self.receipts is not None else b""
                     self._deliver(Arrived(msg, digest))
         except (TransportError, WireError) as exc:

@@ -42,6 +42,7 @@ from coordinator.jobs.prefill import prefill_chunks
 from coordinator.spec.sampling import SamplingParams, make_generator, probs
 from coordinator.swarm.swarm import RingState
 from coordinator.swarm.topology import Traversal
+from shard.ring_observer import NO_OBSERVER, RingObserver
 from shard.stage import OutputHead
 from shard.transport import TransportError
 from shard.wire.codec import encode, encode_body, encode_trailer
@@ -91,6 +92,7 @@ class RingJob:
     ahead: deque[Ahead] = field(default_factory=deque)  # rounds sent ahead of the awaited one, oldest first
     discarded_in_flight: list[Ahead] = field(default_factory=list)  # discarded rounds a fresh one may queue behind
     receipts: JobReceipts | None = None
+    observer: RingObserver = NO_OBSERVER  # what a benchmark watches of its rounds
 
     @property
     def aux_layers(self) -> tuple[int, ...]:
@@ -334,6 +336,7 @@ class RingJob:
         check, and send it; returns its round."""
         self.round += 1
         fwd = dataclasses.replace(fwd, round=self.round)
+        self.observer.round_sent(fwd)
         body = encode_body(fwd)  # the canonical bytes: hashed for the receipt check, then sent
         if self.receipts is not None:
             self.receipts.sent(fwd, sha256_digest(body))

@@ -21,16 +21,22 @@ from coordinator.swarm.topology import TopologyConfig
 from ring import (AssignError, Capacity, ChurnPolicy, Constraints, InfeasibleError, ModelSpec, Network, PeerId, Plan,
                   RingError, RoleKind, Stage, evaluate, reselect, select_ring, split_by_capacity)
 from shard.layers import LayerRange
+from shard.options import option
+from shard.wire.dtypes import BY_CLI_NAME, BY_NAME, from_cli_name
 from shard.wire.messages import Assignment, Register
 
 MAX_SUCCESSOR_ADDRS = 16  # Assignment.successor_addrs' wire bound
+
+# Wire dtypes are flags by their CLI names ("fp8"), fields by their table names.
+WIRE_DTYPE_FLAG = dict(parse=from_cli_name, show=lambda name: BY_NAME[name].cli_name, choices=tuple(BY_CLI_NAME))
 
 
 @dataclass(frozen=True)
 class SwarmConfig:
     min_nodes: int = 1  # form the first ring only once this many nodes have registered (healing ignores it)
-    wire_dtype: str = "f32"
-    aux_dtype: str | None = None  # EAGLE aux features on the wire (None: wire_dtype)
+    wire_dtype: str = option("f32", "activation dtype on the wire", **WIRE_DTYPE_FLAG)
+    aux_dtype: str | None = option(None, "dtype of the EAGLE aux features on the wire (default: the wire dtype; fp8 "
+                                         "halves a draft row's aux bytes on a 16-bit wire)", **WIRE_DTYPE_FLAG)
     ready_timeout_s: float = 300.0  # loading a slice can take a while on a slow disk
     # Before forming, wait this long at most for newcomers' link reports: a ring chosen
     # on estimated latencies is a worse ring, but a missing report must not stall it.

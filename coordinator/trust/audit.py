@@ -41,6 +41,7 @@ from ring import PeerId
 from shard.activations import from_wire
 from shard.errors import WireError
 from shard.layers import LayerRange
+from shard.options import option
 from shard.stage import Stage
 from shard.store import ModelStore
 from shard.transport import TransportError
@@ -86,7 +87,8 @@ class AuditConfig:
     # request escapes n requests with probability (1 - rate)^n: 0.75^20 = 0.3% at 0.25.
     # Cost: rate x (one batched replay of the job's rows / the ring's per-frame compute
     # of the job); docs/receipts.md gives the measured ratio (scripts/bench_receipts_ring.py).
-    rate: float = 0.25
+    rate: float = option(0.25, "probability a (job, stage) is audited by replay; cost in docs/receipts.md",
+                         flag="--audit-rate")
     reply_timeout_s: float = 30.0
     max_queued_jobs: int = 256  # finished jobs waiting for audit; more are not audited
     max_cached_slices: int = 4  # slices kept loaded for replays

@@ -40,6 +40,7 @@ from receipts.bundle import bundle_to_json
 from ring import PeerId
 from shard.layers import LayerRange
 from shard.node import public_key_of_peer
+from shard.options import option
 from shard.store import ModelStore
 from shard.wire.messages import Forward, Result
 
@@ -49,7 +50,7 @@ log = logging.getLogger("shard.coordinator")
 @dataclass(frozen=True)
 class ReceiptConfig:
     enabled: bool = True  # check every round's receipts and bundle every job
-    receipts_dir: str | None = None  # append-only BundleStore; None = memory only
+    receipts_dir: str | None = option(None, "append every job's signed receipt bundle here (default: memory only)")
     recent_bundles: int = 1024  # bundles kept in memory for GET /v1/receipts/{id}
 
 

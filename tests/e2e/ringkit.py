@@ -1,5 +1,5 @@
-"""An in-process ring for tests: a coordinator (swarm + ring engine) and N real Nodes, each
-a libp2p host on loopback with its own key, all inside one trio run."""
+"""An in-process ring for tests: a coordinator (coordinator.assembly, receipts off) and N
+real Nodes, each a libp2p host on loopback with its own key, all inside one trio run."""
 
 from __future__ import annotations
 
@@ -12,11 +12,15 @@ from dataclasses import dataclass
 import trio
 from transformers import AutoTokenizer
 
-from coordinator.jobs.ring_engine import EngineConfig, RingEngine
+from coordinator.assembly import open_coordinator
+from coordinator.config import CoordConfig
+from coordinator.jobs.engine_config import EngineConfig
+from coordinator.jobs.ring_engine import RingEngine
 from coordinator.spec.sampling import SamplingParams
-from coordinator.swarm.swarm import REPORT_BUFFER, Swarm, SwarmConfig
+from coordinator.swarm.swarm import Swarm, SwarmConfig
+from coordinator.trust.receipt_check import ReceiptConfig
 from shard.identity import keypair_from_seed
-from shard.node import CONTROL_PROTOCOL, RING_PROTOCOL, Node, NodeConfig
+from shard.node import Node, NodeConfig
 from shard.transport import open_host
 
 
@@ -77,22 +81,13 @@ def memory_for_stages(store, stages: int) -> int:
 @contextlib.asynccontextmanager
 async def open_local_ring(store, nodes: int, *, wire_dtype: str = "f32", engine: EngineConfig = EngineConfig(),
                           node_config: dict | None = None) -> AsyncIterator[LocalRing]:
-    seed = os.urandom(32)
     tokenizer = AutoTokenizer.from_pretrained(str(store.tokenizer_dir))
-    job_errors_in, job_errors = trio.open_memory_channel(REPORT_BUFFER)
-    ring_changes_in, ring_changes = trio.open_memory_channel(REPORT_BUFFER)
-    swarm = Swarm(store, seed, SwarmConfig(min_nodes=nodes, wire_dtype=wire_dtype), job_errors=job_errors_in,
-                  ring_changes=ring_changes_in)
-    async with open_host(keypair_from_seed(seed)) as host:
-        ring_engine = RingEngine(swarm, host, tokenizer, engine, job_errors=job_errors, ring_changes=ring_changes)
-        host.set_handler(CONTROL_PROTOCOL, swarm.handle_control)
-        host.set_handler(RING_PROTOCOL, ring_engine.handle_ring_stream)
-        async with trio.open_nursery() as nursery:
-            await nursery.start(swarm.serve_formation)
-            await nursery.start(ring_engine.serve)
-            config = {"max_memory_bytes": memory_for_stages(store, nodes), **(node_config or {})}
-            started = [await nursery.start(_run_node, store, host.addrs[0], config) for _ in range(nodes)]
-            with trio.fail_after(60):
-                await swarm.wait_ring()
-            yield LocalRing(ring_engine, swarm, [s for s, _ in started], [p for _, p in started])
-            nursery.cancel_scope.cancel()
+    config = CoordConfig(min_nodes=nodes, swarm=SwarmConfig(wire_dtype=wire_dtype), engine=engine,
+                         receipts=ReceiptConfig(enabled=False))
+    async with open_coordinator(config, store, tokenizer, keypair_from_seed(os.urandom(32))) as coordinator:
+        node_config = {"max_memory_bytes": memory_for_stages(store, nodes), **(node_config or {})}
+        started = [await coordinator.nursery.start(_run_node, store, coordinator.addr, node_config)
+                   for _ in range(nodes)]
+        with trio.fail_after(60):
+            await coordinator.swarm.wait_ring()
+        yield LocalRing(coordinator.engine, coordinator.swarm, [s for s, _ in started], [p for _, p in started])

@@ -1,0 +1,96 @@
+"""`open_coordinator`: the one place a coordinator is put together: its libp2p host, swarm,
+receipt checker, auditor and ring engine, the channels between them, and their serve tasks.
+
+`shard-coord serve` (coordinator.server) adds the HTTP API and local nodes on top; the
+end-to-end tests and the ring benchmarks add in-process nodes. What a benchmark watches it
+passes in as a RingObserver (shard.ring_observer) instead of patching methods.
+Does not load models, read flags or speak HTTP.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import trio
+from libp2p.crypto.keys import KeyPair
+
+from coordinator.config import CoordConfig
+from coordinator.jobs.ring_engine import RingEngine
+from coordinator.swarm.swarm import REPORT_BUFFER, Swarm
+from coordinator.trust.audit import Auditor
+from coordinator.trust.receipt_check import ReceiptChecker
+from shard.identity import identity_signing_key
+from shard.node import CONTROL_PROTOCOL, RING_PROTOCOL
+from shard.ring_observer import NO_OBSERVER, RingObserver
+from shard.store import ModelStore
+from shard.transport import Host, open_host
+
+
+@dataclass(frozen=True)
+class Coordinator:
+    """A running coordinator. `nursery` holds its serve tasks; more (HTTP, nodes) may be
+    started there, and all are cancelled when open_coordinator's block ends."""
+
+    config: CoordConfig  # as assembled: derived values filled in
+    host: Host
+    addr: str  # the multiaddr nodes join (…/p2p/<peer id>)
+    swarm: Swarm
+    engine: RingEngine
+    receipts: ReceiptChecker | None  # None: receipts off
+    auditor: Auditor | None  # None: audits off (receipts off, or rate 0)
+    nursery: trio.Nursery
+
+
+def assembled(config: CoordConfig) -> CoordConfig:
+    """`config` with the values one component takes from another filled in: the swarm's
+    first-ring size, and the topology's prefill chunk and coordinator link latency (the
+    engine's own)."""
+    swarm, engine = config.swarm, config.engine
+    topology = dataclasses.replace(swarm.topology, prefill_chunk_tokens=engine.prefill_chunk_tokens,
+                                   coordinator_link_latency_s=engine.link_latency_ms / 1e3)
+    return dataclasses.replace(config, swarm=dataclasses.replace(
+        swarm, min_nodes=config.first_ring_nodes, topology=topology))
+
+
+@contextlib.asynccontextmanager
+async def open_coordinator(config: CoordConfig, store: ModelStore, tokenizer: Any, keypair: KeyPair, *,
+                           observer: RingObserver = NO_OBSERVER) -> AsyncIterator[Coordinator]:
+    """Assemble a coordinator for `store` on `config.listen` and serve it until the block
+    ends. Audits run when receipts are checked and config.audit.rate > 0.
+
+    Error handling: TransportError if the host cannot listen; NotReadyError if the config's
+    drafter needs an EAGLE head there is none of. Resource handling: the host, every serve
+    task and every channel close when the block ends, however it ends.
+    """
+    config = assembled(config)
+    seed = identity_signing_key(keypair)
+    # What one component reports to another travels on a channel, each read by one serve().
+    job_errors_in, job_errors = trio.open_memory_channel(REPORT_BUFFER)
+    ring_changes_in, ring_changes = trio.open_memory_channel(REPORT_BUFFER)
+    audit_replies_in, audit_replies = trio.open_memory_channel(REPORT_BUFFER)
+    finished_in, finished = trio.open_memory_channel(config.audit.max_queued_jobs)
+    audits = config.receipts.enabled and config.audit.rate > 0
+    swarm = Swarm(store, seed, config.swarm, job_errors=job_errors_in, ring_changes=ring_changes_in,
+                  audit_replies=audit_replies_in if audits else None)
+    checker = (ReceiptChecker(store, seed, config.receipts, finished=finished_in if audits else None)
+               if config.receipts.enabled else None)
+    auditor = (Auditor(swarm, store, seed, config.audit, finished=finished, audit_replies=audit_replies)
+               if audits else None)
+    async with open_host(keypair, config.listen) as host:
+        engine = RingEngine(swarm, host, tokenizer, config.engine, receipts=checker, job_errors=job_errors,
+                            ring_changes=ring_changes, observer=observer)
+        host.set_handler(CONTROL_PROTOCOL, swarm.handle_control)
+        host.set_handler(RING_PROTOCOL, engine.handle_ring_stream)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(swarm.serve_formation)
+            await nursery.start(engine.serve)
+            if auditor is not None:
+                await nursery.start(auditor.serve)
+            try:
+                yield Coordinator(config, host, host.addrs[0], swarm, engine, checker, auditor, nursery)
+            finally:
+                nursery.cancel_scope.cancel()
