@@ -212,8 +212,10 @@ class RingJob:
                     d.observe(ids[max(skip, 0):], aux[max(skip, 0):])
 
     async def _verify(self, tree: DraftTree, limit: int) -> tuple[torch.Tensor, float, list, torch.Tensor | None]:
-        """Target logits (M+1, V) for the root and each draft node, resuming on a new ring
-        (re-prefilling the committed context) when the ring changed or a stage failed."""
+        """The tail's hidden rows (M+1, H) for the root and each draft node (the output head
+        makes them logits), with the traversal time and the aux rows the round brought back;
+        resumes on a new ring (re-prefilling the committed context) when the ring changed or
+        a stage failed."""
         for attempt in range(self.config.max_resumes + 1):
             ring = await self.port.wait_ring()
             if ring.epoch != self.ring_epoch:
