@@ -28,6 +28,11 @@ LM_HEAD_TENSOR = "lm_head.weight"
 STORE_DTYPES = ("F32", "F16", "BF16")
 
 
+# MoE checkpoint naming per layout: the block's prefix and each expert's (gate, up, down)
+# projection names; the router is `{prefix}gate.weight`. shard.layer_weights reads these.
+MOE_NAMES = {"mixtral": ("block_sparse_moe.", ("w1", "w3", "w2")), "qwen_moe": ("mlp.", ("gate_proj", "up_proj", "down_proj"))}
+
+
 def layer_file(layer: int) -> str:
     return f"layers/{layer:05d}.safetensors"
 
@@ -36,23 +41,52 @@ def layer_prefix(layer: int) -> str:
     return f"model.layers.{layer}."
 
 
-def layer_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Short tensor name -> shape for one decoder layer (HF Llama naming)."""
-    h, i = cfg.hidden_size, cfg.intermediate_size
-    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    shapes = {
+def layer_tensor_shapes(cfg: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
+    """Short tensor name -> shape for decoder layer `layer`, in the family's checkpoint naming
+    (HF Llama naming, Phi-3's fused projections, Mixtral's or Qwen's experts); an MoE layer
+    lists every expert. shard.layer_weights reads the same names."""
+    h, d, i = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
+    layout = cfg.family.layout
+    shapes: dict[str, tuple[int, ...]] = {
         "input_layernorm.weight": (h,),
-        "self_attn.q_proj.weight": (q, h),
-        "self_attn.k_proj.weight": (kv, h),
-        "self_attn.v_proj.weight": (kv, h),
         "self_attn.o_proj.weight": (h, q),
         "post_attention_layernorm.weight": (h,),
-        "mlp.gate_proj.weight": (i, h),
-        "mlp.up_proj.weight": (i, h),
-        "mlp.down_proj.weight": (h, i),
     }
+    if layout == "phi3":
+        shapes["self_attn.qkv_proj.weight"] = (q + 2 * kv, h)
+    else:
+        shapes.update({"self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h), "self_attn.v_proj.weight": (kv, h)})
     if cfg.qkv_bias:
         shapes.update({"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,)})
+    if cfg.qk_norm:
+        shapes.update({"self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,)})
+    if cfg.sandwich_norms:
+        shapes.update({"pre_feedforward_layernorm.weight": (h,), "post_feedforward_layernorm.weight": (h,)})
+    if cfg.is_moe_layer(layer):
+        shapes.update(_moe_shapes(cfg))
+    elif layout == "phi3":
+        shapes.update({"mlp.gate_up_proj.weight": (2 * i, h), "mlp.down_proj.weight": (h, i)})
+    else:
+        shapes.update(_gated_mlp_shapes("mlp.", ("gate_proj", "up_proj", "down_proj"), h, i))
+    return shapes
+
+
+def _gated_mlp_shapes(prefix: str, names: tuple[str, str, str], h: int, i: int) -> dict[str, tuple[int, ...]]:
+    gate, up, down = names
+    return {f"{prefix}{gate}.weight": (i, h), f"{prefix}{up}.weight": (i, h), f"{prefix}{down}.weight": (h, i)}
+
+
+def _moe_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    h, e = cfg.hidden_size, cfg.num_experts
+    prefix, names = MOE_NAMES[cfg.family.layout]
+    shapes = {f"{prefix}gate.weight": (e, h)}
+    for x in range(e):
+        shapes.update(_gated_mlp_shapes(f"{prefix}experts.{x}.", names, h, cfg.expert_intermediate_size))
+    if cfg.shared_expert_intermediate_size:
+        shapes.update(_gated_mlp_shapes(f"{prefix}shared_expert.", ("gate_proj", "up_proj", "down_proj"), h,
+                                        cfg.shared_expert_intermediate_size))
+        shapes[f"{prefix}shared_expert_gate.weight"] = (1, h)
     return shapes
 
 

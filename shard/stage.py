@@ -1,24 +1,27 @@
 """A stage's forward over its contiguous layers, plus the model's two ends.
 
-Plain Llama-family maths (RMSNorm, rotary, grouped-query attention, SwiGLU), written to
-be read in one sitting. Knows nothing of the wire, fp8, peers or rings: callers hand it
-tensors and slot bookkeeping, it hands back hidden states. Weights arrive as the store's
-per-layer dicts; q/k/v and gate/up are fused into single matmuls at load, and every
-matmul weight is laid out for its device (shard.linear): transforms on the weights, not
-branches in the forward.
+Plain decoder maths (RMSNorm, rotary, grouped-query attention, a gated MLP or a mixture
+of experts), written to be read in one sitting. Knows nothing of the wire, fp8, peers or
+rings: callers hand it tensors and slot bookkeeping, it hands back hidden states. Weights
+arrive as the store's per-layer dicts and become LayerWeights at load (shard.layer_weights:
+fused matmuls, a family's norm offset folded in, the MLP block it holds), so what differs
+between families is data on the layer, not branches in the forward: a norm that is None
+is not applied, a sliding layer gets the windowed mask and its own rotary table.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 
 from shard.arch import ModelConfig
 from shard.errors import ShardError
+from shard.blocks import rms_norm
 from shard.kvcache import JobCache
+from shard.layer_weights import LayerWeights
 from shard.layers import LayerRange
 from shard.linear import Linear
 from shard.rope import RotaryTable, apply_rotary
@@ -30,41 +33,6 @@ class StageInputError(ShardError):
     def __init__(self, what: str, limit: object, actual: object) -> None:
         self.what, self.limit, self.actual = what, limit, actual
         super().__init__(f"{what} (limit {limit}, got {actual})")
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # Normalise in fp32 whatever the compute dtype, then scale in the compute dtype.
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
-
-
-@dataclass
-class LayerWeights:
-    input_norm: torch.Tensor  # (H,)
-    qkv: Linear  # H -> (Hq + 2 Hkv) * D, with the bias when the model has one
-    o: Linear  # Hq * D -> H
-    post_norm: torch.Tensor  # (H,)
-    gate_up: Linear  # H -> 2 I
-    down: Linear  # I -> H
-
-    @classmethod
-    def fuse(cls, t: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device | str,
-             *, pack: bool = True) -> "LayerWeights":
-        def get(name: str) -> torch.Tensor:
-            return t[name].to(device=device, dtype=dtype)
-
-        bias = None
-        if "self_attn.q_proj.bias" in t:
-            bias = torch.cat([get(f"self_attn.{p}_proj.bias") for p in "qkv"])
-        return cls(
-            input_norm=get("input_layernorm.weight"),
-            qkv=Linear(torch.cat([get(f"self_attn.{p}_proj.weight") for p in "qkv"]), bias, pack=pack),
-            o=Linear(get("self_attn.o_proj.weight"), pack=pack),
-            post_norm=get("post_attention_layernorm.weight"),
-            gate_up=Linear(torch.cat([get("mlp.gate_proj.weight"), get("mlp.up_proj.weight")]), pack=pack),
-            down=Linear(get("mlp.down_proj.weight"), pack=pack),
-        )
 
 
 def attention_mask(ctx_len: int, tree_parents: torch.Tensor | None, t: int, device) -> torch.Tensor | None:
@@ -82,6 +50,16 @@ def attention_mask(ctx_len: int, tree_parents: torch.Tensor | None, t: int, devi
                 within[i] |= within[p]  # parents precede children, so row p is final
     ctx = torch.ones(t, ctx_len, dtype=torch.bool, device=device)
     return torch.cat([ctx, within], dim=1)
+
+
+def window_mask(ctx_len: int, tree_parents: torch.Tensor | None, positions: torch.Tensor, window: int) -> torch.Tensor:
+    """Bool (T, ctx_len + T): attention_mask, less the keys `window` or more positions
+    behind the query (a sliding-window layer). Committed slots hold their own position."""
+    t = positions.shape[0]
+    key_pos = torch.cat([torch.arange(ctx_len, device=positions.device), positions])  # (S,)
+    near = (positions[:, None] - key_pos[None, :]) < window  # (T, S)
+    mask = attention_mask(ctx_len, tree_parents, t, positions.device)
+    return near if mask is None else mask & near
 
 
 class Stage:
@@ -106,9 +84,13 @@ class Stage:
         if missing:
             raise StageInputError("layers missing from the weights", f"{layers}", missing)
         self.cfg, self.layers, self.dtype, self.device = cfg, layers, dtype, torch.device(device)
-        self.blocks = [LayerWeights.fuse(weights[i], dtype, device, pack=pack_weights) for i in layers]
+        self.blocks = [LayerWeights.load(cfg, i, weights[i], dtype, device, pack=pack_weights) for i in layers]
         self.embedding = embedding.to(device=device, dtype=dtype) if embedding is not None else None
+        self.embedding_scale = torch.tensor(cfg.embedding_scale, dtype=dtype, device=device)
         self.rotary = RotaryTable(cfg, dtype, device)
+        # Sliding layers may rotate with their own base (Gemma 3's local rope).
+        self.local_rotary = self.rotary if cfg.local_rope_theta is None else RotaryTable(
+            replace(cfg, rope_theta=cfg.local_rope_theta, rope_type="default", rope_params=()), dtype, device)
 
     @property
     def is_head(self) -> bool:
@@ -147,32 +129,43 @@ class Stage:
                 raise StageInputError("head stage input rank (token ids)", 1, x.dim())
             if t and (int(x.min()) < 0 or int(x.max()) >= cfg.vocab_size):
                 raise StageInputError("token id", cfg.vocab_size - 1, int(x.max()) if int(x.min()) >= 0 else int(x.min()))
-            h = F.embedding(x.to(self.device, torch.long), self.embedding)  # (T, H)
+            h = F.embedding(x.to(self.device, torch.long), self.embedding) * self.embedding_scale  # (T, H)
         else:
             if x.shape != (t, cfg.hidden_size):
                 raise StageInputError("hidden shape", (t, cfg.hidden_size), tuple(x.shape))
             h = x.to(self.device, self.dtype)
-        cos, sin = self.rotary.lookup(positions)  # (T, D) each
+        rope = self.rotary.lookup(positions)  # cos, sin: (T, D) each
+        local_rope = self.local_rotary.lookup(positions)
         # A fresh causal chain (prefill from slot 0) can use SDPA's own causal kernel; every
-        # other frame shape gets an explicit mask.
+        # other frame shape gets an explicit mask. Sliding layers need the window cut only
+        # once some query is `window` positions past slot 0.
         causal = ctx_len == 0 and tree_parents is None and t > 1
         mask = None if causal else attention_mask(ctx_len, tree_parents, t, self.device)
+        windowed = cfg.sliding_window is not None and t and int(positions.max()) >= cfg.sliding_window
+        local_mask = window_mask(ctx_len, tree_parents, positions.to(self.device), cfg.sliding_window) if windowed else mask
         wanted = set(capture)
         captured: dict[int, torch.Tensor] = {}
         for local, (layer, w) in enumerate(zip(self.layers, self.blocks)):
-            h = h + self._attention(job, local, rms_norm(h, w.input_norm, cfg.rms_norm_eps), w, ctx_len, cos, sin, mask, causal)
-            h = h + self._mlp(rms_norm(h, w.post_norm, cfg.rms_norm_eps), w)
+            attn_rope, attn_mask = (local_rope, local_mask) if w.sliding else (rope, mask)
+            a = self._attention(job, local, self._norm(h, w.attn_norm), w, ctx_len, attn_rope, attn_mask,
+                                causal and attn_mask is None)
+            h = h + self._norm(a, w.attn_out_norm)
+            h = h + self._norm(w.mlp(self._norm(h, w.mlp_norm)), w.mlp_out_norm)
             if layer in wanted:
                 captured[layer] = h
         return h, captured
 
-    def _attention(self, job, local, x, w: LayerWeights, ctx_len, cos, sin, mask, causal) -> torch.Tensor:
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
+        return x if weight is None else rms_norm(x, weight, self.cfg.rms_norm_eps)
+
+    def _attention(self, job, local, x, w: LayerWeights, ctx_len, rope, mask, causal) -> torch.Tensor:
         cfg = self.cfg
         t, d, hq, hkv = x.shape[0], cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+        cos, sin = rope
         qkv = w.qkv(x)  # (T, (Hq + 2 Hkv) D)
         q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
-        q = apply_rotary(q.view(t, hq, d).transpose(0, 1), cos, sin)  # (Hq, T, D)
-        k = apply_rotary(k.view(t, hkv, d).transpose(0, 1), cos, sin)  # (Hkv, T, D)
+        q = apply_rotary(self._norm(q.view(t, hq, d), w.q_norm).transpose(0, 1), cos, sin)  # (Hq, T, D)
+        k = apply_rotary(self._norm(k.view(t, hkv, d), w.k_norm).transpose(0, 1), cos, sin)  # (Hkv, T, D)
         v = v.view(t, hkv, d).transpose(0, 1)  # (Hkv, T, D)
         keys, values = job.write(local, ctx_len, k, v)  # (Hkv, S, D) with S = ctx_len + T
         if t == 1 and hq != hkv:
@@ -180,18 +173,14 @@ class Stage:
             # same maths as repeating K/V per query head, without the copy, and SDPA stays
             # on its fused kernel (with the GQA flag CPU SDPA takes its slow reference path).
             g = hq // hkv
-            out = F.scaled_dot_product_attention(q.reshape(hkv, g, d), keys, values).view(hq, 1, d)  # (Hq, 1, D)
+            out = F.scaled_dot_product_attention(q.reshape(hkv, g, d), keys, values, attn_mask=mask,
+                                                 scale=cfg.attention_scale).view(hq, 1, d)  # (Hq, 1, D)
         else:
             # A batch dimension of 1: CPU SDPA's fused kernels want 4-D inputs (without it,
             # GQA and masked frames fall back to the slow reference path).
             out = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=mask, is_causal=causal,
-                                                 enable_gqa=hq != hkv)[0]  # (Hq, T, D)
+                                                 scale=cfg.attention_scale, enable_gqa=hq != hkv)[0]  # (Hq, T, D)
         return w.o(out.transpose(0, 1).reshape(t, hq * d))  # (T, H)
-
-    @staticmethod
-    def _mlp(x: torch.Tensor, w: LayerWeights) -> torch.Tensor:
-        gate, up = w.gate_up(x).chunk(2, dim=-1)  # (T, I) each
-        return w.down(F.silu(gate) * up)  # (T, H)
 
 
 class OutputHead:
@@ -200,7 +189,7 @@ class OutputHead:
     def __init__(self, cfg: ModelConfig, norm: torch.Tensor, lm_head: torch.Tensor, *, dtype=torch.float32, device="cpu",
                  pack_weights: bool = True) -> None:
         self.cfg = cfg
-        self.norm = norm.to(device=device, dtype=dtype)
+        self.norm = norm.to(device=device, dtype=dtype) + cfg.norm_offset
         self.lm_head = Linear(lm_head.to(device=device, dtype=dtype), pack=pack_weights)  # H -> V
 
     @torch.inference_mode()

@@ -246,11 +246,11 @@ def prepare(model: str, out: str | os.PathLike[str] | None = None, *, force: boo
     try:
         files: dict[str, FileEntry] = {}
         extra = source.layer_tensor_names() - {layer_prefix(i) + n for i in range(arch.num_layers)
-                                               for n in layer_tensor_shapes(arch)}
+                                               for n in layer_tensor_shapes(arch, i)}
         if extra:
-            raise UnsupportedModelError("tensor", sorted(extra)[0], "the Llama-family layer layout")
+            raise UnsupportedModelError("tensor", sorted(extra)[0], f"the {arch.family.layout} layer layout")
         for i in _progress(range(arch.num_layers), f"writing {source.name} layers", progress):
-            shapes = {layer_prefix(i) + n: s for n, s in layer_tensor_shapes(arch).items()}
+            shapes = {layer_prefix(i) + n: s for n, s in layer_tensor_shapes(arch, i).items()}
             files[layer_file(i)] = _write_tensors(tmp / layer_file(i), _take(source, shapes))
         files[EMBED_FILE] = _write_tensors(tmp / EMBED_FILE, _take(source, embed_tensor_shapes(arch)))
         files[HEAD_FILE] = _write_tensors(tmp / HEAD_FILE, _take(source, head_tensor_shapes(arch)))
