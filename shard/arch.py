@@ -34,6 +34,9 @@ SUPPORTED_FAMILIES = {
     "mistral": Family(sliding_by_default=True),
     "qwen2": Family(qkv_bias=True),
     "qwen3": Family(qk_norm=True),
+    "mixtral": Family(sliding_by_default=True, norm_topk_prob=True, layout="mixtral"),
+    "qwen2_moe": Family(qkv_bias=True, layout="qwen_moe"),
+    "qwen3_moe": Family(qk_norm=True, layout="qwen_moe"),
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 SUPPORTED_ACTIVATIONS = ("silu",)

@@ -39,7 +39,7 @@ CHAT_TEMPLATE = (
 class TinyModel:
     """A tiny HF model dir and the same model in memory (f32, eval mode)."""
 
-    family: str  # "llama" | "mistral" | "qwen2" | "gpt2"
+    family: str  # a model_type ("llama", "qwen3_moe", "gemma3_text", ...) or "gpt2" (unsupported)
     path: pathlib.Path  # HF dir: config.json, model.safetensors, tokenizer files
     model: Any  # transformers *ForCausalLM, the oracle
     hf_config: dict[str, Any]  # config.json as a dict
@@ -69,7 +69,10 @@ def _hf_config(family: str, tie: bool, overrides: dict[str, Any]):
                   bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID)
     if family == "gpt2":  # an unsupported family, for refusal tests
         return transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=TINY_VOCAB, n_positions=256)
-    cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig, "qwen2": transformers.Qwen2Config}[family]
+    cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig, "qwen2": transformers.Qwen2Config,
+           "qwen3": transformers.Qwen3Config, "mixtral": transformers.MixtralConfig, "qwen3_moe": transformers.Qwen3MoeConfig,
+           "qwen2_moe": transformers.Qwen2MoeConfig, "phi3": transformers.Phi3Config,
+           "gemma3_text": transformers.Gemma3TextConfig}[family]
     kwargs.update(overrides)
     return cls(**kwargs)
 

@@ -35,6 +35,12 @@ GEMMA_TYPES = ["sliding_attention", "sliding_attention", "full_attention", "slid
 FAMILIES = {
     "qwen3": (transformers.Qwen3Config, dict(head_dim=16)),
     "mistral-window": (transformers.MistralConfig, dict(sliding_window=6)),
+    "mixtral-top2": (transformers.MixtralConfig, dict(num_local_experts=4, num_experts_per_tok=2)),
+    "mixtral-top1": (transformers.MixtralConfig, dict(num_local_experts=4, num_experts_per_tok=1)),
+    "qwen3-moe-top3": (transformers.Qwen3MoeConfig, dict(MOE, num_experts=6, num_experts_per_tok=3, head_dim=16)),
+    "qwen3-moe-norm-dense": (transformers.Qwen3MoeConfig, dict(MOE, num_experts=4, norm_topk_prob=True, mlp_only_layers=[1],
+                                                               decoder_sparse_step=2, head_dim=16)),
+    "qwen2-moe-shared": (transformers.Qwen2MoeConfig, dict(MOE, num_experts=4, shared_expert_intermediate_size=48)),
 }
 
 
