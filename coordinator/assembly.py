@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import random
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -41,7 +42,7 @@ class Coordinator:
     swarm: Swarm
     engine: RingEngine
     receipts: ReceiptChecker | None  # None: receipts off
-    auditor: Auditor | None  # None: audits off (receipts off, or rate 0)
+    auditor: Auditor | None  # None: receipts off (with them on, AuditConfig.rate 0 audits nothing)
     nursery: trio.Nursery
 
 
@@ -58,13 +59,16 @@ def assembled(config: CoordConfig) -> CoordConfig:
 
 @contextlib.asynccontextmanager
 async def open_coordinator(config: CoordConfig, store: ModelStore, tokenizer: Any, keypair: KeyPair, *,
-                           observer: RingObserver = NO_OBSERVER) -> AsyncIterator[Coordinator]:
+                           observer: RingObserver = NO_OBSERVER,
+                           audit_rng: random.Random | None = None) -> AsyncIterator[Coordinator]:
     """Assemble a coordinator for `store` on `config.listen` and serve it until the block
-    ends. Audits run when receipts are checked and config.audit.rate > 0.
+    ends. With receipts checked (config.receipts.enabled) finished jobs go to an auditor;
+    `audit_rng` picks what it audits (None: unpredictable, as stages must find it).
 
     Error handling: TransportError if the host cannot listen; NotReadyError if the config's
-    drafter needs an EAGLE head there is none of. Resource handling: the host, every serve
-    task and every channel close when the block ends, however it ends.
+    drafter needs an EAGLE head there is none of. Resource handling: the host closes and every
+    serve task (those started in `nursery` too) is cancelled when the block ends, however
+    it ends.
     """
     config = assembled(config)
     seed = identity_signing_key(keypair)
@@ -73,13 +77,12 @@ async def open_coordinator(config: CoordConfig, store: ModelStore, tokenizer: An
     ring_changes_in, ring_changes = trio.open_memory_channel(REPORT_BUFFER)
     audit_replies_in, audit_replies = trio.open_memory_channel(REPORT_BUFFER)
     finished_in, finished = trio.open_memory_channel(config.audit.max_queued_jobs)
-    audits = config.receipts.enabled and config.audit.rate > 0
+    checked = config.receipts.enabled
     swarm = Swarm(store, seed, config.swarm, job_errors=job_errors_in, ring_changes=ring_changes_in,
-                  audit_replies=audit_replies_in if audits else None)
-    checker = (ReceiptChecker(store, seed, config.receipts, finished=finished_in if audits else None)
-               if config.receipts.enabled else None)
-    auditor = (Auditor(swarm, store, seed, config.audit, finished=finished, audit_replies=audit_replies)
-               if audits else None)
+                  audit_replies=audit_replies_in if checked else None)
+    checker = ReceiptChecker(store, seed, config.receipts, finished=finished_in) if checked else None
+    auditor = (Auditor(swarm, store, seed, config.audit, audit_rng, finished=finished, audit_replies=audit_replies)
+               if checked else None)
     async with open_host(keypair, config.listen) as host:
         engine = RingEngine(swarm, host, tokenizer, config.engine, receipts=checker, job_errors=job_errors,
                             ring_changes=ring_changes, observer=observer)

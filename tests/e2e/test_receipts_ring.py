@@ -30,17 +30,19 @@ import pytest
 import torch
 import trio
 
-from coordinator.trust.audit import AuditConfig, Auditor
+from coordinator.assembly import open_coordinator
+from coordinator.config import CoordConfig
+from coordinator.trust.audit import AuditConfig
 from coordinator.errors import CoordinatorError
-from coordinator.trust.receipt_check import ReceiptChecker, ReceiptConfig
+from coordinator.trust.receipt_check import ReceiptConfig
 from coordinator.errors import ReceiptRejected
-from coordinator.jobs.ring_engine import EngineConfig, RingEngine
+from coordinator.jobs.engine_config import EngineConfig
 from coordinator.spec.sampling import SamplingParams
-from coordinator.swarm.swarm import REPORT_BUFFER, Swarm, SwarmConfig
+from coordinator.swarm.formation import SwarmConfig
 from receipts import decode_evidence, encode_evidence, verify_evidence
 from receipts.cli import main as receipts_cli
 from shard.identity import keypair_from_seed
-from shard.node import CONTROL_PROTOCOL, RING_PROTOCOL, Node, NodeConfig, public_key_of_peer
+from shard.node import Node, NodeConfig, public_key_of_peer
 from shard.stage import Stage
 from shard.transport import open_host
 from shard.wire.messages import AuditReply
@@ -114,67 +116,55 @@ async def run_ring(store, *, wire_dtype="f32", rate=1.0, requests=2, tokens=8, c
                    unsigned=False, receipts_dir=None, seed=0, draft="none", silent=False, reply_timeout_s=10,
                    aux_dtype=None, eagle_head=None):
     """Start the ring, serve `requests` greedy requests, wait for audits; return what happened."""
-    coord_seed = os.urandom(32)
-    job_errors_in, job_errors = trio.open_memory_channel(REPORT_BUFFER)
-    ring_changes_in, ring_changes = trio.open_memory_channel(REPORT_BUFFER)
-    audit_replies_in, audit_replies = trio.open_memory_channel(REPORT_BUFFER)
-    finished_in, finished = trio.open_memory_channel(AuditConfig.max_queued_jobs)
-    swarm = Swarm(store, coord_seed, SwarmConfig(min_nodes=2, wire_dtype=wire_dtype, aux_dtype=aux_dtype,
-                                                 ready_timeout_s=30, planner="all_nodes"),
-                  job_errors=job_errors_in, ring_changes=ring_changes_in, audit_replies=audit_replies_in)
-    checker = ReceiptChecker(store, coord_seed, ReceiptConfig(receipts_dir=receipts_dir), finished=finished_in)
-    auditor = Auditor(swarm, store, coord_seed, AuditConfig(rate=rate, reply_timeout_s=reply_timeout_s), rng=random.Random(seed),
-                      finished=finished, audit_replies=audit_replies)
-    out = {"errors": [], "job_ids": [], "outputs": [], "swarm": swarm, "auditor": auditor, "checker": checker}
+    config = CoordConfig(min_nodes=2, swarm=SwarmConfig(wire_dtype=wire_dtype, aux_dtype=aux_dtype, ready_timeout_s=30,
+                                                        planner="all_nodes"),
+                         engine=EngineConfig(draft=draft, eagle_head=eagle_head, frame_timeout_s=10, max_resumes=3,
+                                             resume_wait_s=5),
+                         receipts=ReceiptConfig(receipts_dir=receipts_dir),
+                         audit=AuditConfig(rate=rate, reply_timeout_s=reply_timeout_s))
     with trio.fail_after(50):
-        async with open_host(keypair_from_seed(coord_seed), "/ip4/127.0.0.1/tcp/0") as host:
-            engine = RingEngine(swarm, host, _tokenizer(), EngineConfig(draft=draft, eagle_head=eagle_head, frame_timeout_s=10,
-                                                                        max_resumes=3, resume_wait_s=5), receipts=checker,
-                                job_errors=job_errors, ring_changes=ring_changes)
-            host.set_handler(CONTROL_PROTOCOL, swarm.handle_control)
-            host.set_handler(RING_PROTOCOL, engine.handle_ring_stream)
-            async with trio.open_nursery() as nursery:
-                await nursery.start(swarm.serve_formation)
-                await nursery.start(engine.serve)
-                await nursery.start(auditor.serve)
-                nodes = []
-                for i in range(3):
-                    bad = i == CHEATER and (cheat is not None or other_store is not None or unsigned or silent)
-                    cls = type("Cheater", (CheatingNode,), {"cheat": staticmethod(cheat) if cheat else None,
-                                                             "other_store": other_store, "silent": silent}) if bad else Node
-                    seed_i = os.urandom(32)
-                    node_host = await nursery.start(_serve_host, seed_i)
-                    node = cls(NodeConfig(coordinator=host.addrs[0], receipts=not (bad and unsigned)), node_host,
-                               store, signing_seed=seed_i)
-                    await nursery.start(node.serve)
-                    nodes.append(node)
-                while swarm.ring is None or len(swarm.ring.stages) < 3:
-                    await swarm.wait_ring()
-                    await trio.sleep(0.01)
-                out["cheater"] = nodes[CHEATER].host.peer_id
-                for _ in range(requests):
-                    job = await engine.open_job(PROMPT, SamplingParams(temperature=0.0))
-                    out["job_ids"].append(job.job_id)
-                    got = []
-                    try:
-                        async for block in job.next_tokens():
-                            got += block
-                            if len(got) >= tokens:
-                                break
-                    except CoordinatorError as exc:
-                        out["errors"].append(exc)
-                    finally:
-                        await job.aclose()
-                    out["outputs"].append(got)
-                await auditor.wait_idle()
-                if swarm.faulty:
-                    while swarm.ring is None or out["cheater"] in {p for p, _ in swarm.ring.stages}:
-                        if swarm.ring is None:  # re-forming: wait_change would return at once
-                            await swarm.wait_ring()
-                        else:
-                            await swarm.wait_change(swarm.ring.epoch, 5)
-                out["final_ring"] = swarm.ring
-                nursery.cancel_scope.cancel()
+        async with open_coordinator(config, store, _tokenizer(), keypair_from_seed(os.urandom(32)),
+                                    audit_rng=random.Random(seed)) as coordinator:
+            swarm, engine, auditor, nursery = coordinator.swarm, coordinator.engine, coordinator.auditor, coordinator.nursery
+            out = {"errors": [], "job_ids": [], "outputs": [], "swarm": swarm, "auditor": auditor,
+                   "checker": coordinator.receipts}
+            nodes = []
+            for i in range(3):
+                bad = i == CHEATER and (cheat is not None or other_store is not None or unsigned or silent)
+                cls = type("Cheater", (CheatingNode,), {"cheat": staticmethod(cheat) if cheat else None,
+                                                         "other_store": other_store, "silent": silent}) if bad else Node
+                seed_i = os.urandom(32)
+                node_host = await nursery.start(_serve_host, seed_i)
+                node = cls(NodeConfig(coordinator=coordinator.addr, receipts=not (bad and unsigned)), node_host,
+                           store, signing_seed=seed_i)
+                await nursery.start(node.serve)
+                nodes.append(node)
+            while swarm.ring is None or len(swarm.ring.stages) < 3:
+                await swarm.wait_ring()
+                await trio.sleep(0.01)
+            out["cheater"] = nodes[CHEATER].host.peer_id
+            for _ in range(requests):
+                job = await engine.open_job(PROMPT, SamplingParams(temperature=0.0))
+                out["job_ids"].append(job.job_id)
+                got = []
+                try:
+                    async for block in job.next_tokens():
+                        got += block
+                        if len(got) >= tokens:
+                            break
+                except CoordinatorError as exc:
+                    out["errors"].append(exc)
+                finally:
+                    await job.aclose()
+                out["outputs"].append(got)
+            await auditor.wait_idle()
+            if swarm.faulty:
+                while swarm.ring is None or out["cheater"] in {p for p, _ in swarm.ring.stages}:
+                    if swarm.ring is None:  # re-forming: wait_change would return at once
+                        await swarm.wait_ring()
+                    else:
+                        await swarm.wait_change(swarm.ring.epoch, 5)
+            out["final_ring"] = swarm.ring
     return out
 
 

@@ -18,13 +18,17 @@ from collections.abc import AsyncIterator
 import trio
 from transformers import AutoTokenizer
 
-from coordinator.jobs.ring_engine import EngineConfig, RingEngine
-from coordinator.swarm.swarm import REPORT_BUFFER, Swarm, SwarmConfig
+from coordinator.assembly import open_coordinator
+from coordinator.config import CoordConfig
+from coordinator.jobs.engine_config import EngineConfig
+from coordinator.jobs.ring_engine import RingEngine
+from coordinator.swarm.formation import SwarmConfig
 from coordinator.swarm.topology import TopologyConfig
+from coordinator.trust.receipt_check import ReceiptConfig
 from ring import ChurnPolicy
 from shard.identity import keypair_from_seed
 from shard.layers import LayerRange
-from shard.node import CONTROL_PROTOCOL, RING_PROTOCOL, Node, NodeConfig
+from shard.node import Node, NodeConfig
 from shard.transport import open_host
 from tests.e2e.ringkit import generate_greedy
 
@@ -38,29 +42,23 @@ async def open_topology_ring(store, node_configs: list[dict], min_nodes: int
                              ) -> AsyncIterator[tuple[RingEngine, list[trio.CancelScope], list[Node]]]:
     """A coordinator and one Node per config, each with its own libp2p host inside its own
     cancel scope: cancelling one is a node process dying. Yields once a ring is ready."""
-    seed = os.urandom(32)
     tokenizer = AutoTokenizer.from_pretrained(str(store.tokenizer_dir))
-    topo = TopologyConfig(prompt_tokens=256, output_tokens=32, prefill_chunk_tokens=64,
-                          coordinator_link_latency_s=LATENCY_MS / 1e3)
+    # The prefill chunk and the coordinator's link latency reach the topology from the
+    # engine's config (coordinator.assembly).
+    topo = TopologyConfig(prompt_tokens=256, output_tokens=32)
     # The tiny model's layers (150 kB) move faster than loopback latency noise (a few ms per
     # hop, times every decode traversal); charge moves as a real model's layers would cost.
     churn = ChurnPolicy(amortise_over_requests=0.01)
-    job_errors_in, job_errors = trio.open_memory_channel(REPORT_BUFFER)
-    ring_changes_in, ring_changes = trio.open_memory_channel(REPORT_BUFFER)
-    swarm = Swarm(store, seed, SwarmConfig(min_nodes=min_nodes, probe_wait_s=20.0, topology=topo, churn=churn),
-                  job_errors=job_errors_in, ring_changes=ring_changes_in)
-    async with open_host(keypair_from_seed(seed)) as host:
-        engine = RingEngine(swarm, host, tokenizer, EngineConfig(draft="none", prefill_chunk_tokens=64,
-                                                                 link_latency_ms=LATENCY_MS),
-                            job_errors=job_errors, ring_changes=ring_changes)
-        host.set_handler(CONTROL_PROTOCOL, swarm.handle_control)
-        host.set_handler(RING_PROTOCOL, engine.handle_ring_stream)
+    config = CoordConfig(min_nodes=min_nodes, swarm=SwarmConfig(probe_wait_s=20.0, topology=topo, churn=churn),
+                         engine=EngineConfig(draft="none", prefill_chunk_tokens=64, link_latency_ms=LATENCY_MS),
+                         receipts=ReceiptConfig(enabled=False))
+    async with open_coordinator(config, store, tokenizer, keypair_from_seed(os.urandom(32))) as coordinator:
         scopes, nodes = [], []
 
         async def run(extra: dict, task_status=trio.TASK_STATUS_IGNORED) -> None:
             with trio.CancelScope() as scope:
                 async with open_host(keypair_from_seed(os.urandom(32))) as node_host:
-                    node = Node(NodeConfig(coordinator=host.addrs[0], model=store.manifest.name, probe_bytes=PROBE_BYTES,
+                    node = Node(NodeConfig(coordinator=coordinator.addr, model=store.manifest.name, probe_bytes=PROBE_BYTES,
                                            link_latency_ms=LATENCY_MS, **extra), node_host, store)
                     scopes.append(scope)
                     nodes.append(node)
@@ -69,15 +67,11 @@ async def open_topology_ring(store, node_configs: list[dict], min_nodes: int
                     # random and the selector would rightly trade it for the slow uplink).
                     await node.serve(task_status=task_status)
 
-        async with trio.open_nursery() as nursery:
-            await nursery.start(swarm.serve_formation)
-            await nursery.start(engine.serve)
-            for extra in node_configs:
-                await nursery.start(run, extra)
-            with trio.fail_after(60):
-                await swarm.wait_ring()
-            yield engine, scopes, nodes
-            nursery.cancel_scope.cancel()
+        for extra in node_configs:
+            await coordinator.nursery.start(run, extra)
+        with trio.fail_after(60):
+            await coordinator.swarm.wait_ring()
+        yield coordinator.engine, scopes, nodes
 
 
 def _two_layer_memory(store) -> int:
