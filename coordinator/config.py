@@ -19,13 +19,14 @@ from coordinator.swarm.formation import SwarmConfig
 from coordinator.trust.audit import AuditConfig
 from coordinator.trust.receipt_check import ReceiptConfig
 from shard.options import option
+from shard.sources import DEFAULT_MODEL
 
 
 @dataclass(frozen=True)
 class CoordConfig:
     """Everything `shard-coord serve` takes; its flags are derived from these fields."""
 
-    model: str = option("smollm2-135m", "model alias, HF dir or GGUF file (prepared into the store once)")
+    model: str = option(DEFAULT_MODEL, "model alias, HF dir or GGUF file (prepared into the store once)")
     store_dir: str | None = option(None, "model store dir (default: the shard cache)")
     listen: str = option("/ip4/127.0.0.1/tcp/0", "libp2p listen multiaddr")
     # The API's address; ApiConfig's host and port are what this flag's default is made of.

@@ -47,7 +47,7 @@ def add_join(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("join", help="join a coordinator's swarm and serve the layers it assigns",
                        description="Register with a coordinator, load the assigned slice of the model, serve ring frames.")
     add_options(p, NodeConfig)
-    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--log-level", default="INFO", help="logging level (default: %(default)s)")
     p.set_defaults(run=run_join)
 
 

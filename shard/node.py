@@ -28,8 +28,10 @@ from shard.frame_log import FrameLog
 from shard.layers import LayerRange
 from shard.linkprobe import PROBE_PROTOCOL
 from shard.node_links import NodeLinks
+from shard.options import option
 from shard.receipt_signer import make_signer
 from shard.ring_observer import NO_OBSERVER, RingObserver
+from shard.sources import DEFAULT_MODEL
 from shard.stage import Stage
 from shard.stage_worker import StageWorker, WorkerConfig
 from shard.store import ModelStore, open_or_prepare
@@ -59,23 +61,24 @@ INBOX_FRAMES = 2
 class NodeConfig:
     """Everything `shard-node join` takes; the CLI is derived from these fields."""
 
-    coordinator: str  # multiaddr ending in /p2p/<coordinator peer id>
-    model: str = "smollm2-135m"
-    store_dir: str | None = None  # default: the shared cache (shard.store)
-    key_path: str | None = None  # default: <cache>/node.key
-    listen: str = "/ip4/127.0.0.1/tcp/0"
-    device: str = "cpu"
-    dtype: str = "float32"
-    max_memory_bytes: int = 4 << 30  # weights + KV cache this node may use
-    torch_threads: int = 0  # 0 = torch's default
-    link_latency_ms: float = 0.0  # emulated one-way latency on this node's outgoing ring edge
-    link_upload_mbps: float = 0.0  # emulated uplink; 0 = unlimited
-    link_jitter_ms: float = 0.0
-    probe_bytes: int = 256 << 10  # payload timing upload and download to the coordinator
-    probe_timeout_s: float = 30.0  # one link probe; a peer that does not answer is left unmeasured
+    coordinator: str = option(help="the coordinator's multiaddr, ending in /p2p/<its peer id>")
+    model: str = option(DEFAULT_MODEL, "model alias, HF dir or GGUF file (prepared into the store once)")
+    store_dir: str | None = option(None, "model store dir (default: the shard cache)")
+    key_path: str | None = option(None, "identity key file (default: <cache>/node.key)")
+    listen: str = option("/ip4/127.0.0.1/tcp/0", "libp2p listen multiaddr")
+    device: str = option("cpu", "torch device for this node's layers")
+    dtype: str = option("float32", "compute dtype of this node's layers", choices=tuple(COMPUTE_DTYPES))
+    max_memory_bytes: int = option(4 << 30, "weights + KV cache this node may use")
+    torch_threads: int = option(0, "torch threads (0 = torch's default)")
+    link_latency_ms: float = option(0.0, "emulated one-way latency on this node's outgoing ring edge")
+    link_upload_mbps: float = option(0.0, "emulated uplink in Mbit/s (0 = unlimited)")
+    link_jitter_ms: float = option(0.0, "emulated jitter on this node's outgoing ring edge")
+    probe_bytes: int = option(256 << 10, "payload timing upload and download to the coordinator")
+    probe_timeout_s: float = option(30.0, "one link probe; a peer that does not answer is left unmeasured")
     # Sign a receipt per frame and log frames for audits. Off only to measure their cost:
     # a coordinator that checks receipts fails every job through a node that does not sign.
-    receipts: bool = True
+    receipts: bool = option(True, "sign a receipt per frame and log frames for audits (off only to measure "
+                                  "their cost)")
 
 
 def public_key_of_peer(peer_id: str) -> bytes:

@@ -57,3 +57,16 @@ def test_two_components_offering_one_flag_clash():
 
     with pytest.raises(argparse.ArgumentError, match="conflicting option string: --part-size"):
         add_options(argparse.ArgumentParser(), Twice)
+
+
+def test_shard_node_join_flags_each_have_help_and_one_default():
+    # Bug guarded: a NodeConfig field added without its help, or a help naming its default
+    # in words and getting a second "(default: ...)". Sound: walks the real parser.
+    from shard.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    actions = [a for a in sub.choices["join"]._actions if a.option_strings and a.dest != "help"]
+    assert "--coordinator" in {a.option_strings[0] for a in actions}
+    for action in actions:
+        assert action.help, action.option_strings
+        assert action.help.count("(default:") == (0 if action.required else 1), action.option_strings
