@@ -37,8 +37,9 @@ SUPPORTED_FAMILIES = {
     "mixtral": Family(sliding_by_default=True, norm_topk_prob=True, layout="mixtral"),
     "qwen2_moe": Family(qkv_bias=True, layout="qwen_moe"),
     "qwen3_moe": Family(qk_norm=True, layout="qwen_moe"),
+    "phi3": Family(sliding_by_default=True, layout="phi3"),
 }
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 SUPPORTED_ACTIVATIONS = ("silu",)
 # Config keys whose presence with a truthy value means maths this runtime does not do.
 UNSUPPORTED_OPTIONS = ("mlp_bias", "attn_logit_softcapping", "final_logit_softcapping", "use_bidirectional_attention")

@@ -41,6 +41,8 @@ FAMILIES = {
     "qwen3-moe-norm-dense": (transformers.Qwen3MoeConfig, dict(MOE, num_experts=4, norm_topk_prob=True, mlp_only_layers=[1],
                                                                decoder_sparse_step=2, head_dim=16)),
     "qwen2-moe-shared": (transformers.Qwen2MoeConfig, dict(MOE, num_experts=4, shared_expert_intermediate_size=48)),
+    "phi3-window": (transformers.Phi3Config, dict(sliding_window=6)),
+    "phi3-longrope": (transformers.Phi3Config, dict(rope_parameters=LONGROPE, original_max_position_embeddings=64)),
 }
 
 
@@ -162,3 +164,14 @@ def test_tree_of_twelve_and_commit(family, parts):
     out = ring.run([42], ctx_len=base, commit_src=[len(ctx) + j for j in accepted], commit_dst=len(ctx))
     seq = ctx + [tokens[j] for j in accepted] + [42]
     assert (out[0] - reference_logits(model, seq)[-1]).abs().max() <= TOL
+
+
+def test_longrope_past_the_original_context(tmp_path_factory):
+    # Bug guarded: longrope's long factors never used, or used from position 0 of a short
+    # frame. transformers picks short or long factors per forward, by the frame's last
+    # position against original_max_position_embeddings (64 here); a 70-token prefill
+    # therefore runs entirely on the long factors, and so must the stage.
+    model, per_layer, saved = make_model("phi3-longrope", tmp_path_factory)
+    ids = torch.randint(3, VOCAB, (70,), generator=torch.Generator().manual_seed(4)).tolist()
+    ring = Ring(model, per_layer, saved, 2)
+    assert (ring.run(ids, ctx_len=0) - reference_logits(model, ids)).abs().max() <= TOL

@@ -24,6 +24,7 @@ FAMILY_MODELS = {
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
     "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=2, head_dim=16),
     "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48),
+    "phi3": {},
 }
 HEADER_SLACK_BYTES = 16 << 10  # a safetensors file is its tensors' bytes plus a JSON header
 
