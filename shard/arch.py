@@ -26,6 +26,7 @@ class Family:
     scale_embedding: bool = False  # embeddings are multiplied by sqrt(hidden)
     sliding_by_default: bool = False  # a config's sliding_window applies unless use_sliding_window is false
     norm_topk_prob: bool = False  # MoE: renormalise the top-k router weights when the config is silent
+    local_rope_theta: float | None = None  # default-rope base of sliding layers when the config is silent
     layout: str = "llama"  # checkpoint tensor naming (shard.manifest.layer_tensor_shapes)
 
 
@@ -38,9 +39,10 @@ SUPPORTED_FAMILIES = {
     "qwen2_moe": Family(qkv_bias=True, layout="qwen_moe"),
     "qwen3_moe": Family(qk_norm=True, layout="qwen_moe"),
     "phi3": Family(sliding_by_default=True, layout="phi3"),
+    "gemma3_text": Family(qk_norm=True, norm_offset=1.0, sandwich_norms=True, scale_embedding=True, local_rope_theta=1e4),
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
-SUPPORTED_ACTIVATIONS = ("silu",)
+SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # shard.blocks.ACTIVATIONS implements them
 # Config keys whose presence with a truthy value means maths this runtime does not do.
 UNSUPPORTED_OPTIONS = ("mlp_bias", "attn_logit_softcapping", "final_logit_softcapping", "use_bidirectional_attention")
 
@@ -148,6 +150,8 @@ class ModelConfig:
         head_dim = int(hf.get("head_dim") or hidden // num_heads)
         rope_theta, rope_type, params, local_theta = _rope(hf)
         window, sliding = _sliding(hf, fam, num_layers)
+        if local_theta is None and sliding:
+            local_theta = fam.local_rope_theta
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
         scalar = hf.get("query_pre_attn_scalar")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 
 class ShardError(Exception):
     """Root of every error raised by the shard package."""
@@ -39,12 +41,31 @@ class CacheFullError(CacheError):
         super().__init__(f"KV cache full: {what} needs {actual} but the limit is {limit}")
 
 
+class JobRef(NamedTuple):
+    """Which job's frame: enough to answer it with a JobError."""
+
+    job_id: str
+    epoch: int
+    round: int
+
+
 class WireError(ShardError):
-    """A frame from a peer is malformed or breaks a limit. Fields say what, limit, actual."""
+    """A frame from a peer is malformed or breaks a limit. Fields say what, limit, actual;
+    `job` names the frame's job when its job_id, epoch and round were themselves valid
+    (the decoder sets it), so the receiver can fail that job instead of only dropping it."""
 
     def __init__(self, what: str, limit: object = None, actual: object = None) -> None:
         self.what, self.limit, self.actual = what, limit, actual
+        self.job: JobRef | None = None
         detail = what
         if limit is not None or actual is not None:
             detail += f" (limit {limit}, got {actual})"
         super().__init__(detail)
+
+
+class PositionError(ShardError):
+    """A rotary position past what the model (and so the rotary table) supports."""
+
+    def __init__(self, limit: int, actual: int) -> None:
+        self.limit, self.actual = limit, actual
+        super().__init__(f"rotary position (limit < {limit}, the model's max positions, got {actual})")

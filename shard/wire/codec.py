@@ -26,7 +26,7 @@ from typing import Any
 import msgpack
 import torch
 
-from shard.errors import WireError
+from shard.errors import JobRef, WireError
 from shard.wire.dtypes import BY_NAME, BY_TORCH, DTYPES
 from shard.wire.fields import Tensor, kind_of
 from shard.wire.limits import FRAME_PREFIX, MAX_RANK, Limits
@@ -179,6 +179,37 @@ def _decode(body: Any, limits: Limits, canonical: bool) -> tuple[Message, int]:
     header = _parse_header(mv[HEADER_PREFIX.size : tensor_start], limits)
 
     cls = _message_class(header)
+    ref = _job_ref(cls, header, limits)
+    try:
+        return _decode_message(cls, header, body, mv, tensor_start, limits, canonical)
+    except WireError as e:
+        e.job = ref
+        raise
+    except _PARSE_ERRORS as e:
+        err = WireError("malformed frame", None, f"{type(e).__name__}: {_clip(str(e), 200)}")
+        err.job = ref
+        raise err from e
+
+
+def _job_ref(cls: type, header: dict, limits: Limits) -> JobRef | None:
+    """The frame's (job_id, epoch, round) if its class has them and each passes its own
+    check; None otherwise (a frame naming no valid job cannot be answered per job)."""
+    by_name = {f.name: f for f in dataclasses.fields(cls)}
+    values = []
+    for name in JobRef._fields:
+        f = by_name.get(name)
+        if f is None or name not in header:
+            return None
+        try:
+            values.append(kind_of(f).check(f"field '{name}'", header[name], limits))
+        except WireError:
+            return None
+    return JobRef(*values)
+
+
+def _decode_message(cls: type, header: dict, body: Any, mv: memoryview, tensor_start: int, limits: Limits,
+                    canonical: bool) -> tuple[Message, int]:
+    n = mv.nbytes
     header_fields, tensor_fields = _fields(cls)
     allowed = {f.name for f in header_fields} | RESERVED_KEYS
     for key in header:

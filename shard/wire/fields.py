@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,10 +67,13 @@ class Float:
 
 @dataclass(frozen=True)
 class Str:
-    """UTF-8 text of at most max_bytes encoded bytes, optionally one of `choices`."""
+    """UTF-8 text of at most max_bytes encoded bytes, optionally one of `choices`, or
+    matching `pattern` whole (`pattern_text` says what it allows, for the error)."""
 
     max_bytes: int
     choices: tuple[str, ...] | None = None
+    pattern: re.Pattern | None = None
+    pattern_text: str = ""
 
     def check(self, what: str, value: Any, limits: Limits) -> str:
         _need(what, value, str, "str")
@@ -78,6 +82,8 @@ class Str:
             raise WireError(f"{what} length", self.max_bytes, n)
         if self.choices is not None and value not in self.choices:
             raise WireError(f"{what} value", list(self.choices), value)
+        if self.pattern is not None and not self.pattern.fullmatch(value):
+            raise WireError(f"{what} value", self.pattern_text, value[:64])
         return value
 
     def pack(self, value: Any) -> str:
@@ -87,11 +93,13 @@ class Str:
 @dataclass(frozen=True)
 class Bytes:
     max_bytes: int
+    min_bytes: int = 0
 
     def check(self, what: str, value: Any, limits: Limits) -> bytes:
         _need(what, value, bytes, "bytes")
-        if len(value) > self.max_bytes:
-            raise WireError(f"{what} length", self.max_bytes, len(value))
+        if not (self.min_bytes <= len(value) <= self.max_bytes):
+            limit = self.max_bytes if self.min_bytes == 0 else f"{self.min_bytes}..{self.max_bytes}"
+            raise WireError(f"{what} length", limit, len(value))
         return value
 
     def pack(self, value: Any) -> Any:

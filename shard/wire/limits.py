@@ -41,6 +41,12 @@ class Limits:
     max_list_len: int = 4096
     # Nesting of the msgpack header: the map is depth 1, its tensor table's shapes depth 4.
     max_depth: int = 8
+    # The model's context: every rotary position is below it and a frame's committed
+    # context (ctx_len) at most it; None = not checked. Bounds what later code sizes by a
+    # position (the rotary table, KV slots) before it allocates.
+    max_context_tokens: int | None = None
+    # Layers of the model: a layer index a peer names (want_aux_layers) is below it.
+    num_layers: int | None = None
 
     def __post_init__(self) -> None:
         if not (0 < self.max_frame_bytes < (1 << 32)):
@@ -52,8 +58,9 @@ class Limits:
         for name in ("max_tensors", "max_tensor_elements", "max_tokens_per_frame", "max_list_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.hidden_size is not None and self.hidden_size < 1:
-            raise ValueError(f"hidden_size must be >= 1 or None, got {self.hidden_size}")
+        for name in ("hidden_size", "max_context_tokens", "num_layers"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1 or None, got {getattr(self, name)}")
 
     @classmethod
     def for_model(cls, cfg: ModelConfig, max_tokens_per_frame: int = 512, max_aux_layers: int = 3) -> "Limits":
@@ -70,4 +77,6 @@ class Limits:
             max_tensor_elements=elements,
             max_tokens_per_frame=t,
             hidden_size=h,
+            max_context_tokens=cfg.max_context_tokens,
+            num_layers=cfg.num_layers,
         )

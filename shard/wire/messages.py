@@ -15,6 +15,7 @@ from typing import ClassVar, Union
 import msgpack
 import torch
 
+from receipts.schema import JOB_ID_PATTERN, MAX_JOB_ID_CHARS, MAX_NONCE_BYTES, MIN_NONCE_BYTES
 from shard.errors import WireError
 from shard.wire.dtypes import BY_TORCH, FLOAT_NAMES, FP8_NAMES
 from shard.wire.fields import Bytes, Float, Int, ListOf, MapOf, OptionalOf, Str, Tensor, kind_of, spec
@@ -28,7 +29,11 @@ PROTOCOL_VERSION = 2
 # the tensor bytes start 8-aligned in the body so they can be viewed without copying.
 RESERVED_KEYS = frozenset({"v", "kind", "tensors", "pad"})
 
-JOB_ID = Str(64)
+# Job ids name receipt bundles' files and nonces key receipts: the wire holds them to the
+# receipt schema's own rules, so a frame a stage accepts is one it can sign.
+JOB_ID = Str(MAX_JOB_ID_CHARS, pattern=JOB_ID_PATTERN,
+             pattern_text=f"1..{MAX_JOB_ID_CHARS} chars of [A-Za-z0-9._-] starting alphanumeric")
+NONCE = Bytes(MAX_NONCE_BYTES, min_bytes=MIN_NONCE_BYTES)
 PEER_ID = Str(128)  # a libp2p peer id in text form (base58 / CID), ~52 chars today
 NAME = Str(256)  # model names, digests, device descriptions, addresses
 EPOCH = Int()
@@ -92,6 +97,21 @@ def _check_activations(name: str, t: torch.Tensor | None, scale: torch.Tensor | 
     _check_vector(scale_name, scale, n)
 
 
+def _check_context(fwd: "Forward", limits: Limits) -> None:
+    """Positions below the model's context, ctx_len within it, aux layers inside the model."""
+    ctx = limits.max_context_tokens
+    if ctx is not None:
+        top = int(fwd.positions.max())
+        if top >= ctx:
+            raise WireError("tensor 'positions' values", f"< {ctx} (the model's context)", top)
+        if fwd.ctx_len > ctx:
+            raise WireError("field 'ctx_len'", f"<= {ctx} (the model's context)", fwd.ctx_len)
+    if limits.num_layers is not None:
+        bad = [layer for layer in fwd.want_aux_layers if layer >= limits.num_layers]
+        if bad:
+            raise WireError("field 'want_aux_layers' values", f"< {limits.num_layers} (the model's layers)", bad[0])
+
+
 @dataclass(frozen=True, kw_only=True, eq=False)
 class Forward:
     """Coordinator -> head, stage -> next stage: run these T tokens through your layers."""
@@ -101,7 +121,7 @@ class Forward:
     job_id: str = spec(JOB_ID)
     epoch: int = spec(EPOCH)
     round: int = spec(ROUND)
-    nonce: bytes = spec(Bytes(32))
+    nonce: bytes = spec(NONCE)
     phase: str = spec(Str(16, choices=("prefill", "decode", "verify")))
     # Valid KV slots once the commit is applied; this frame writes [ctx_len, ctx_len + T).
     ctx_len: int = spec(Int())
@@ -125,6 +145,7 @@ class Forward:
         n = _check_tokens_dim("positions", self.positions, limits)
         _check_vector("positions", self.positions, n)
         _check_nonnegative("positions", self.positions)
+        _check_context(self, limits)
         if (self.tokens is None) == (self.hidden is None):
             raise WireError("exactly one of tensors 'tokens', 'hidden'", 1, int(self.tokens is not None) + int(self.hidden is not None))
         _check_vector("tokens", self.tokens, n)

@@ -43,6 +43,10 @@ FAMILIES = {
     "qwen2-moe-shared": (transformers.Qwen2MoeConfig, dict(MOE, num_experts=4, shared_expert_intermediate_size=48)),
     "phi3-window": (transformers.Phi3Config, dict(sliding_window=6)),
     "phi3-longrope": (transformers.Phi3Config, dict(rope_parameters=LONGROPE, original_max_position_embeddings=64)),
+    "gemma3": (transformers.Gemma3TextConfig, dict(head_dim=16, sliding_window=6, layer_types=GEMMA_TYPES,
+                                                   query_pre_attn_scalar=24, rope_parameters={
+                                                       "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                                                       "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})),
 }
 
 

@@ -25,6 +25,7 @@ FAMILY_MODELS = {
     "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=2, head_dim=16),
     "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48),
     "phi3": {},
+    "gemma3_text": dict(head_dim=16, sliding_window=6, query_pre_attn_scalar=24),
 }
 HEADER_SLACK_BYTES = 16 << 10  # a safetensors file is its tensors' bytes plus a JSON header
 

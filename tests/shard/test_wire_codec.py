@@ -257,6 +257,12 @@ PINNED = {
     "bool for int": (lambda h: h.update(epoch=True), "field 'epoch' type (limit int, got bool)"),
     "negative int": (lambda h: h.update(round=-1), "field 'round' range (limit [0, 9223372036854775807], got -1)"),
     "long job id": (lambda h: h.update(job_id="j" * 65), "field 'job_id' length (limit 64, got 65)"),
+    # Job ids and nonces follow the receipt schema (receipts.schema), which a stage's
+    # signer enforces: a frame that passed decode with a 3-byte nonce killed the node there.
+    "empty job id": (lambda h: h.update(job_id=""), "field 'job_id' value (limit 1..64 chars of [A-Za-z0-9._-] starting alphanumeric, got )"),
+    "job id outside the alphabet": (lambda h: h.update(job_id="../etc"), "field 'job_id' value (limit 1..64 chars of [A-Za-z0-9._-] starting alphanumeric, got ../etc)"),
+    "short nonce": (lambda h: h.update(nonce=b"abc"), "field 'nonce' length (limit 16..32, got 3)"),
+    "long nonce": (lambda h: h.update(nonce=b"n" * 33), "field 'nonce' length (limit 16..32, got 33)"),
     "bad phase": (lambda h: h.update(phase="train"), "field 'phase' value (limit ['prefill', 'decode', 'verify'], got train)"),
     "str for bytes": (lambda h: h.update(nonce="abc"), "field 'nonce' type (limit bytes, got str)"),
     "bool in list": (lambda h: h.update(commit_src=[1, True]), "field 'commit_src'[1] type (limit int, got bool)"),
@@ -419,6 +425,44 @@ def test_assignment_signing_bytes_cover_every_field_but_signature():
         assert dataclasses.replace(a, **{name: value}).signing_bytes() != a.signing_bytes(), name
 
 
+def _model_limits() -> Limits:
+    cfg = ModelConfig(model_type="llama", num_layers=2, hidden_size=H, intermediate_size=32, num_heads=2, num_kv_heads=1,
+                      head_dim=4, vocab_size=64, rms_norm_eps=1e-6, rope_theta=1e4, max_position_embeddings=128,
+                      tie_word_embeddings=True, qkv_bias=False)
+    return Limits.for_model(cfg, max_tokens_per_frame=32)
+
+
+def test_positions_context_and_layers_are_bounded_by_the_model():
+    # Bug guarded: a Forward whose positions held 2^40 decoded, then the stage's rotary
+    # table tried to grow to 2^40 rows (4.4 TB) and the node died. The model's context
+    # (128 here) bounds positions and ctx_len, its layer count the aux layers asked for.
+    limits = _model_limits()
+    ok = dataclasses.replace(_forward(2), want_aux_layers=(0, 1))
+    assert _same(decode(encode(ok), limits), ok)
+    far = dataclasses.replace(ok, positions=torch.tensor([5, 1 << 40]))
+    assert str(_refuse(encode(far), limits)) == "tensor 'positions' values (limit < 128 (the model's context), got 1099511627776)"
+    edge = dataclasses.replace(ok, positions=torch.tensor([126, 128]))
+    assert str(_refuse(encode(edge), limits)) == "tensor 'positions' values (limit < 128 (the model's context), got 128)"
+    ctx = dataclasses.replace(ok, ctx_len=129)
+    assert str(_refuse(encode(ctx), limits)) == "field 'ctx_len' (limit <= 128 (the model's context), got 129)"
+    layers = dataclasses.replace(ok, want_aux_layers=(1, 2))
+    assert str(_refuse(encode(layers), limits)) == "field 'want_aux_layers' values (limit < 2 (the model's layers), got 2)"
+
+
+def test_a_refused_frame_names_its_job_when_it_can():
+    # A receiver answers a bad frame with a JobError only if it knows which job it was:
+    # the decoder says so when job_id, epoch and round were valid, and only then.
+    limits = _model_limits()
+    ok = dataclasses.replace(_forward(2), want_aux_layers=(0, 1))
+    far = _refuse(encode(dataclasses.replace(ok, positions=torch.tensor([5, 1 << 40]))), limits)
+    assert far.job == ("job-1", 3, 7)
+    bad_nonce = _refuse(_header_case(lambda h: h.update(nonce=b"abc"), encode(ok)), limits)
+    assert bad_nonce.job == ("job-1", 3, 7)
+    bad_id = _refuse(_header_case(lambda h: h.update(job_id="a b"), encode(ok)), limits)
+    assert bad_id.job is None
+    assert _refuse(b"\x00" * 40).job is None
+
+
 def test_limits_for_model_admit_the_largest_legal_forward():
     cfg = ModelConfig(model_type="llama", num_layers=2, hidden_size=16, intermediate_size=32, num_heads=2, num_kv_heads=1,
                       head_dim=8, vocab_size=64, rms_norm_eps=1e-6, rope_theta=1e4, max_position_embeddings=128,
@@ -426,7 +470,7 @@ def test_limits_for_model_admit_the_largest_legal_forward():
     limits = Limits.for_model(cfg, max_tokens_per_frame=8, max_aux_layers=3)
     n = 8
     msg = dataclasses.replace(_forward(n), hidden=torch.randn(n, 16), aux=torch.randn(n, 48),
-                              tree_parents=torch.full((n,), -1, dtype=torch.int32))
+                              tree_parents=torch.full((n,), -1, dtype=torch.int32), want_aux_layers=(0, 1))
     body = encode(msg, limits)
     assert len(body) <= limits.max_frame_bytes and FRAME_PREFIX.size == 4
     assert _same(decode(body, limits), msg)
