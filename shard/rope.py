@@ -1,7 +1,7 @@
 """Rotary position embeddings: inverse frequencies per rope type, and cos/sin tables.
 
-Knows the rope variants the Llama family's configs use (default, linear, llama3, yarn).
-Does not know layers, caches or the wire. Maths follows each variant's paper / reference
+Knows the rope variants the supported families' configs use (default, linear, llama3,
+yarn, Phi-3's longrope). Does not know layers, caches or the wire. Maths follows each variant's paper / reference
 config semantics so our stage matches transformers to fp32 rounding.
 """
 
@@ -13,16 +13,20 @@ import torch
 
 from shard.arch import ModelConfig
 from shard.errors import PositionError
+from shard.errors import UnsupportedModelError
 
 
-def inverse_frequencies(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
-    """Return (inv_freq (head_dim/2,) f32, attention_scale) for the config's rope type."""
+def inverse_frequencies(cfg: ModelConfig, *, long: bool = False) -> tuple[torch.Tensor, float]:
+    """Return (inv_freq (head_dim/2,) f32, attention_scale) for the config's rope type;
+    `long` picks longrope's long-context factors."""
     dim = cfg.head_dim
     base = cfg.rope_theta
     inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))  # (D/2,)
     kind = cfg.rope_type
     if kind == "default":
         return inv_freq, 1.0
+    if kind == "longrope":
+        return _longrope(cfg, long)
     factor = cfg.rope_param("factor")
     if kind == "linear":
         # Positions are divided by `factor`, which is the same as dividing frequencies.
@@ -68,17 +72,40 @@ def _yarn(cfg: ModelConfig, inv_freq: torch.Tensor, factor: float, orig_max: flo
     return interpolated * (1 - extrapolation_weight) + inv_freq * extrapolation_weight, attention_scale
 
 
+def _longrope(cfg: ModelConfig, long: bool) -> tuple[torch.Tensor, float]:
+    # LongRoPE (Phi-3): a rescale factor per frequency, short ones within the original
+    # context and long ones past it; attention logits grow by sqrt(1 + ln(s) / ln(orig))
+    # for the context extension s = max_position_embeddings / orig (applied to cos and sin).
+    dim = cfg.head_dim
+    orig_max = cfg.rope_param("original_max_position_embeddings")
+    factor = cfg.rope_param("factor", cfg.max_position_embeddings / orig_max)
+    default_scale = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig_max))
+    attention_scale = cfg.rope_param("attention_factor", default_scale)
+    ext = torch.tensor(cfg.rope_factors("long_factor" if long else "short_factor"), dtype=torch.float32)  # (D/2,)
+    if ext.shape != (dim // 2,):
+        raise UnsupportedModelError("length of longrope factors", ext.shape[0], dim // 2)
+    return 1.0 / (ext * cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)), attention_scale
+
+
 class RotaryTable:
     """cos/sin for positions [0, capacity), grown on demand; indexed by absolute position.
     Never grown past the model's max_position_embeddings: a position there raises
     PositionError before anything is allocated (a peer's 2^40 once asked for 4.4 TB)."""
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
-        self.inv_freq, self.scale = inverse_frequencies(cfg)
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu", *,
+                 long: bool = False) -> None:
+        self.inv_freq, self.scale = inverse_frequencies(cfg, long=long)
         self.dtype, self.device = dtype, torch.device(device)
         self.max_positions = cfg.max_position_embeddings
         self.cos = torch.empty(0, cfg.head_dim, dtype=dtype, device=self.device)
         self.sin = self.cos
+        # LongRoPE switches to its long factors for a whole frame once the frame reaches
+        # past the original context: per forward, as transformers and vLLM do, so a frame
+        # matches their forward over the same positions (earlier frames keep their keys).
+        self.long: RotaryTable | None = None
+        if cfg.rope_type == "longrope" and not long:
+            self.long = RotaryTable(cfg, dtype, device, long=True)
+            self.long_from = int(cfg.rope_param("original_max_position_embeddings"))
 
     def _grow(self, need: int) -> None:
         """Make positions [0, need) addressable, doubling, up to max_positions."""
@@ -94,6 +121,8 @@ class RotaryTable:
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions (T,) int -> cos, sin each (T, D)."""
         need = int(positions.max()) + 1 if positions.numel() else 0
+        if self.long is not None and need > self.long_from:
+            return self.long.lookup(positions)
         if need > self.cos.shape[0]:
             self._grow(need)
         idx = positions.to(self.device, torch.long)
