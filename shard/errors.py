@@ -69,3 +69,42 @@ class PositionError(ShardError):
     def __init__(self, limit: int, actual: int) -> None:
         self.limit, self.actual = limit, actual
         super().__init__(f"rotary position (limit < {limit}, the model's max positions, got {actual})")
+
+
+class TransportError(ShardError):
+    """A connection or stream failed. Fields: what happened, and the peer if known."""
+
+    def __init__(self, what: str, peer_id: str | None = None) -> None:
+        self.what, self.peer_id = what, peer_id
+        super().__init__(what if peer_id is None else f"{what} (peer {peer_id})")
+
+
+class DialError(TransportError):
+    """Could not connect to, or open a stream with, a peer. Fields: addr, reason."""
+
+    def __init__(self, addr: str, reason: str, peer_id: str | None = None) -> None:
+        self.addr, self.reason = addr, reason
+        super().__init__(f"cannot reach {addr}: {reason}", peer_id)
+
+
+class FrameTimeoutError(TransportError):
+    """A frame's body did not arrive within its deadline after its length prefix did."""
+
+    def __init__(self, peer_id: str, received_bytes: int, expected_bytes: int, deadline_s: float) -> None:
+        self.received_bytes, self.expected_bytes, self.deadline_s = received_bytes, expected_bytes, deadline_s
+        super().__init__(f"frame body too slow: {received_bytes} of {expected_bytes} bytes within the "
+                         f"{deadline_s:.1f} s deadline", peer_id)
+
+
+class StreamClosedError(TransportError):
+    """The peer closed or reset the stream. `received_bytes` of `expected_bytes` of the
+    frame (prefix included) had arrived; 0 of 4 means it closed at a frame boundary."""
+
+    def __init__(self, peer_id: str, reason: str, received_bytes: int, expected_bytes: int) -> None:
+        self.reason, self.received_bytes, self.expected_bytes = reason, received_bytes, expected_bytes
+        where = (
+            "at a frame boundary"
+            if received_bytes == 0
+            else f"mid-frame after {received_bytes} of {expected_bytes} bytes"
+        )
+        super().__init__(f"stream {reason} {where}", peer_id)

@@ -12,8 +12,10 @@ py-libp2p 0.8.1 quirks handled here:
 - `new_host` offers Noise, TLS, SECIO and plaintext by default; we pass exactly Noise
   (`sec_opt`) and exactly yamux (`muxer_opt`), so nothing weaker can be negotiated.
 - A handler that raises propagates into the connection's nursery and tears the whole
-  connection down; `set_handler` wraps handlers so a ShardError (bad frame, peer gone)
-  resets only that stream.
+  connection down (or the host); `set_handler` wraps handlers so any Exception resets only
+  that stream (a ShardError is the peer's fault and logged as such; anything else is ours
+  and logged with its traceback).
+- The swarm's inbound connection slots are never released (`shard.inbound_conns`).
 - `host.connect` records the peer's addrs with a 120 s TTL; we keep our own copy of
   every address dialled so `open_stream(peer_id)` can redial after it expires.
 """
@@ -43,7 +45,9 @@ from libp2p.security.noise.transport import Transport as NoiseTransport
 from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
 from libp2p.stream_muxer.yamux.yamux import Yamux
 
-from shard.errors import ShardError, WireError
+# The transport's errors live with the package's others; importable from here too.
+from shard.errors import DialError, FrameTimeoutError, ShardError, StreamClosedError, TransportError, WireError
+from shard.inbound_conns import release_slots_on_close
 from shard.wire.limits import FRAME_PREFIX  # ">I": body length, big-endian uint32; torch-free home
 
 log = logging.getLogger(__name__)
@@ -62,34 +66,18 @@ class TransportConfig:
     negotiate_timeout_s: int = 10  # py-libp2p takes whole seconds for multistream-select
 
 
-class TransportError(ShardError):
-    """A connection or stream failed. Fields: what happened, and the peer if known."""
+@dataclass(frozen=True)
+class BodyDeadline:
+    """How long a frame's body may take once its length prefix arrived: `base_s` plus its
+    length at `min_bytes_per_s`. A sender slower than that (a trickle that would hold the
+    stream and its half-read frame forever) has the stream reset. 1 Mbit/s: below any
+    uplink the cost model would seat a stage on."""
 
-    def __init__(self, what: str, peer_id: str | None = None) -> None:
-        self.what, self.peer_id = what, peer_id
-        super().__init__(what if peer_id is None else f"{what} (peer {peer_id})")
+    base_s: float = 30.0
+    min_bytes_per_s: float = 128 * 1024
 
-
-class DialError(TransportError):
-    """Could not connect to, or open a stream with, a peer. Fields: addr, reason."""
-
-    def __init__(self, addr: str, reason: str, peer_id: str | None = None) -> None:
-        self.addr, self.reason = addr, reason
-        super().__init__(f"cannot reach {addr}: {reason}", peer_id)
-
-
-class StreamClosedError(TransportError):
-    """The peer closed or reset the stream. `received_bytes` of `expected_bytes` of the
-    frame (prefix included) had arrived; 0 of 4 means it closed at a frame boundary."""
-
-    def __init__(self, peer_id: str, reason: str, received_bytes: int, expected_bytes: int) -> None:
-        self.reason, self.received_bytes, self.expected_bytes = reason, received_bytes, expected_bytes
-        where = (
-            "at a frame boundary"
-            if received_bytes == 0
-            else f"mid-frame after {received_bytes} of {expected_bytes} bytes"
-        )
-        super().__init__(f"stream {reason} {where}", peer_id)
+    def seconds(self, nbytes: int) -> float:
+        return self.base_s + nbytes / self.min_bytes_per_s
 
 
 class FrameEndpoint(Protocol):
@@ -170,17 +158,25 @@ class FramedStream:
             except _STREAM_GONE as exc:
                 raise StreamClosedError(self._remote_peer_id, _gone_reason(exc), 0, 0) from exc
 
-    async def recv_frame(self, max_frame_bytes: int) -> bytes:
-        """Read one frame's body; its announced length is checked before the body is read."""
+    async def recv_frame(self, max_frame_bytes: int, deadline: BodyDeadline | None = None) -> bytes:
+        """Read one frame's body; its announced length is checked before the body is read.
+        With `deadline`, the body must follow its prefix within deadline.seconds(length),
+        else FrameTimeoutError (the stream is then out of sync: reset it)."""
         async with self._recv_lock:
             prefix = await self._read_exactly(FRAME_PREFIX.size, 0, FRAME_PREFIX.size)
             (length,) = FRAME_PREFIX.unpack(prefix)
             check_frame_length(length, max_frame_bytes)
             total = FRAME_PREFIX.size + length
-            return await self._read_exactly(length, FRAME_PREFIX.size, total)
+            if deadline is None:
+                return await self._read_exactly(length, FRAME_PREFIX.size, total)
+            got: list[int] = [0]
+            with trio.move_on_after(deadline.seconds(length)):
+                return await self._read_exactly(length, FRAME_PREFIX.size, total, got)
+            raise FrameTimeoutError(self._remote_peer_id, FRAME_PREFIX.size + got[0], total, deadline.seconds(length))
 
-    async def _read_exactly(self, n: int, already: int, total: int) -> bytes:
+    async def _read_exactly(self, n: int, already: int, total: int, progress: list[int] | None = None) -> bytes:
         # yamux returns whatever is buffered (up to n), so a frame comes in several reads.
+        # `progress[0]`: bytes read so far, for the caller's error if a deadline cuts this off.
         chunks: list[bytes] = []
         got = 0
         while got < n:
@@ -192,6 +188,8 @@ class FramedStream:
                 raise StreamClosedError(self._remote_peer_id, "closed", already + got, total)
             chunks.append(chunk)
             got += len(chunk)
+            if progress is not None:
+                progress[0] = got
         return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
     async def aclose(self) -> None:
@@ -264,16 +262,20 @@ class Host:
     def set_handler(self, protocol_id: str, handler: StreamHandler) -> None:
         """Serve inbound streams of `protocol_id` with `handler(FramedStream)`.
 
-        A ShardError escaping the handler (bad frame, peer gone) is logged and resets only
-        that stream; the stream is closed when the handler returns.
+        An Exception escaping the handler (a ShardError: bad frame, peer gone; anything
+        else: our bug) is logged and resets only that stream, never the connection or the
+        host; trio.Cancelled passes. The stream is closed when the handler returns.
         """
 
         async def on_stream(stream: INetStream) -> None:
             framed = FramedStream(stream)
             try:
                 await handler(framed)
-            except ShardError as exc:
-                log.warning("%s handler for peer %s failed: %s", protocol_id, framed.remote_peer_id, exc)
+            except Exception as exc:
+                if isinstance(exc, ShardError):
+                    log.warning("%s handler for peer %s failed: %s", protocol_id, framed.remote_peer_id, exc)
+                else:
+                    log.exception("%s handler for peer %s raised", protocol_id, framed.remote_peer_id)
                 try:
                     await framed.reset()
                 except _STREAM_GONE:
@@ -331,6 +333,7 @@ async def open_host(
         listen_addrs=[listen],
         negotiate_timeout=config.negotiate_timeout_s,
     )
+    release_slots_on_close(libp2p_host.get_network())
     async with libp2p_host.run([listen]):
         yield Host(libp2p_host, config)
 
