@@ -134,7 +134,7 @@ class GGUFSource:
         # same GGUF in f32 (Q4_1 dequantises to f32 values anyway).
         model = AutoModelForCausalLM.from_pretrained(str(self.path.parent), gguf_file=self.path.name,
                                                      dtype=torch.float32)
-        self._state = {n: t for n, t in model.state_dict().items() if not n.endswith(_IGNORED_SUFFIXES)}
+        self._state = {n: t for n, t in checkpoint_state(model).items() if not n.endswith(_IGNORED_SUFFIXES)}
 
     def layer_tensor_names(self) -> set[str]:
         return {n for n in self._state if n.startswith(_LAYER_PREFIX)}
@@ -149,6 +149,19 @@ class GGUFSource:
 
         tok = AutoTokenizer.from_pretrained(str(self.path.parent), gguf_file=self.path.name)
         tok.save_pretrained(str(dest))
+
+
+def checkpoint_state(model: Any) -> dict[str, torch.Tensor]:
+    """A loaded transformers model's tensors under its checkpoint names. transformers >= 5
+    fuses some families' weights in memory (MoE experts into (E, 2I, H) blocks, Mixtral's
+    block_sparse_moe renamed); the store and shard.manifest use the names and per-expert
+    tensors checkpoints carry, so such a state dict is converted back as save_pretrained does."""
+    state = model.state_dict()
+    if not any(".experts.gate_up_proj" in n or ".experts.down_proj" in n for n in state):
+        return state
+    from transformers.core_model_loading import revert_weight_conversion
+
+    return dict(revert_weight_conversion(model, state))
 
 
 def open_source(model: str) -> HFDirSource | GGUFSource:
