@@ -179,3 +179,25 @@ def test_longrope_past_the_original_context(tmp_path_factory):
     ids = torch.randint(3, VOCAB, (70,), generator=torch.Generator().manual_seed(4)).tolist()
     ring = Ring(model, per_layer, saved, 2)
     assert (ring.run(ids, ctx_len=0) - reference_logits(model, ids)).abs().max() <= TOL
+
+
+def test_aux_capture_equals_the_reference_hidden_states(family):
+    # Bug guarded: EAGLE aux features captured at the wrong point of a layer for a family
+    # whose layer is not Llama-shaped (before Gemma's post-feedforward norm, before an MoE
+    # block's output is added). Sound: every layer but the last (whose transformers
+    # hidden state is after the final norm) is captured across two stages and compared
+    # with transformers' output_hidden_states for the same prompt.
+    model, per_layer, saved = family
+    ids = torch.randint(3, VOCAB, (12,), generator=torch.Generator().manual_seed(5))
+    ring = Ring(model, per_layer, saved, 2)
+    n = ring.cfg.num_layers
+    captured: dict[int, torch.Tensor] = {}
+    x = ids
+    for stage, job in zip(ring.stages, ring.jobs):
+        x, got = stage.forward(job, x, ctx_len=0, positions=torch.arange(12), capture=range(n - 1))
+        captured.update(got)
+    with torch.no_grad():
+        ref = model(ids[None], output_hidden_states=True).hidden_states  # (embeddings, layer 0, ..., normed last)
+    assert sorted(captured) == list(range(n - 1))
+    for layer, h in captured.items():
+        assert (h - ref[layer + 1][0]).abs().max() <= TOL, layer
