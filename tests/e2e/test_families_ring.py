@@ -1,5 +1,5 @@
-"""Families beyond the Llama layout through a real 3-node ring: greedy tokens equal
-transformers' generate().
+"""Families beyond the Llama layout through a real ring: greedy tokens equal transformers'
+generate(), over a 3-stage in-process ring and over HTTP from `shard-coord serve`.
 
 Guards the path outside the stage forward for a new family: the store the nodes load
 slices from, the coordinator's output head (Gemma's (1 + w) final norm, tied embedding),
@@ -13,6 +13,7 @@ import pytest
 import torch
 import trio
 
+from coordinator.jobs.engine import IncrementalDetokenizer
 from coordinator.jobs.engine_config import EngineConfig
 from tests.e2e.ringkit import generate_greedy, open_local_ring
 
@@ -38,3 +39,54 @@ def test_ring_greedy_equals_generate(family, tiny_model_factory, tiny_store_fact
             return await generate_greedy(ring.engine, PROMPT, NEW_TOKENS)
 
     assert trio.run(main) == ref
+
+
+def test_http_greedy_equals_generate(tiny_model_factory, tiny_store_factory, tmp_path):
+    # The product path for a new family: `shard-coord serve --model <HF dir> --local-nodes 3`
+    # and an OpenAI completions request carrying token ids. Sound: the reply's text and
+    # token count equal transformers' greedy continuation put through the gateway's own
+    # detokenizer (random tiny models emit partial UTF-8, whose text depends on where
+    # decoding starts), a function of the tokens alone. On loopback the selector seats all
+    # five layers on one node (fewest hops), so the split across stages is the in-process
+    # test's; this one holds the CLI, store, gateway and HTTP path for the family.
+    import os
+    import re
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+    from transformers import AutoTokenizer
+
+    tiny = tiny_model_factory("gemma3_text", **FAMILY_MODELS["gemma3_text"])
+    store = tiny_store_factory(tiny)
+    with torch.no_grad():
+        ref = tiny.model.generate(torch.tensor([PROMPT]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                                  do_sample=False)[0, len(PROMPT):].tolist()
+    detok = IncrementalDetokenizer(AutoTokenizer.from_pretrained(str(store.tokenizer_dir)), PROMPT)
+    want = "".join(detok.push(t) for t in ref) + detok.flush()
+    log_path = tmp_path / "coord.log"
+    env = {**os.environ, "SHARD_HOME": str(tmp_path / "home"), "OMP_NUM_THREADS": "1"}
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "coordinator.cli", "serve", "--model", str(tiny.path),
+                                 "--store-dir", str(store.root), "--local-nodes", "3", "--http", "127.0.0.1:0",
+                                 "--draft", "none"], stdout=log, stderr=subprocess.STDOUT, env=env)
+    try:
+        base, deadline = None, time.monotonic() + 120
+        while base is None and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.5)
+            m = re.search(r"serving \S+ at (http://127\.0\.0\.1:\d+)/v1", log_path.read_text())
+            base = m.group(1) if m else None
+        assert base is not None, log_path.read_text()[-3000:]
+        r = httpx.post(f"{base}/v1/completions", json={"model": store.manifest.name, "prompt": PROMPT,
+                                                       "max_tokens": NEW_TOKENS, "temperature": 0}, timeout=120)
+        r.raise_for_status()
+        data = r.json()
+        assert data["usage"]["completion_tokens"] == NEW_TOKENS
+        assert data["choices"][0]["text"] == want
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
