@@ -4,9 +4,10 @@ The I/O half of a stage (trio + libp2p). It measures what it can do (compute, an
 round trip, upload and download to the coordinator; later the round trips to the peers
 the coordinator names), registers, loads only the slice its signed assignment names,
 accepts ring frames only from the peer that the current epoch names as its predecessor
-(identity from the Noise handshake), runs each frame in a worker thread so the network
-never waits on a forward, and ships the output to its successor (or straight back to the
-coordinator when it is the tail). Every stream it sends on crosses the node's one
+(identity from the Noise handshake; `shard.ring_inbox` bounds what each stream may hold),
+runs each frame in a worker thread so the network never waits on a forward, and ships the
+output to its successor (or straight back to the coordinator when it is the tail). No
+frame ends the process: whatever goes wrong with one ends its job with a JobError. Every stream it sends on crosses the node's one
 emulated uplink, and its probes measure those same links (`shard.node_links`).
 It does not choose rings, schedule requests or look inside activations.
 """
@@ -19,17 +20,16 @@ from dataclasses import dataclass, field
 
 import torch
 import trio
-from cryptography.exceptions import InvalidSignature
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
-from libp2p.peer.id import ID
 
-from shard.errors import ShardError, WireError
+from shard.assignment_rules import ACKNOWLEDGE, decide, public_key_of_peer, verify_assignment  # noqa: F401 (re-exported)
+from shard.errors import JobRef, ShardError, WireError
 from shard.frame_log import FrameLog
 from shard.layers import LayerRange
 from shard.linkprobe import PROBE_PROTOCOL
 from shard.node_links import NodeLinks
 from shard.options import option
 from shard.receipt_signer import make_signer
+from shard.ring_inbox import InboxConfig, RingInbox
 from shard.ring_observer import NO_OBSERVER, RingObserver
 from shard.sources import DEFAULT_MODEL
 from shard.stage import Stage
@@ -51,10 +51,6 @@ RING_PROTOCOL = "/shard/ring/1.0.0"
 # stage for each chunk's serialisation); this bound is the backpressure that keeps a slow
 # uplink from piling up outputs in memory.
 OUTBOX_FRAMES = 4
-# Frames read off a ring stream ahead of the one being computed: the predecessor's upload
-# then lands while this stage computes instead of after (a muxed stream's window would
-# otherwise stall a large frame until the reader comes back).
-INBOX_FRAMES = 2
 
 
 @dataclass(frozen=True)
@@ -79,21 +75,6 @@ class NodeConfig:
     # a coordinator that checks receipts fails every job through a node that does not sign.
     receipts: bool = option(True, "sign a receipt per frame and log frames for audits (off only to measure "
                                   "their cost)")
-
-
-def public_key_of_peer(peer_id: str) -> bytes:
-    """Raw Ed25519 public key embedded in an Ed25519 libp2p peer id."""
-    key = ID.from_base58(peer_id).extract_public_key()
-    if key is None:
-        raise ShardError(f"peer id {peer_id} does not embed its public key")
-    return key.to_bytes()
-
-
-def verify_assignment(a: Assignment, coordinator_peer_id: str) -> None:
-    try:
-        Ed25519PublicKey.from_public_bytes(public_key_of_peer(coordinator_peer_id)).verify(a.signature, a.signing_bytes())
-    except (InvalidSignature, ValueError) as exc:
-        raise ShardError(f"assignment for epoch {a.epoch} is not signed by the coordinator {coordinator_peer_id}") from exc
 
 
 def measure_compute(store: ModelStore, dtype: torch.dtype, device: str) -> tuple[float, float]:
@@ -136,6 +117,7 @@ class Node:
     store: ModelStore
     coordinator_id: str = ""
     state: EpochState | None = None
+    held: Assignment | None = None  # the assignment last taken (a stage's or a role's)
     compute_limiter: trio.CapacityLimiter = field(default_factory=lambda: trio.CapacityLimiter(1))
     control_lock: trio.Lock = field(default_factory=trio.Lock)
     control: FramedStream | None = None
@@ -148,6 +130,7 @@ class Node:
     _tasks: trio.Nursery | None = None
     _warm: Stage | None = None  # a slice kept loaded for an off-ring role (e.g. hot standby)
     observer: RingObserver = NO_OBSERVER  # what a benchmark watches of this node's frames
+    inbox_config: InboxConfig = InboxConfig()
 
     def __post_init__(self) -> None:
         cfg = self.config
@@ -163,7 +146,8 @@ class Node:
         dtype = COMPUTE_DTYPES[cfg.dtype]
         decode_s, prefill_s = await trio.to_thread.run_sync(measure_compute, self.store, dtype, cfg.device)
         self.coordinator_id = await self.host.connect(cfg.coordinator)
-        self.host.set_handler(RING_PROTOCOL, self._on_ring_stream)
+        inbox = RingInbox(self._is_predecessor, self._serve_frame, lambda: self.limits.max_frame_bytes, self.inbox_config)
+        self.host.set_handler(RING_PROTOCOL, inbox.serve)
         self.host.set_handler(PROBE_PROTOCOL, self.links.on_probe_stream)
         control = await self.host.open_stream(self.coordinator_id, CONTROL_PROTOCOL)
         try:
@@ -182,6 +166,7 @@ class Node:
             self._outbox, outbox = trio.open_memory_channel(OUTBOX_FRAMES)
             self._tasks.start_soon(self._send_ring_loop, outbox)
             self._tasks.start_soon(self._serve_control)
+            self._tasks.start_soon(self._sweep_idle_jobs)
             rtt_s, upload, download = await self.links.probe_coordinator(cfg.probe_bytes)
             await self._send_control(Register(
                 peer_id=self.host.peer_id, model=cfg.model, manifest_digest=self.store.digest, device=cfg.device,
@@ -198,7 +183,10 @@ class Node:
         while True:
             msg = decode(await self.control.recv_frame(self.limits.max_frame_bytes), self.limits)
             if isinstance(msg, Assignment):
-                await self._assume(msg)
+                try:
+                    await self._assume(msg)
+                except ShardError as exc:  # a replayed, misaddressed or unsigned assignment
+                    log.warning("refused an assignment for epoch %d: %s", msg.epoch, exc)
             elif isinstance(msg, Pong):
                 self.links.pong(msg.nonce)
             elif isinstance(msg, Ping):
@@ -222,9 +210,12 @@ class Node:
             await self.control.send_frame(encode(msg))
 
     async def _assume(self, a: Assignment) -> None:
+        """Take `a` (shard.assignment_rules decides) and answer Ready. Raises ShardError,
+        changing nothing, for an assignment this node refuses."""
         verify_assignment(a, self.coordinator_id)
-        if a.manifest_digest != self.store.digest:
-            raise ShardError(f"assignment names model digest {a.manifest_digest[:12]}, this node holds {self.store.digest[:12]}")
+        if decide(a, self.host.peer_id, self.store.digest, self.held) == ACKNOWLEDGE:
+            await self._send_control(Ready(peer_id=self.host.peer_id, epoch=a.epoch))
+            return
         # A role off the ring may hold nothing: the wire's empty [0, 0) is no LayerRange.
         r = LayerRange(a.layer_start, a.layer_end) if a.layer_end > a.layer_start else None
         old = self.state
@@ -238,7 +229,7 @@ class Node:
             stage = await trio.to_thread.run_sync(self._load_stage, r)
         if a.role != ROLE_STAGE:
             # Off the ring: refuse every ring frame this epoch, keep the named slice warm.
-            self.state, self._warm = None, stage
+            self.state, self._warm, self.held = None, stage, a
             self._out_streams.clear()
             log.info("epoch %d: off the ring as %s, keeping layers %s warm", a.epoch, a.role, r or "none")
             await self._send_control(Ready(peer_id=self.host.peer_id, epoch=a.epoch))
@@ -253,6 +244,7 @@ class Node:
             max_kv_bytes=max(self.config.max_memory_bytes - self.store.layer_bytes(r), 64 << 20),
         ), signer=signer)
         self.state = EpochState(a, worker, a.predecessor or self.coordinator_id, a.successor or self.coordinator_id)
+        self.held = a
         self._out_streams.clear()
         log.info("epoch %d: serving layers %s as %s (pred %s, succ %s)", a.epoch, r, a.role,
                  a.predecessor or "coordinator", a.successor or "coordinator")
@@ -264,46 +256,47 @@ class Node:
         embedding = self.store.load_embedding(dtype, self.config.device) if r.start == 0 else None
         return Stage(cfg, r, weights, dtype=dtype, device=self.config.device, embedding=embedding)
 
-    async def _on_ring_stream(self, stream: FramedStream) -> None:
-        """Serve one incoming ring stream: frames are read ahead (INBOX_FRAMES) and
-        processed in order; the first frame from a peer that is not this epoch's
-        predecessor closes the stream."""
-        remote = stream.remote_peer_id
-        inbox_send, inbox = trio.open_memory_channel(INBOX_FRAMES)
-        try:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._read_ring_stream, stream, inbox_send)
-                async for body in inbox:
-                    state = self.state
-                    if state is None or remote != state.predecessor:
-                        log.warning("refused a frame from %s: not the predecessor of epoch %s",
-                                    remote, state.assignment.epoch if state else "-")
-                        nursery.cancel_scope.cancel()
-                        break
-                    try:
-                        msg, canonical_len = decode_frame(body, self.limits)
-                    except WireError as exc:
-                        log.warning("dropped a malformed frame from %s: %s", remote, exc)
-                        continue
-                    await self._handle(state, msg, memoryview(body)[:canonical_len])
-        finally:
-            await stream.aclose()
+    def _is_predecessor(self, peer_id: str) -> bool:
+        return self.state is not None and peer_id == self.state.predecessor
 
-    async def _read_ring_stream(self, stream: FramedStream, inbox: trio.MemorySendChannel) -> None:
-        """Read frames into `inbox` until the stream ends or breaks (then close it, which
-        ends the processing loop once the frames already read are done)."""
-        remote = stream.remote_peer_id
-        async with inbox:
-            while True:
-                try:
-                    body = await stream.recv_frame(self.limits.max_frame_bytes)
-                except WireError as exc:  # a length past the cap: the stream is out of sync
-                    log.warning("closing ring stream from %s: %s", remote, exc)
-                    return
-                except TransportError as exc:
-                    log.info("ring stream from %s ended: %s", remote, exc)
-                    return
-                await inbox.send(body)
+    async def _serve_frame(self, remote: str, body: bytes) -> bool:
+        """Decode and handle one frame body from `remote` (RingInbox.serve_frame); False
+        ends its stream (the epoch changed under it). A frame that does not decode costs
+        that frame, and its job when the frame names one (a JobError), never the node."""
+        state = self.state
+        if state is None or remote != state.predecessor:
+            log.warning("refused a frame from %s: not the predecessor of epoch %s",
+                        remote, state.assignment.epoch if state else "-")
+            return False
+        try:
+            msg, canonical_len = decode_frame(body, self.limits)
+        except WireError as exc:
+            log.warning("dropped a malformed frame from %s: %s", remote, exc)
+            if exc.job is not None:
+                await self._job_error(exc.job, "malformed_frame", str(exc))
+            return True
+        await self._handle(state, msg, memoryview(body)[:canonical_len])
+        return True
+
+    async def _sweep_idle_jobs(self) -> None:
+        """Every few seconds, free the KV of jobs idle past the worker's job_idle_timeout_s."""
+        while True:
+            state = self.state
+            idle_s = WorkerConfig.job_idle_timeout_s if state is None else state.worker.config.job_idle_timeout_s
+            await trio.sleep(min(idle_s / 4, 10.0))
+            await self.evict_idle_jobs()
+
+    async def evict_idle_jobs(self) -> list[str]:
+        """Free idle jobs' KV now (under the compute limiter: no frame is mid-forward)."""
+        state = self.state
+        if state is None:
+            return []
+        async with self.compute_limiter:
+            evicted = state.worker.evict_idle(state.worker.config.job_idle_timeout_s)
+        for job_id in evicted:
+            self.frame_log.end_job(job_id)
+            log.info("job %s: KV freed after %.0f s idle", job_id, state.worker.config.job_idle_timeout_s)
+        return evicted
 
     async def _handle(self, state: EpochState, msg, received: memoryview) -> None:
         """`received`: msg's canonical bytes as they arrived (what its receipt hashes)."""
@@ -322,9 +315,13 @@ class Node:
         self.observer.stage_received(self.host.peer_id, msg)
         try:
             _, out = await trio.to_thread.run_sync(state.worker.process_frame, msg, received, limiter=self.compute_limiter)
-        except ShardError as exc:
+        except ShardError as exc:  # the frame's fault: the stage cannot serve it
             log.warning("job %s round %d failed: %s", msg.job_id, msg.round, exc)
             await self._job_error(msg, type(exc).__name__, str(exc))
+            return
+        except Exception as exc:  # ours (or a check we missed): still this job's end, never the node's
+            log.exception("job %s round %d raised", msg.job_id, msg.round)
+            await self._job_error(msg, "internal_error", f"{type(exc).__name__}: {exc}")
             return
         self.observer.stage_computed(self.host.peer_id, msg)
         await self._outbox.send((state, out, msg))  # returns at once unless OUTBOX_FRAMES wait
@@ -346,9 +343,10 @@ class Node:
                 else:
                     log.info("could not forward an end of job to %s: %s", state.successor, exc)
 
-    async def _job_error(self, msg: Forward, code: str, text: str) -> None:
+    async def _job_error(self, msg: Forward | JobRef, code: str, text: str) -> None:
         if self.state is not None:
-            self.state.worker.end_job(msg.job_id)  # the coordinator re-prefills it if it retries
+            async with self.compute_limiter:  # not while a frame of any job is mid-forward
+                self.state.worker.end_job(msg.job_id)  # the coordinator re-prefills it if it retries
         await self._send_control(JobError(job_id=msg.job_id, epoch=msg.epoch, round=msg.round, code=code[:64],
                                           message=text[:1024], stage=self.host.peer_id))
 

@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from shard.activations import from_wire, to_wire
+from shard.errors import CacheError
 from shard.kvcache import KVCache
 from shard.stage import Stage, StageInputError
 from shard.wire.codec import encode_body, encode_trailer
@@ -26,6 +28,9 @@ from shard.wire.messages import Forward, Result
 
 # Extra slots past the model's context so a full-context job can still hold a draft tree.
 DRAFT_SLACK_SLOTS = 128
+# Job ids whose KV was freed for idleness that this worker remembers, so a late frame of
+# one fails (it would otherwise run on a fresh, empty cache and return wrong states).
+REMEMBERED_EVICTIONS = 4096
 
 
 @dataclass(frozen=True)
@@ -35,6 +40,9 @@ class WorkerConfig:
     is_tail: bool = False
     max_kv_bytes: int = 2 << 30
     max_context_tokens: int = 8192
+    # A job that ran no frame for this long has its KV freed (evict_idle): past the
+    # coordinator's 120 s frame timeout and its resume wait, no live job sits idle so long.
+    job_idle_timeout_s: float = 300.0
 
 
 # Called with (frame received, its canonical bytes as received, the canonical bytes about
@@ -44,14 +52,33 @@ ReceiptSigner = Callable[[Forward, "bytes | memoryview", bytes], bytes]
 
 
 class StageWorker:
-    def __init__(self, stage: Stage, config: WorkerConfig, signer: ReceiptSigner | None = None) -> None:
-        self.stage, self.config, self.signer = stage, config, signer
+    """`clock()`: seconds, monotonic; when each job last ran a frame (for evict_idle)."""
+
+    def __init__(self, stage: Stage, config: WorkerConfig, signer: ReceiptSigner | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.stage, self.config, self.signer, self.clock = stage, config, signer, clock
         cfg = stage.cfg
         self.cache = KVCache(len(stage.layers), cfg.num_kv_heads, cfg.head_dim, stage.dtype,
                              config.max_kv_bytes, stage.device)
+        self.last_used_s: dict[str, float] = {}
+        self.evicted: OrderedDict[str, float] = OrderedDict()  # job id -> seconds it sat idle
 
     def end_job(self, job_id: str) -> None:
         self.cache.close(job_id)
+        self.last_used_s.pop(job_id, None)
+
+    def evict_idle(self, idle_s: float) -> list[str]:
+        """Free the KV of every job that ran no frame for more than `idle_s` (a predecessor
+        that opens jobs and never ends them must not hold the budget); return their ids.
+        Not thread-safe against process_frame: the caller holds the compute limiter."""
+        now = self.clock()
+        stale = [job_id for job_id, t in self.last_used_s.items() if now - t > idle_s]
+        for job_id in stale:
+            self.evicted[job_id] = now - self.last_used_s[job_id]
+            self.end_job(job_id)
+        while len(self.evicted) > REMEMBERED_EVICTIONS:
+            self.evicted.popitem(last=False)
+        return stale
 
     def process_frame(self, fwd: Forward, received: bytes | memoryview) -> tuple[Forward | Result, bytes]:
         """Run one frame and encode what to send: (message, wire body), the body carrying
@@ -59,6 +86,12 @@ class StageWorker:
         they arrived (shard.wire.codec.decode_frame).
         Raises ShardError subclasses (CacheFullError, StageInputError, WireError...) for
         frames this stage cannot serve; the caller turns them into a JobError."""
+        if fwd.job_id not in self.cache.jobs and fwd.job_id in self.evicted:
+            if fwd.ctx_len > 0:
+                raise CacheError(f"KV cache of job {fwd.job_id!r} was freed after {self.evicted[fwd.job_id]:.0f} s "
+                                 f"idle; a frame at ctx_len {fwd.ctx_len} needs it (re-prefill from 0)")
+            del self.evicted[fwd.job_id]
+        self.last_used_s[fwd.job_id] = self.clock()
         out = self.process(fwd)
         body = encode_body(out)  # checked: we never send what the successor must refuse
         if self.signer is not None:
