@@ -1,6 +1,6 @@
 """Train the EAGLE-3 draft head of a model by self-distillation, on CPU, with no downloads.
 
-    python scripts/train_eagle.py --out coordinator/heads/smollm2-135m [--minutes 58]
+    python scripts/train_eagle.py --out coordinator/spec/heads/smollm2-135m [--minutes 58]
 
 1. data: the target answers our own prompts (scripts/eagle_prompts.py) with its chat
    template (batched transformers generate, mostly greedy, a quarter at temperature
@@ -36,144 +36,17 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from coordinator.spec.captured import (UNSEEN_FILE, Captured, load_shards, load_unseen, save_sequences,  # noqa: E402
-                                       shard_path)
+from coordinator.spec.capture import generate_shards, generate_unseen, load_target  # noqa: E402
+from coordinator.spec.captured import UNSEEN_FILE, load_shards, load_unseen  # noqa: E402
 from coordinator.spec.drafting import DraftBudget  # noqa: E402
 from coordinator.spec.eagle import EagleConfig, EagleHead, init_weights, save_head  # noqa: E402
 from coordinator.spec.eagle_train import (FitConfig, collate, draft_vocabulary, evaluate_steps,  # noqa: E402
                                           make_batches, soft_targets, step_losses, ttt_forward)
 from coordinator.spec.replay import simulate_tau  # noqa: E402
 from scripts import spec_prompts  # noqa: E402
-from scripts.eagle_prompts import build_prompts, messages  # noqa: E402
+from scripts.eagle_prompts import build_prompts  # noqa: E402
 from shard.rope import RotaryTable  # noqa: E402
 from shard.store import open_or_prepare  # noqa: E402
-
-
-def load_target(store):
-    """The store's weights as a transformers Llama model (for batched generation)."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(**json.loads((store.root / "config.json").read_text()))
-    model = LlamaForCausalLM(config)
-    state = {"model.embed_tokens.weight": store.load_embedding(), "model.norm.weight": store.load_head()[0]}
-    for layer, tensors in store.load_layers(range_all(store)).items():
-        state.update({f"model.layers.{layer}.{name}": t for name, t in tensors.items()})
-    lm_head = store.load_head()[1]
-    state["lm_head.weight"] = lm_head if lm_head is not None else state["model.embed_tokens.weight"]
-    model.load_state_dict(state, strict=True)
-    tokenizer = AutoTokenizer.from_pretrained(store.tokenizer_dir)
-    tokenizer.padding_side = "left"
-    return model.eval(), tokenizer
-
-
-def range_all(store):
-    from shard.layers import LayerRange
-
-    return LayerRange(0, store.num_layers)
-
-
-# -- 1. data ------------------------------------------------------------------------------
-
-
-@torch.inference_mode()
-def generate_shards(model, tokenizer, aux_layers, work_dir: pathlib.Path, deadline_s: float, *,
-                    batch: int, max_new_tokens: int, seed: int) -> None:
-    """Answer prompt batches until the deadline, one shard per batch. Each shard holds,
-    concatenated over its sequences: ids (N,), feats (N, k*H) f16 of the aux layers at
-    each fed position, labels (N,) the target's argmax there, final (N, H) f16 its state
-    after the final norm, offsets (S+1,), heldout (S,)."""
-    work_dir.mkdir(parents=True, exist_ok=True)
-    prompts = build_prompts(seed)
-    # Every 25th prompt is held out for evaluation; those are answered greedily, so
-    # their continuations are what greedy verification would accept.
-    heldout = [i % 25 == 0 for i in range(len(prompts))]
-    sampled = [not h and i % 4 == 1 for i, h in enumerate(heldout)]
-    texts = [tokenizer.apply_chat_template(messages(p), tokenize=False, add_generation_prompt=True) for _, p in prompts]
-    lengths = [len(ids) for ids in tokenizer(texts).input_ids]
-    # Batches of prompts of similar length (left padding to a batch's longest prompt would
-    # otherwise cost a passage prompt's length in every row), greedy and sampled apart,
-    # in a seeded order so a run cut short keeps every kind of prompt.
-    batches = [order[k:k + batch] for group in (False, True)
-               for order in [sorted((i for i in range(len(prompts)) if sampled[i] == group), key=lambda i: lengths[i])]
-               for k in range(0, len(order), batch)]
-    random.Random(seed).shuffle(batches)
-    for n, idx in enumerate(batches):
-        path = shard_path(work_dir, n)
-        if path.exists():
-            continue
-        if time.monotonic() > deadline_s:
-            print(f"[data] deadline reached after {n} of {len(batches)} batches", flush=True)
-            return
-        t0 = time.monotonic()
-        sampling = dict(do_sample=True, temperature=0.7, top_p=1.0, top_k=0) if sampled[idx[0]] else dict(do_sample=False)
-        seqs = answer_batch(model, tokenizer, [texts[i] for i in idx], aux_layers, sampling, max_new_tokens)
-        save_sequences(path, seqs, [heldout[i] for i in idx], metadata={
-            "categories": json.dumps([prompts[i][0] for i in idx]), "sampled": str(sampled[idx[0]]),
-            "aux_layers": json.dumps(list(aux_layers))})
-        positions = sum(len(ids) for ids, *_ in seqs)
-        print(f"[data] shard {n}: {len(idx)} prompts, {positions} positions, {time.monotonic() - t0:.0f} s", flush=True)
-
-
-def answer_batch(model, tokenizer, texts: list[str], aux_layers, sampling: dict, max_new_tokens: int
-                 ) -> list[Captured]:
-    """Answer `texts` in one batched generate; per text (ids, feats f16, labels, final f16)
-    over its fed positions (prompt and answer up to, not including, EOS): the aux layers'
-    outputs, the target's greedy token there (the hard label) and its hidden state after
-    the final norm (its logits, hence the soft label, are that times the LM head)."""
-    eos = tokenizer.eos_token_id
-    layers = model.model.layers
-    enc = tokenizer(texts, return_tensors="pt", padding=True)
-    captured: dict[int, list[torch.Tensor]] = {layer: [] for layer in (*aux_layers, -1)}
-    hooks = [layers[layer].register_forward_hook(_capture(captured[layer])) for layer in aux_layers]
-    hooks.append(model.model.norm.register_forward_hook(_capture(captured[-1])))
-    try:
-        out = model.generate(**enc, max_new_tokens=max_new_tokens, pad_token_id=eos, **sampling)
-    finally:
-        for h in hooks:
-            h.remove()
-    feats = torch.cat([torch.cat(captured[layer], dim=1) for layer in aux_layers], dim=-1)  # (B, T, k*H)
-    final = torch.cat(captured[-1], dim=1)  # (B, T, H) after the final norm
-    pad = enc.input_ids.shape[1]
-    seqs = []
-    for row in range(len(texts)):
-        start = pad - int(enc.attention_mask[row].sum())  # left padding
-        gen = out[row, pad:].tolist()
-        stop = gen.index(eos) if eos in gen else len(gen)
-        end = min(pad + stop, feats.shape[1])
-        seqs.append((out[row, start:end], feats[row, start:end].to(torch.float16),
-                     torch.argmax(final[row, start:end] @ model.lm_head.weight.T, dim=-1),
-                     final[row, start:end].to(torch.float16)))
-    return seqs
-
-
-UNSEEN_TOKENS = 48  # as the benchmarks answer
-
-
-@torch.inference_mode()
-def generate_unseen(model, tokenizer, aux_layers, work_dir: pathlib.Path,
-                    prompts: list[tuple[str, str]] | None = None) -> None:
-    """(category, prompt) pairs, by default the benchmark's (scripts/spec_prompts.py, 3
-    per category; no template, topic or passage shared with the training prompts),
-    answered greedily like the shards: the check of a head on prompts unlike any it was
-    trained on."""
-    prompts = spec_prompts.prompt_set(3) if prompts is None else prompts
-    texts = [tokenizer.apply_chat_template(spec_prompts.messages(p), tokenize=False, add_generation_prompt=True)
-             for _, p in prompts]
-    seqs = []
-    for group in (spec_prompts.OPEN_ENDED, spec_prompts.GROUNDED):  # similar lengths batch together
-        idx = [i for i, (c, _) in enumerate(prompts) if c in group]
-        seqs += list(zip(idx, answer_batch(model, tokenizer, [texts[i] for i in idx], aux_layers,
-                                           dict(do_sample=False), UNSEEN_TOKENS)))
-    seqs.sort()
-    work_dir.mkdir(parents=True, exist_ok=True)
-    save_sequences(work_dir / UNSEEN_FILE, [s for _, s in seqs], [True] * len(seqs), metadata={
-        "categories": json.dumps([c for c, _ in prompts]), "aux_layers": json.dumps(list(aux_layers))})
-
-
-def _capture(sink: list[torch.Tensor]):
-    def hook(module, args, output):
-        sink.append((output[0] if isinstance(output, tuple) else output).detach().float())
-    return hook
 
 
 # -- 2. and 3. fit and evaluate ----------------------------------------------------------
@@ -291,7 +164,7 @@ def fit(store, work: pathlib.Path, out: pathlib.Path, deadline_s: float, fit_cfg
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default="coordinator/heads/smollm2-135m", help="head directory to write")
+    ap.add_argument("--out", default="coordinator/spec/heads/smollm2-135m", help="head directory to write")
     ap.add_argument("--model", default="smollm2-135m", help="target model (store name or local path)")
     ap.add_argument("--minutes", type=float, default=58.0, help="wall-clock budget for data + training")
     ap.add_argument("--data-share", type=float, default=0.65,
@@ -324,11 +197,12 @@ def main(argv: list[str] | None = None) -> None:
         model, tokenizer = load_target(store)
         if not (work / "data" / UNSEEN_FILE).exists():
             t0 = time.monotonic()
-            generate_unseen(model, tokenizer, aux_layers, work / "data")
+            generate_unseen(model, tokenizer, aux_layers, work / "data", spec_prompts.prompt_set(3),
+                            (spec_prompts.OPEN_ENDED, spec_prompts.GROUNDED))
             print(f"[data] unseen benchmark answers: {time.monotonic() - t0:.0f} s", flush=True)
         if args.phase in ("all", "data"):
             generate_shards(model, tokenizer, aux_layers, work / "data", t_start + args.minutes * 60 * args.data_share,
-                            batch=args.batch, max_new_tokens=args.max_new_tokens, seed=args.seed)
+                            build_prompts(args.seed), batch=args.batch, max_new_tokens=args.max_new_tokens, seed=args.seed)
         del model
     if args.phase in ("all", "train"):
         fit(store, work, pathlib.Path(args.out), deadline_s, FitConfig(

@@ -206,7 +206,7 @@ def test_shipped_head_manifest_matches_its_weights(tmp_path: pathlib.Path):
     # The shipped head's digest must verify, and a flipped byte must be refused, without
     # loading the 135M target (a stand-in embedding of the right shape suffices).
     root = shipped_head_dir("smollm2-135m")
-    assert root is not None, "coordinator/heads/smollm2-135m is missing"
+    assert root is not None, "coordinator/spec/heads/smollm2-135m is missing"
     manifest = json.loads((root / "manifest.json").read_text())
     c = manifest["config"]
     target = ModelConfig(model_type="llama", num_layers=30, hidden_size=c["hidden_size"],

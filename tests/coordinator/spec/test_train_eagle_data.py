@@ -1,8 +1,7 @@
-"""scripts/train_eagle.py's data: what the head is trained and checked on must line up
+"""coordinator.spec.capture: what the EAGLE head is trained and checked on must line up
 with the target, position by position. Sound: a tiny seeded Llama answers real chat
 prompts in one left-padded batch; every stored row is compared with a fresh unpadded
-forward of that sequence alone. The answering needs a transformers model, so it stays in
-the script; the captured sequences are read back through coordinator.spec.captured."""
+forward of that sequence alone, read back through coordinator.spec.captured."""
 
 from __future__ import annotations
 
@@ -10,8 +9,7 @@ import torch
 
 from coordinator.spec.captured import load_shards, load_unseen
 from scripts.spec_prompts import GROUNDED, OPEN_ENDED
-from scripts import train_eagle
-from scripts.train_eagle import generate_shards, generate_unseen, load_target
+from coordinator.spec.capture import generate_shards, generate_unseen, load_target
 
 AUX = (0, 2, 3)  # not the last layer: transformers reports that one after the final norm
 
@@ -21,7 +19,7 @@ def test_unseen_answers_store_each_positions_features_and_greedy_label(tiny_llam
     # Different lengths, so the batch is left-padded and the padding must be cut away.
     prompts = [(OPEN_ENDED[0], "Tell me about owls."), (OPEN_ENDED[1], "Why is the sky blue, in one line?"),
                (GROUNDED[0], "Summarise: the mill by the river ground wheat for two hundred years.")]
-    generate_unseen(model, tokenizer, AUX, tmp_path, prompts)
+    generate_unseen(model, tokenizer, AUX, tmp_path, prompts, (OPEN_ENDED, GROUNDED))
     seqs = load_unseen(tmp_path)
     assert [s["category"] for s in seqs] == [c for c, _ in prompts]
     for seq, (_, prompt) in zip(seqs, prompts):
@@ -51,15 +49,14 @@ def test_missing_unseen_file_means_no_unseen_check(tmp_path):
 
 
 
-def test_data_phase_writes_shards_the_fit_reads(tiny_llama_store, tmp_path, monkeypatch):
+def test_data_phase_writes_shards_the_fit_reads(tiny_llama_store, tmp_path):
     # Bug guarded: the data phase unpacked each answered sequence as three fields after
     # answer_batch grew a fourth (the final-norm state), so it crashed after its first
     # shard; only the unseen path was tested. Sound: six prompts in batches of four give
     # two shards, every 25th prompt (the first) held out, each sequence with every field.
     prompts = [(OPEN_ENDED[0], f"Tell me about topic {i}.") for i in range(6)]
-    monkeypatch.setattr(train_eagle, "build_prompts", lambda seed: prompts)
     model, tokenizer = load_target(tiny_llama_store)
-    generate_shards(model, tokenizer, AUX, tmp_path, float("inf"), batch=4, max_new_tokens=4, seed=0)
+    generate_shards(model, tokenizer, AUX, tmp_path, float("inf"), prompts, batch=4, max_new_tokens=4, seed=0)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["shard_0000.safetensors", "shard_0001.safetensors"]
     train, held = load_shards(tmp_path)
     assert (len(train), len(held)) == (5, 1)
