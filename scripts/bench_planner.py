@@ -15,7 +15,7 @@ answer position a chain of 24 is drafted and walked, and per depth bucket the sh
 tried nodes accepted (given the parent was) is counted, per n-gram match length. The
 replay and the depth count are `coordinator.spec.replay`'s; this script runs them.
 
-    python scripts/bench_planner.py --json OUT [--answers docs/results/bench_spec.json]
+    python scripts/bench_planner.py --json OUT [--answers docs/results/history/bench_spec_wan_all_fp8_81e08f5.json]
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ FIXED_SHAPES = {"chain 4": DraftBudget.chain(4), "chain 8": DraftBudget.chain(8)
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", required=True)
-    ap.add_argument("--answers", default="docs/results/bench_spec.json",
+    ap.add_argument("--answers", default="docs/results/history/bench_spec_wan_all_fp8_81e08f5.json",
                     help="a bench_spec JSON whose plain-decoding answers are replayed")
     args = ap.parse_args(argv)
     bench = json.load(open(args.answers))
