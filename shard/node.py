@@ -75,6 +75,8 @@ class NodeConfig:
     # a coordinator that checks receipts fails every job through a node that does not sign.
     receipts: bool = option(True, "sign a receipt per frame and log frames for audits (off only to measure "
                                   "their cost)")
+    job_idle_timeout_s: float = option(WorkerConfig.job_idle_timeout_s,
+                                       "free the KV of a job that ran no frame for this long")
 
 
 def measure_compute(store: ModelStore, dtype: torch.dtype, device: str) -> tuple[float, float]:
@@ -242,6 +244,7 @@ class Node:
             wire_dtype=a.wire_dtype, aux_dtype=a.aux_dtype, is_tail=a.successor is None,
             max_context_tokens=self.store.config.max_context_tokens,
             max_kv_bytes=max(self.config.max_memory_bytes - self.store.layer_bytes(r), 64 << 20),
+            job_idle_timeout_s=self.config.job_idle_timeout_s,
         ), signer=signer)
         self.state = EpochState(a, worker, a.predecessor or self.coordinator_id, a.successor or self.coordinator_id)
         self.held = a
