@@ -4,7 +4,8 @@ Guards DESIGN.md's core invariant for the families beyond the Llama layout: Qwen
 norm), Mixtral and Qwen MoE (router top-k, softmax vs renormalised weights, shared
 experts, dense layers among MoE ones), Phi-3 (fused projections, longrope), Gemma 3
 (sliding and global layers with their own rope bases, (1 + w) norms, sandwich norms,
-embedding scale, query_pre_attn_scalar) and Mistral with a window shorter than the test.
+embedding scale, query_pre_attn_scalar), and windows shorter than the test on Mistral and
+Mixtral (every layer) and Qwen2 (layers from max_window_layers on).
 Oracle: transformers' own classes on the same seeded weights in fp32. Stages are built
 from the checkpoint as saved on disk (its tensor names, e.g. per-expert MoE weights),
 not from the in-memory state dict, whose names transformers may fuse differently.
@@ -36,7 +37,8 @@ FAMILIES = {
     "qwen3": (transformers.Qwen3Config, dict(head_dim=16)),
     "mistral-window": (transformers.MistralConfig, dict(sliding_window=6)),
     "mixtral-top2": (transformers.MixtralConfig, dict(num_local_experts=4, num_experts_per_tok=2)),
-    "mixtral-top1": (transformers.MixtralConfig, dict(num_local_experts=4, num_experts_per_tok=1)),
+    "mixtral-top1-window": (transformers.MixtralConfig, dict(num_local_experts=4, num_experts_per_tok=1, sliding_window=6)),
+    "qwen2-window-from-layer-2": (transformers.Qwen2Config, dict(use_sliding_window=True, sliding_window=6, max_window_layers=2)),
     "qwen3-moe-top3": (transformers.Qwen3MoeConfig, dict(MOE, num_experts=6, num_experts_per_tok=3, head_dim=16)),
     "qwen3-moe-norm-dense": (transformers.Qwen3MoeConfig, dict(MOE, num_experts=4, norm_topk_prob=True, mlp_only_layers=[1],
                                                                decoder_sparse_step=2, head_dim=16)),
