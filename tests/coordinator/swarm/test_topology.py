@@ -33,6 +33,17 @@ def test_model_spec_charges_the_wire_dtype_and_fp32_kv(tiny_llama_store):
     assert f32.kv_bytes_per_token_layer == 2 * cfg.num_kv_heads * cfg.head_dim * 4
 
 
+def test_model_spec_counts_every_expert_of_an_moe_layer(tiny_model_factory, tiny_store_factory):
+    # Bug guarded: the selector seating MoE layers as if they held only the k experts a
+    # token runs (or none), so nodes are handed more layers than fit. Sound: a tiny
+    # Mixtral's 4 experts of 3 (128 x 64) f32 matrices each are 393216 bytes per layer,
+    # which the planner's bytes per layer must cover.
+    store = tiny_store_factory(tiny_model_factory("mixtral", num_local_experts=4, num_experts_per_tok=2))
+    spec = topology.model_spec(store, "f32")
+    cfg = store.config
+    assert spec.bytes_per_layer >= cfg.num_experts * 3 * cfg.hidden_size * cfg.expert_intermediate_size * 4 == 393216
+
+
 @pytest.mark.parametrize("addrs, expected", [
     (("/ip4/1.1.1.7/tcp/4001",), "1.1.1.0/24"),
     (("/ip4/127.0.0.1/tcp/1", "/ip4/198.51.100.9/tcp/2"), "peer:p"),  # documentation range is not global
