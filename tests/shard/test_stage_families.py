@@ -127,7 +127,7 @@ def test_prefill_chunked_and_decode_match(family, parts):
     assert (torch.cat(out) - ref).abs().max() <= TOL
 
 
-@pytest.mark.parametrize("parts", [1, 3])
+@pytest.mark.parametrize("parts", [1, 2, 3])
 def test_chain_of_eight_after_rejection_overwrite(family, parts):
     model = family[0]
     ids = torch.randint(3, VOCAB, (24,), generator=torch.Generator().manual_seed(2)).tolist()
@@ -147,7 +147,7 @@ def path_to(parents: list[int], i: int) -> list[int]:
     return path[::-1]
 
 
-@pytest.mark.parametrize("parts", [1, 2])
+@pytest.mark.parametrize("parts", [1, 2, 3])
 def test_tree_of_twelve_and_commit(family, parts):
     # Each node's logits equal its root-to-node path run causally; then the deepest path
     # is committed and one more token decoded on top of it.
