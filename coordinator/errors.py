@@ -34,6 +34,13 @@ class PromptTooLongError(CoordinatorError):
         )
 
 
+class EmptyPromptError(CoordinatorError):
+    """The prompt has no tokens: there is no last token to generate after."""
+
+    def __init__(self) -> None:
+        super().__init__("the prompt is empty: send at least one token of text to continue")
+
+
 class PromptFormatError(CoordinatorError):
     """The chat messages cannot be rendered by the model's chat template."""
 

@@ -232,10 +232,12 @@ def parse_chat_request(body: dict[str, Any], *, max_context_tokens: int) -> Chat
 
 
 def _prompt(value: object) -> str | tuple[int, ...]:
-    if isinstance(value, str):
-        return value
     if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str):
-        return value[0]
+        value = value[0]
+    if isinstance(value, str):
+        if not value:
+            raise _invalid_value("prompt", "must not be empty", value)
+        return value
     if isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
         return tuple(value)
     if isinstance(value, list) and value and all(isinstance(p, (str, list)) for p in value):

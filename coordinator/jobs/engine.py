@@ -23,7 +23,7 @@ import jinja2
 import trio
 
 from coordinator.spec.sampling import SamplingParams
-from coordinator.errors import JobFailedError, PromptFormatError, PromptTooLongError
+from coordinator.errors import EmptyPromptError, JobFailedError, PromptFormatError, PromptTooLongError
 
 FinishReason = Literal["stop", "length"]
 
@@ -127,11 +127,15 @@ class IncrementalDetokenizer:
         return ""
 
     def flush(self) -> str:
-        """Whatever is held back (a trailing incomplete character), as decoded."""
+        """What is held back, less a trailing incomplete character: the output ended
+        (max_tokens, EOS, the context) part-way through a multi-byte character, so the
+        bytes it has are not text, and U+FFFD would be a character the model never wrote.
+        (A model that really writes U+FFFD as its very last token loses it: the decoded
+        text cannot tell the two apart.)"""
         prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
         new_text = self._decode(self._ids[self._prefix_offset :])
         self._prefix_offset = self._read_offset = len(self._ids)
-        return new_text[len(prefix_text) :]
+        return new_text[len(prefix_text) :].rstrip("\ufffd")
 
 
 class StopMatcher:
@@ -187,7 +191,10 @@ Event = TextChunk | Finished
 
 
 def completion_budget(engine: Engine, prompt_tokens: int, params: SamplingParams) -> int:
-    """Tokens this request may generate: max_tokens, capped by the room left in the context."""
+    """Tokens this request may generate: max_tokens, capped by the room left in the context.
+    An empty prompt is refused here, before any job exists (EmptyPromptError)."""
+    if prompt_tokens < 1:
+        raise EmptyPromptError()
     room = engine.max_context_tokens - prompt_tokens
     if room < 1:
         raise PromptTooLongError(prompt_tokens, engine.max_context_tokens)

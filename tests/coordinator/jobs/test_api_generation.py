@@ -7,7 +7,7 @@ import torch
 import trio
 
 from coordinator.jobs.engine import Finished, IncrementalDetokenizer, StopMatcher, TextChunk, collect_text, encode_chat, open_generation
-from coordinator.errors import PromptTooLongError
+from coordinator.errors import EmptyPromptError, PromptTooLongError
 from coordinator.spec.sampling import SamplingParams
 
 EOS = 2  # tests/conftest.py's tiny tokenizer: </s>
@@ -81,6 +81,28 @@ def test_streamed_chunks_concatenate_to_the_whole_text_with_multibyte_characters
     chunks = [e.text for e in events if isinstance(e, TextChunk)]
     assert "".join(chunks) == "h\u00e9\u65e5!" and all("\ufffd" not in c for c in chunks)
     assert isinstance(events[-1], Finished) and events[-1].finish_reason == "length"
+
+
+@pytest.mark.parametrize("cut", [1, 2])
+def test_output_cut_inside_a_character_never_ends_in_a_replacement_character(scripted, cut):
+    # Bug guarded (issue 23): max_tokens=1 answered "\ufffd", and outputs cut by max_tokens
+    # ended in a broken character. Sound: the byte-level tiny tokenizer spells "日" as 3
+    # tokens, so max_tokens = 1 + cut stops inside it; the complete "a" must come out
+    # and nothing the model did not write.
+    engine = scripted(["a\u65e5"])
+    text, fin = collect(engine, [5], SamplingParams(temperature=0, max_tokens=1 + cut))
+    assert (text, fin.completion_tokens, fin.finish_reason) == ("a", 1 + cut, "length")
+    detok = IncrementalDetokenizer(engine.tokenizer, [5])
+    assert [detok.push(t) for t in engine.ids("\u65e5")[:1]] == [""] and detok.flush() == ""
+
+
+def test_empty_prompt_is_refused_before_any_job(scripted):
+    # Bug guarded (issue 23): an empty prompt reached the ring job, which had no root to
+    # verify and failed with an AttributeError (HTTP 500). Sound: no job may be opened.
+    engine = scripted(["abc"])
+    with pytest.raises(EmptyPromptError):
+        trio.run(open_generation, engine, [], SamplingParams())
+    assert engine.jobs == []
 
 
 def test_incremental_detokenizer_matches_full_decode(tiny_tokenizer):
