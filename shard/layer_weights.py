@@ -41,7 +41,8 @@ class LayerWeights:
             return t[name].to(device=device, dtype=dtype)
 
         def norm(name: str) -> torch.Tensor:
-            return get(name) + cfg.norm_offset
+            # The offset is added in fp32, as Gemma's own norm does, before any cast down.
+            return (t[name].float() + cfg.norm_offset).to(device=device, dtype=dtype)
 
         def linear(*names: str) -> Linear:
             return Linear(torch.cat([get(n) for n in names]), pack=pack)

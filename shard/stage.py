@@ -189,7 +189,7 @@ class OutputHead:
     def __init__(self, cfg: ModelConfig, norm: torch.Tensor, lm_head: torch.Tensor, *, dtype=torch.float32, device="cpu",
                  pack_weights: bool = True) -> None:
         self.cfg = cfg
-        self.norm = norm.to(device=device, dtype=dtype) + cfg.norm_offset
+        self.norm = (norm.float() + cfg.norm_offset).to(device=device, dtype=dtype)  # Gemma's (1 + w), in fp32
         self.lm_head = Linear(lm_head.to(device=device, dtype=dtype), pack=pack_weights)  # H -> V
 
     @torch.inference_mode()
