@@ -71,8 +71,9 @@ class RingInbox:
             with scope:
                 clean = await self._serve(stream, remote)
         finally:
-            mine.remove(scope)
-            if not mine:
+            if scope in mine:  # a displaced stream's scope was already taken out
+                mine.remove(scope)
+            if not mine and self._streams.get(remote) is mine:
                 del self._streams[remote]
             if clean:
                 await stream.aclose()
