@@ -1,7 +1,7 @@
 """LocalEngine: a whole causal LM in this process, one token per forward.
 
 The single-machine engine behind `shard-coord serve` without a ring, and the oracle that
-ring output is compared against. Each job owns a KV cache and a seeded generator; forwards
+ring output is compared against. Each job owns a KV cache and a seed; forwards
 run in a worker thread so the event loop keeps serving other requests. This module does
 not know about stages, the wire, drafters or HTTP; stopping rules live in engine.py.
 """
@@ -16,7 +16,7 @@ import torch
 import trio
 
 from coordinator.jobs.engine import eos_ids_of
-from coordinator.spec.sampling import SamplingParams, make_generator, sample
+from coordinator.spec.sampling import SamplingParams, job_seed, sample
 
 
 class LocalJob:
@@ -24,7 +24,7 @@ class LocalJob:
 
     def __init__(self, engine: LocalEngine, prompt_ids: list[int], params: SamplingParams) -> None:
         self._engine, self._prompt_ids, self._params = engine, prompt_ids, params
-        self._generator = make_generator(params.seed)
+        self._seed = job_seed(params.seed)
         self._cache: Any = None
         self._opened_s = time.perf_counter()
         self._ttft_s: float | None = None
@@ -33,21 +33,21 @@ class LocalJob:
         self._closed = False
         engine.open_jobs += 1
 
-    def _forward_and_sample(self, ids: list[int]) -> int:
-        """Runs in a worker thread: feed `ids` after the cache, sample the next token."""
+    def _forward_and_sample(self, ids: list[int], position: int) -> int:
+        """Runs in a worker thread: feed `ids` after the cache, sample the token at `position`."""
         model = self._engine.model
         with torch.inference_mode():  # grad mode is thread-local: set it in this thread
             if self._cache is None:
                 self._cache = self._engine.new_cache()
             out = model(torch.tensor([ids]), cache=self._cache, use_cache=True, logits_to_keep=1)
             logits = out.logits[0, -1]  # (V,)
-            return sample(logits, self._params, self._generator)
+            return sample(logits, self._params, self._seed, position)
 
     async def next_tokens(self) -> AsyncIterator[list[int]]:
         feed = self._prompt_ids
         position = len(self._prompt_ids)  # tokens in the cache once `feed` is in
         while not self._closed and position < self._engine.max_context_tokens:
-            token = await trio.to_thread.run_sync(self._forward_and_sample, feed)
+            token = await trio.to_thread.run_sync(self._forward_and_sample, feed, position)
             self._traversals += 1
             if self._ttft_s is None:
                 self._ttft_s = time.perf_counter() - self._opened_s

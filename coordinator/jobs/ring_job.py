@@ -25,10 +25,10 @@ import torch
 import trio
 
 from receipts import sha256_digest
-from coordinator.errors import JobFailedError, RingLost
+from coordinator.errors import EmptyPromptError, JobFailedError, RingLost
 from coordinator.trust.receipt_check import JobReceipts
 from coordinator.spec import adapt
-from coordinator.spec.accept import Acceptance, GreedyRows, accept_as_committed, accept_greedy_lazy, accept_sampling
+from coordinator.spec.accept import Acceptance, TargetChoices, accept_as_committed, accept_greedy_lazy, row_positions
 from coordinator.spec.draft_tree import DraftTree
 from coordinator.spec.draft_round import draft_round, is_confident
 from coordinator.spec.drafting import Drafter
@@ -39,7 +39,7 @@ from coordinator.jobs.job_stats import JobStats
 from coordinator.jobs.pipeline import Ahead, ahead_drafter, next_ahead, pipeline_depth, queued_rows, still_valid
 from coordinator.jobs.port import JobPort
 from coordinator.jobs.prefill import prefill_chunks
-from coordinator.spec.sampling import SamplingParams, make_generator, probs
+from coordinator.spec.sampling import SamplingParams, job_seed, sample
 from coordinator.swarm.swarm import RingState
 from coordinator.swarm.topology import Traversal
 from shard.ring_observer import NO_OBSERVER, RingObserver
@@ -109,12 +109,14 @@ class RingJob:
         """One verify round per traversal: the unfed root (last committed token) plus a
         draft; the accepted path and bonus token come back as one block. With no draft
         this is plain decoding, and the first round is the prefill."""
+        if not self.prompt_ids:  # no root to verify after: no round could be sent
+            raise EmptyPromptError()
         self.committed = list(self.prompt_ids)
-        generator = make_generator(self.params.seed)
+        seed = job_seed(self.params.seed)
         limit = self.max_context_tokens
         while len(self.committed) < limit:
             got = await self._next_round(limit)
-            acc = await self._accept(got, generator)
+            acc = await self._accept(got, seed)
             root_slot = len(self.committed) - 1
             tokens = self._commit(acc, limit)
             self._observe(got, acc, root_slot)
@@ -141,13 +143,17 @@ class RingJob:
         queued_behind = behind if self.ring_epoch == epoch else 0.0
         return Verified(tree, rows, traversal_s, draft_s, queued_behind, fed, tree_aux, pipelined=False)
 
-    async def _accept(self, got: Verified, generator: torch.Generator) -> Acceptance:
-        tree, rows, head = got.tree, got.rows, self.head
-        if self.params.greedy:  # LM-head rows only along the accepted path
-            return await trio.to_thread.run_sync(
-                lambda: accept_greedy_lazy(tree, GreedyRows(tree, lambda r: head.logits(rows[r]))))
-        target = probs(await trio.to_thread.run_sync(head.logits, rows), self.params)
-        return accept_sampling(tree, target, generator)
+    async def _accept(self, got: Verified, seed: int) -> Acceptance:
+        """The target's token at each row the walk reaches (LM-head rows only along the
+        accepted path): the argmax, or the draw plain sampling makes at that row's position
+        (coordinator.spec.accept: the text depends on the seed, never on the draft)."""
+        tree, rows, head, params = got.tree, got.rows, self.head, self.params
+        positions = row_positions(tree, len(self.committed) - 1)
+
+        def choose(r: list[int]) -> list[int]:
+            return [sample(logits, params, seed, positions[i]) for i, logits in zip(r, head.logits(rows[r]))]
+
+        return await trio.to_thread.run_sync(lambda: accept_greedy_lazy(tree, TargetChoices(tree, choose)))
 
     def _commit(self, acc: Acceptance, limit: int) -> list[int]:
         """Commit the accepted path and bonus token (clipped to the context); the ring then

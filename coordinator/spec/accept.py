@@ -81,15 +81,15 @@ def accept_as_committed(tree: DraftTree, committed: Sequence[int]) -> Acceptance
     return accept_greedy_lazy(tree, lambda row: committed[0 if row == 0 else depths[row - 1]])
 
 
-class GreedyRows:
-    """The target's argmax at verify rows, computed on demand by `logits_of(rows) ->
-    (len(rows), V)`: at first the root and the draft's first-child path in one batch (the
+class TargetChoices:
+    """The target's token at verify rows, computed on demand by `choose(rows) -> tokens`
+    (one per row): at first the root and the draft's first-child path in one batch (the
     rows acceptance walks when the draft is right; children come likeliest first), then
     any other row alone. A tree of M nodes then costs about its accepted length in
-    LM-head rows instead of M + 1."""
+    LM-head rows instead of M + 1. Pass it to `accept_greedy_lazy`."""
 
-    def __init__(self, tree: DraftTree, logits_of: Callable[[list[int]], torch.Tensor]) -> None:
-        self._logits_of, self._best = logits_of, {}
+    def __init__(self, tree: DraftTree, choose: Callable[[list[int]], Sequence[int]]) -> None:
+        self._choose, self._chosen = choose, {}
         rows, node = [0], -1
         while kids := tree.children(node):
             node = kids[0]
@@ -97,12 +97,39 @@ class GreedyRows:
         self._compute(rows)
 
     def _compute(self, rows: list[int]) -> None:
-        self._best.update(zip(rows, torch.argmax(self._logits_of(rows), dim=-1).tolist()))
+        self._chosen.update(zip(rows, self._choose(rows)))
 
     def __call__(self, row: int) -> int:
-        if row not in self._best:
+        if row not in self._chosen:
             self._compute([row])
-        return self._best[row]
+        return self._chosen[row]
+
+
+class GreedyRows(TargetChoices):
+    """The target's argmax at verify rows, from `logits_of(rows) -> (len(rows), V)`."""
+
+    def __init__(self, tree: DraftTree, logits_of: Callable[[list[int]], torch.Tensor]) -> None:
+        super().__init__(tree, lambda rows: torch.argmax(logits_of(rows), dim=-1).tolist())
+
+
+def row_positions(tree: DraftTree, root_slot: int) -> list[int]:
+    """(M+1,) the sequence position each verify row decides: the root's row the token
+    after the root (root_slot + 1), node i's row the token after node i."""
+    return [root_slot + 1] + [root_slot + 1 + d for d in tree.depths.tolist()]
+
+
+# Sampled acceptance (what jobs use at temperature > 0) is `accept_greedy_lazy` with
+# `TargetChoices` whose choice at a row is the token plain sampling would draw there:
+# the row's target distribution inverted at the uniform of the position it decides
+# (coordinator.spec.sampling.sample). Every committed token x_t = F_t^-1(u_t), with F_t
+# the target CDF given the committed history and u_t a uniform that depends on the seed
+# and t alone, so x_t ~ p_t exactly, and the text is the same whatever was drafted: a
+# draft decides how many of these tokens a traversal commits, never which. For drafts
+# picked deterministically (n-gram lookups, EAGLE's top-k: ChildSampling.GREEDY) the
+# chance that a node's children {x1..xk} hold the draw is p(x1) + ... + p(xk), the same
+# as recursive rejection sampling's (`accept_sampling`), so nothing is lost; for drafts
+# sampled from q, rejection sampling would accept more (sum of min(p, q)) but its text
+# would depend on the drafter.
 
 
 def accept_sampling(tree: DraftTree, target_probs: torch.Tensor, generator: torch.Generator) -> Acceptance:

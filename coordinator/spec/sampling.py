@@ -36,7 +36,8 @@ class SamplingParams:
 
     temperature 0 means greedy (argmax, ties to the lowest id). top_k 0 and top_p 1
     disable those filters. max_tokens None means "until the context is full". seed None
-    means fresh entropy per job; an int makes the job's draws reproducible.
+    means fresh entropy per job; an int makes the job's text reproducible, whatever the
+    drafter (each position's draw is a function of the seed and the position alone).
     """
 
     temperature: float = 1.0
@@ -68,11 +69,44 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
-def make_generator(seed: int | None) -> torch.Generator:
-    """A CPU generator for one job: seeded from `seed`, or from fresh OS entropy if None."""
-    g = torch.Generator(device="cpu")
-    g.manual_seed((secrets.randbits(63) if seed is None else seed) % 2**64)
-    return g
+def job_seed(seed: int | None) -> int:
+    """The 64-bit seed a job's draws come from: the request's, or fresh OS entropy if None."""
+    return (secrets.randbits(64) if seed is None else seed) % 2**64
+
+
+_MASK64 = 2**64 - 1
+
+
+def _splitmix64(x: int) -> int:
+    """One step of SplitMix64 (Steele et al. 2014): a bijective 64-bit mix whose outputs
+    pass BigCrush; used as a counter-based generator (no state to carry or replay)."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def uniform_at(seed: int, position: int) -> float:
+    """The uniform in [0, 1) that decides the token at `position` (its index in the
+    job's token sequence, prompt included) of a job seeded `seed`.
+
+    A pure function of (seed, position): the token a job samples at a position does not
+    depend on how many draws came before it, so plain decoding and every drafter (which
+    change how many positions one traversal decides, never which uniform decides each)
+    sample the same text. 53 bits: the float64 mantissa.
+    """
+    return (_splitmix64(_splitmix64(seed % 2**64) ^ position) >> 11) * 2.0**-53
+
+
+def draw(p: torch.Tensor, u: float) -> int:
+    """The index a (V,) distribution `p` gives the uniform `u` by inverting its CDF (in
+    float64): exactly p-distributed for a uniform u, and an entry with zero mass is never
+    returned (its CDF step is empty)."""
+    cdf = torch.cumsum(p.double(), dim=0)  # (V,)
+    index = int(torch.searchsorted(cdf, torch.tensor([u * float(cdf[-1])], dtype=torch.float64), right=True))
+    if index >= p.shape[0]:  # u * total rounded up to the total: take the last entry with mass
+        index = int(torch.nonzero(p).max())
+    return index
 
 
 def greedy_token(logits: torch.Tensor) -> int:
@@ -111,10 +145,10 @@ def probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return p / p.sum(dim=-1, keepdim=True)
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
-    """One token id from a (V,) logits row. Greedy at temperature 0 (the generator is not
-    advanced), else one draw from `probs(logits, params)` with `generator`."""
+def sample(logits: torch.Tensor, params: SamplingParams, seed: int, position: int) -> int:
+    """The token at `position` from its (V,) logits row: greedy at temperature 0, else
+    `probs(logits, params)` inverted at `uniform_at(seed, position)`. Speculative
+    acceptance draws every row the same way (coordinator.spec.accept.accept_choices)."""
     if params.greedy:
         return greedy_token(logits)
-    p = probs(logits, params)
-    return int(torch.multinomial(p, 1, generator=generator))
+    return draw(probs(logits, params), uniform_at(seed, position))

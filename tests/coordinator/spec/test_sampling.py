@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from coordinator.spec.sampling import SamplingParams, greedy_token, make_generator, probs, sample
+from coordinator.spec.sampling import SamplingParams, draw, greedy_token, job_seed, probs, sample, uniform_at
 from coordinator.errors import SamplingParamError
 
 VOCAB = 12
@@ -62,37 +62,57 @@ def test_greedy_is_argmax_with_ties_to_the_lowest_id():
     logits = torch.zeros(10)
     logits[3] = logits[7] = 5.0
     params = SamplingParams(temperature=0.0)
-    assert sample(logits, params, make_generator(0)) == 3
+    assert sample(logits, params, 0, 0) == 3
     assert probs(logits, params).tolist() == [0.0] * 3 + [1.0] + [0.0] * 6
 
 
-@given(logits_rows, st.integers(min_value=0, max_value=2**32))
+@given(logits_rows, st.integers(min_value=0, max_value=2**64 - 1))
 @settings(max_examples=40, deadline=None)
-def test_same_seed_same_tokens_and_draws_stay_in_support(logits, seed):
-    # Bug guarded: unseeded draws (irreproducible `seed`) or draws outside the filtered
-    # support. Sound: two generators with one seed must replay the same 20 draws.
+def test_draws_are_functions_of_seed_and_position_and_stay_in_support(logits, seed):
+    # Bug guarded: a draw that depends on how many draws came before it (so a drafter,
+    # which changes that, changes the text of a seeded request), or a draw outside the
+    # filtered support. Sound: 20 positions drawn forwards and backwards must agree.
     params = SamplingParams(temperature=0.9, top_k=5, top_p=0.8, seed=seed)
-    g1, g2 = make_generator(seed), make_generator(seed)
-    a = [sample(logits, params, g1) for _ in range(20)]
-    b = [sample(logits, params, g2) for _ in range(20)]
+    a = [sample(logits, params, seed, pos) for pos in range(20)]
+    b = [sample(logits, params, seed, pos) for pos in reversed(range(20))][::-1]
     assert a == b
     support = probs(logits, params) > 0
     assert all(bool(support[t]) for t in a)
 
 
+def test_uniforms_are_uniform_and_independent_across_seeds_and_positions():
+    # Bug guarded: a weak mix (e.g. seed + position) that makes neighbouring seeds or
+    # positions share draws. Sound: 20000 uniforms over a seeds x positions grid have
+    # mean 1/2 and variance 1/12 within 5 sigma, and (seed, pos) vs (seed + 1, pos - 1)
+    # agree no more than chance.
+    u = torch.tensor([[uniform_at(s, p) for p in range(200)] for s in range(100)], dtype=torch.float64)
+    n = u.numel()
+    assert abs(float(u.mean()) - 0.5) < 5 * math.sqrt(1 / 12 / n)
+    assert abs(float(u.var()) - 1 / 12) < 0.005
+    assert bool(((u >= 0) & (u < 1)).all())
+    assert float((u[1:, :-1] - u[:-1, 1:]).abs().min()) > 0  # no shifted copies
+    assert job_seed(-1) == 2**64 - 1 and job_seed(None) != job_seed(None)
+
+
 def test_sampling_frequencies_match_probs():
     # Bug guarded: sample() drawing from something other than probs() (e.g. forgetting the
-    # temperature). Sound: 4000 draws, each frequency within 5 sigma of its probability.
+    # temperature). Sound: 4000 positions, each frequency within 5 sigma of its probability.
     logits = torch.tensor([2.0, 1.0, 0.5, -1.0, 0.0])
     params = SamplingParams(temperature=0.7, top_k=4)
     p = probs(logits, params)
-    g = make_generator(1234)
     n = 4000
-    counts = torch.bincount(torch.tensor([sample(logits, params, g) for _ in range(n)]), minlength=5)
+    counts = torch.bincount(torch.tensor([sample(logits, params, 1234, pos) for pos in range(n)]), minlength=5)
     for i in range(5):
         sigma = math.sqrt(n * float(p[i]) * (1 - float(p[i]))) + 1e-9
         assert abs(int(counts[i]) - n * float(p[i])) <= 5 * sigma + 1
     assert counts[3] == 0  # the lowest logit is outside top-4
+
+
+def test_draw_inverts_the_cdf_and_skips_empty_entries():
+    # Bug guarded: an off-by-one at the CDF's steps, or a zero-mass entry returned at a
+    # boundary. Sound: the CDF of [0.25, 0, 0.75] is [0.25, 0.25, 1].
+    p = torch.tensor([0.25, 0.0, 0.75])
+    assert [draw(p, u) for u in (0.0, 0.2499, 0.25, 0.9999999)] == [0, 0, 2, 2]
 
 
 def test_probs_works_on_batches_of_rows():
