@@ -16,7 +16,10 @@ import trio
 
 from coordinator.assembly import open_coordinator
 from coordinator.config import CoordConfig
-from coordinator.gateway.api import create_app, serve_http
+from coordinator.gateway.api import serve_http
+from coordinator.gateway.metrics import GatewayMetrics
+from coordinator.gateway.operator import create_gateway
+from coordinator.trust.report import trust_report
 from shard.identity import load_or_create_identity
 from shard.store import cache_root, open_or_prepare
 
@@ -33,9 +36,12 @@ async def serve_coordinator(config: CoordConfig, task_status=trio.TASK_STATUS_IG
     keypair = load_or_create_identity(config.key_path or cache_root() / "coordinator.key")
     host_name, port = config.http.rsplit(":", 1)
     api = dataclasses.replace(config.api, host=host_name, port=int(port))
-    async with open_coordinator(config, store, tokenizer, keypair) as coordinator:
+    metrics = GatewayMetrics()  # the ring's rounds are observed from the start
+    async with open_coordinator(config, store, tokenizer, keypair, observer=metrics) as coordinator:
         nursery = coordinator.nursery
-        http_port = await nursery.start(serve_http, create_app(coordinator.engine, api), api.host, api.port)
+        gateway = create_gateway(coordinator.engine, api, metrics=metrics,
+                                 trust=lambda: trust_report(coordinator.receipts, coordinator.auditor))
+        http_port = await nursery.start(serve_http, gateway, api.host, api.port)
         for i in range(config.local_nodes):
             nursery.start_soon(run_local_node, config, store.root, coordinator.addr, i)
         log.info("coordinator %s listening; HTTP on %s:%d", coordinator.addr, api.host, http_port)

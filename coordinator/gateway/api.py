@@ -37,6 +37,7 @@ from coordinator.jobs.engine import Engine, Finished, Generation, TextChunk, com
 from coordinator.gateway.openai_schema import ChatRequest, CompletionRequest, parse_chat_request, parse_completion_request, parse_json_object
 from coordinator.errors import (CoordinatorError, EmptyPromptError, JobFailedError, NotReadyError, PromptFormatError, PromptTooLongError,
                                 RequestError, SamplingParamError)
+from coordinator.gateway.auth import KeyBook
 from shard.options import option
 
 log = logging.getLogger(__name__)
@@ -49,6 +50,16 @@ class ApiConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     max_concurrent_jobs: int = option(8, "requests beyond this get 429")  # instead of queueing
+    # Keys and the operator's surface (coordinator.gateway.auth, .operator).
+    api_keys: KeyBook | None = option(None, "file of API keys, one a line; requests then need `Authorization: "
+                                      "Bearer KEY` (default: none, the API is open)", parse=KeyBook.from_file)
+    key_max_concurrent_jobs: int = option(0, "generations one API key may run at once, more get 429 (default: 0, no limit)")
+    key_tokens_per_minute: int = option(0, "prompt and generated tokens one API key may use a minute, past it 429 "
+                                        "with Retry-After (default: 0, no limit)")
+    public_health: bool = option(True, "with --api-keys, serve /health without a key")
+    public_status: bool = option(False, "with --api-keys, serve the status page's data (/v1/ring, /v1/status) "
+                                 "without a key (the page itself asks for one otherwise)")
+    public_metrics: bool = option(False, "with --api-keys, serve /metrics without a key")
 
 
 def error_response(err: RequestError) -> JSONResponse:

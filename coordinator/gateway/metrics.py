@@ -1,0 +1,229 @@
+"""Prometheus metrics for the gateway, on a registry of its own (two apps in one process,
+as in tests, never share or collide), served as text at GET /metrics.
+
+Three feeds, each where the fact is first known: the HTTP tap (`HttpTap`: every response's
+route and status, refusals by keys included), the job watcher (coordinator.gateway.metering:
+TTFT, inter-token latency, tokens, traversals per drafter, receipt failures), and a
+RingObserver handed to open_coordinator (each round's traversal from send to the tail's
+Result, each stage's compute from the Result's per-stage times, the rest of the traversal
+as transport: frames carry no per-hop timestamps, so measured transfer time is the ring's
+whole, while the per-hop gauges are the links the plan measured by probes). The ring's
+state and the audit counts are read at scrape time from `engine.info()` and a trust
+report. Does not decide anything, and knows no engine internals beyond those dicts.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from coordinator.gateway.metering import JobRecord
+from shard.ring_observer import RingObserver
+from shard.wire.messages import Forward, Result
+
+LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+TTFT_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+TOKENS_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)
+# Rounds sent whose Result has not come (a ring lost mid-round): the oldest are forgotten.
+MAX_ROUNDS_IN_FLIGHT = 4096
+# Route labels are the gateway's own paths; anything else is "other" (a scanner probing
+# random paths must not create a time series per path).
+ROUTES = frozenset({"/", "/metrics", "/health", "/v1/models", "/v1/chat/completions", "/v1/completions", "/v1/ring",
+                    "/v1/status"})
+ROUTE_PREFIXES = ("/v1/models", "/v1/receipts", "/static")  # routes with a path parameter
+
+
+def route_of(path: str) -> str:
+    if path in ROUTES:
+        return path
+    return next((p for p in ROUTE_PREFIXES if path.startswith(p + "/")), "other")
+
+
+class GatewayMetrics(RingObserver):
+    """Every gateway metric, on `self.registry`. Pass it to open_coordinator as its observer
+    and to the gateway as a job watcher; `set_sources` names what scrapes read."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        self.http_requests = Counter("shard_http_requests", "HTTP responses by route and status",
+                                     ["route", "status"], registry=r)
+        self.key_refusals = Counter("shard_api_key_refusals", "requests refused by API keys and their limits",
+                                    ["reason"], registry=r)
+        self.prompt_tokens = Counter("shard_prompt_tokens", "prompt tokens of the jobs opened", registry=r)
+        self.generated_tokens = Counter("shard_generated_tokens", "tokens the engine committed (a block that "
+                                        "crosses a stop string counts whole)", registry=r)
+        self.jobs = Counter("shard_jobs", "jobs ended, by outcome", ["outcome"], registry=r)
+        self.ttft = Histogram("shard_time_to_first_token_seconds", "job opened to its first committed token "
+                              "(prefill traversal included)", buckets=TTFT_BUCKETS_S, registry=r)
+        self.inter_token = Histogram("shard_inter_token_latency_seconds", "gap before a block divided by its tokens, "
+                                     "observed once per token", buckets=LATENCY_BUCKETS_S, registry=r)
+        self.running = Gauge("shard_jobs_running", "jobs producing tokens", registry=r)
+        self.waiting = Gauge("shard_jobs_waiting", "jobs opened and waiting for their first token (prefill)",
+                             registry=r)
+        self.traversals = Counter("shard_traversals", "ring traversals committed, by drafter family (none: "
+                                  "no draft, the prefill's included)", ["drafter"], registry=r)
+        self.traversal_tokens = Counter("shard_traversal_tokens", "tokens those traversals committed", ["drafter"],
+                                        registry=r)
+        self.tokens_per_traversal = Histogram("shard_tokens_per_traversal", "a job's mean tokens per traversal, "
+                                              "per drafter family", ["drafter"], buckets=TOKENS_BUCKETS, registry=r)
+        self.traversal_s = Histogram("shard_ring_traversal_seconds", "a round from send to the tail's Result, "
+                                     "by frame phase (verify: carries a draft)", ["phase"], buckets=LATENCY_BUCKETS_S,
+                                     registry=r)
+        self.transport_s = Histogram("shard_ring_transport_seconds", "a round's traversal less its stages' compute: "
+                                     "every hop's transfer together", buckets=LATENCY_BUCKETS_S, registry=r)
+        self.stage_compute_s = Histogram("shard_stage_compute_seconds", "a stage's compute for one frame, by its "
+                                         "index in the ring", ["stage"], buckets=LATENCY_BUCKETS_S, registry=r)
+        self.lm_head_s = Histogram("shard_lm_head_seconds", "the coordinator's final norm and LM head over a batch",
+                                   buckets=LATENCY_BUCKETS_S, registry=r)
+        self.receipt_failures = Counter("shard_receipt_failures", "jobs failed closed by a receipt check, by check",
+                                        ["check"], registry=r)
+        self._sent: OrderedDict[tuple[str, int], tuple[float, str]] = OrderedDict()
+        self._ring_info: Callable[[], dict[str, Any]] = dict
+        self._trust: Callable[[], dict[str, Any]] = dict
+        r.register(_ScrapeCollector(self))
+
+    def set_sources(self, ring_info: Callable[[], dict[str, Any]], trust: Callable[[], dict[str, Any]]) -> None:
+        """What a scrape reads: the engine's info() and the trust report."""
+        self._ring_info, self._trust = ring_info, trust
+
+    # -- JobWatcher -----------------------------------------------------------------------------
+    def job_opened(self) -> None:
+        self.waiting.inc()
+
+    def first_token(self, ttft_s: float) -> None:
+        self.ttft.observe(ttft_s)
+        self.waiting.dec()
+        self.running.inc()
+
+    def block(self, tokens: int, gap_s: float) -> None:
+        for _ in range(tokens):
+            self.inter_token.observe(gap_s / tokens)
+
+    def job_ended(self, record: JobRecord) -> None:
+        (self.running if record.ttft_s is not None else self.waiting).dec()
+        self.prompt_tokens.inc(record.prompt_tokens)
+        self.generated_tokens.inc(record.tokens)
+        self.jobs.labels("error" if record.error else "ok").inc()
+        for family, (rounds, tokens) in record.drafted.items():
+            self.traversals.labels(family).inc(rounds)
+            self.traversal_tokens.labels(family).inc(tokens)
+            if rounds:
+                self.tokens_per_traversal.labels(family).observe(tokens / rounds)
+        if record.receipt_check is not None:
+            self.receipt_failures.labels(record.receipt_check).inc()
+
+    # -- RingObserver (trio thread; logits_computed: a worker thread) ---------------------------
+    def round_sent(self, fwd: Forward) -> None:
+        self._sent[(fwd.job_id, fwd.round)] = (time.monotonic(), fwd.phase)
+        while len(self._sent) > MAX_ROUNDS_IN_FLIGHT:
+            self._sent.popitem(last=False)
+
+    def result_arrived(self, result: Result) -> None:
+        sent = self._sent.pop((result.job_id, result.round), None)
+        for i, s in enumerate(result.compute_s):
+            self.stage_compute_s.labels(str(i)).observe(s)
+        if sent is None:
+            return
+        traversal_s = time.monotonic() - sent[0]
+        self.traversal_s.labels(sent[1]).observe(traversal_s)
+        self.transport_s.observe(max(0.0, traversal_s - sum(result.compute_s)))
+
+    def logits_computed(self, seconds: float) -> None:
+        self.lm_head_s.observe(seconds)
+
+    async def endpoint(self, request: Request) -> Response:
+        return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+class _ScrapeCollector(Collector):
+    """The ring's state and the audits' counts, read when Prometheus scrapes."""
+
+    def __init__(self, metrics: GatewayMetrics) -> None:
+        self.metrics = metrics
+
+    def describe(self) -> list:
+        return []  # the families depend on the sources; nothing to check at registration
+
+    def collect(self) -> Iterator[Any]:
+        info = self.metrics._ring_info() or {}
+        yield _gauge("shard_ring_ready", "1 when a ring is formed", int(bool(info.get("ready"))))
+        yield _gauge("shard_ring_epoch", "the current ring's epoch (0: none)", info.get("epoch") or 0)
+        yield _gauge("shard_ring_stages", "stages in the current ring", len(info.get("members") or ()))
+        yield _gauge("shard_registered_nodes", "nodes registered with the coordinator", info.get("registered_nodes") or 0)
+        plan = (info.get("topology") or {}).get("plan") or {}
+        hop_latency = GaugeMetricFamily("shard_hop_latency_seconds", "one-way latency of each hop of the ring "
+                                        "(probe-measured; estimated=1 where no probe ran)", labels=["hop", "estimated"])
+        hop_send = GaugeMetricFamily("shard_hop_round_send_seconds", "predicted time to put one decode round on "
+                                     "each hop at its sender's measured upload", labels=["hop"])
+        for i, hop in enumerate(plan.get("hops") or ()):
+            hop_latency.add_metric([str(i), str(int(bool(hop.get("latency_estimated"))))], hop.get("latency_s") or 0.0)
+            hop_send.add_metric([str(i)], hop.get("round_send_s") or 0.0)
+        yield hop_latency
+        yield hop_send
+        trust = self.metrics._trust() or {}
+        audits = trust.get("audits") or {}
+        yield _counter("shard_audits", "stage audits done (replayed and compared)", audits.get("audits", 0))
+        yield _counter("shard_audit_frames", "frames audits compared", audits.get("frames_compared", 0))
+        skipped = CounterMetricFamily("shard_audits_skipped", "audits not done, by reason", labels=["reason"])
+        skipped.add_metric(["stale"], audits.get("skipped_stale", 0))
+        skipped.add_metric(["stage_gone"], audits.get("skipped_gone", 0))
+        yield skipped
+        yield _counter("shard_audit_evidence", "signed evidence records against stages", audits.get("evidence", 0))
+        yield _gauge("shard_faulty_nodes", "nodes excluded from rings by audits", len(trust.get("faulty") or ()))
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, value=value)
+
+
+def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(name, doc, value=value)
+
+
+class HttpTap:
+    """ASGI middleware: counts every response by route and status, and hands an error
+    response's message (OpenAI's `error.message`, from at most 8 KiB of body) to `on_error`."""
+
+    MAX_ERROR_BODY_BYTES = 8192
+
+    def __init__(self, app: ASGIApp, metrics: GatewayMetrics,
+                 on_error: Callable[[str, str, int, str], None] = lambda method, path, status, message: None) -> None:
+        self.app, self.metrics, self.on_error = app, metrics, on_error
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status, body = 0, bytearray()
+
+        async def tapped(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                self.metrics.http_requests.labels(route_of(scope["path"]), str(status)).inc()
+            elif message["type"] == "http.response.body" and status >= 400 and len(body) < self.MAX_ERROR_BODY_BYTES:
+                body.extend(message.get("body", b"")[: self.MAX_ERROR_BODY_BYTES - len(body)])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send=tapped)
+        finally:
+            if status >= 400:
+                self.on_error(scope["method"], scope["path"], status, _error_message(bytes(body)))
+
+
+def _error_message(body: bytes) -> str:
+    try:
+        return str(json.loads(body)["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return body.decode("utf-8", "replace")[:200]

@@ -1,0 +1,172 @@
+"""Prometheus metrics (coordinator.gateway.metrics) and the status page's window
+(coordinator.gateway.status_page, coordinator.gateway.metering): names, and that they move."""
+
+from __future__ import annotations
+
+import re
+
+import httpx
+import trio
+from prometheus_client.parser import text_string_to_metric_families
+
+from coordinator.gateway.api import ApiConfig
+from coordinator.gateway.metering import JobRecord, drafted_rounds
+from coordinator.gateway.metrics import GatewayMetrics, route_of
+from coordinator.gateway.operator import create_gateway
+from coordinator.gateway.status_page import window_summary
+from shard.wire.messages import Forward, Result
+
+HELLO = [{"role": "user", "content": "hello"}]
+# The names the issue asks for, as Prometheus exposes them (counters end in _total).
+EXPECTED = {
+    "shard_http_requests_total", "shard_generated_tokens_total", "shard_prompt_tokens_total", "shard_jobs_total",
+    "shard_time_to_first_token_seconds", "shard_inter_token_latency_seconds", "shard_jobs_running",
+    "shard_jobs_waiting", "shard_traversals_total", "shard_traversal_tokens_total", "shard_tokens_per_traversal",
+    "shard_ring_traversal_seconds", "shard_ring_transport_seconds", "shard_stage_compute_seconds",
+    "shard_hop_latency_seconds", "shard_hop_round_send_seconds", "shard_receipt_failures_total",
+    "shard_audits_total", "shard_audit_evidence_total", "shard_api_key_refusals_total", "shard_ring_ready",
+}
+
+
+def scrape(client_get) -> dict[str, float]:
+    """`name{labels}` -> value for every sample of a /metrics body."""
+    out = {}
+    for family in text_string_to_metric_families(client_get("/metrics").text):
+        for s in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return out
+
+
+def asgi_calls(app, fn):
+    async def main():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+            return await fn(client)
+
+    return trio.run(main)
+
+
+def test_metric_names_are_present_and_move_after_a_request(scripted):
+    # Bug guarded: a metric the issue names missing, misnamed against Prometheus's
+    # conventions, or never fed. Sound: the exposition is parsed by prometheus_client's own
+    # parser; every counter asked for moves by exactly what one request did.
+    engine = scripted([" one", " two", " three"])
+    engine.info = lambda: {"ready": True, "members": [{"layers": [0, 2]}, {"layers": [2, 5]}], "epoch": 3,
+                           "topology": {"plan": {"hops": [{"latency_s": 0.01, "latency_estimated": False,
+                                                           "round_send_s": 0.001}] * 3}}}
+    metrics = GatewayMetrics()
+    app = create_gateway(engine, ApiConfig(), metrics=metrics,
+                         trust=lambda: {"audits": {"audits": 4, "evidence": 1, "frames_compared": 9}})
+
+    async def fn(client):
+        first = await client.get("/metrics")
+        before = scrape_text(first)
+        r = await client.post("/v1/chat/completions", json={"model": "scripted", "messages": HELLO, "max_tokens": 40})
+        refused = await client.post("/v1/chat/completions", json={"model": "nope", "messages": HELLO})
+        after = scrape_text(await client.get("/metrics"))
+        return first, before, r.json(), refused.status_code, after
+
+    first, before, body, refused, after = asgi_calls(app, fn)
+    assert first.headers["content-type"].startswith("text/plain")
+    # Declared (HELP and TYPE) from the start, before any series of a labelled one exists.
+    names = set(re.findall(r"^# TYPE (\S+) ", first.text, re.M))
+    assert EXPECTED <= names, EXPECTED - names
+    tokens = len(engine.ids(" one two three"))
+    assert body["usage"]["completion_tokens"] == tokens and refused == 404
+    moved = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+    assert moved['shard_http_requests_total{route="/v1/chat/completions",status="200"}'] == 1
+    assert moved['shard_http_requests_total{route="/v1/chat/completions",status="404"}'] == 1
+    assert moved["shard_generated_tokens_total"] == tokens
+    assert moved["shard_prompt_tokens_total"] == body["usage"]["prompt_tokens"]
+    assert moved['shard_jobs_total{outcome="ok"}'] == 1
+    assert moved["shard_time_to_first_token_seconds_count"] == 1
+    # One observation per token after the first block's: the inter-token histogram counts tokens.
+    assert moved["shard_inter_token_latency_seconds_count"] == tokens - len(engine.ids(" one"))
+    assert after["shard_jobs_running"] == 0 and after["shard_jobs_waiting"] == 0
+    assert after["shard_ring_stages"] == 2 and after["shard_ring_epoch"] == 3
+    assert after['shard_hop_latency_seconds{estimated="0",hop="2"}'] == 0.01
+    assert after["shard_audits_total"] == 4 and after["shard_audit_evidence_total"] == 1
+
+
+def scrape_text(response) -> dict[str, float]:
+    return scrape(lambda path: response)
+
+
+def test_two_gateways_keep_their_own_registries(scripted):
+    # Bug guarded: metrics on the global registry, where a second app in one process (tests,
+    # a restart in-process) raises "Duplicated timeseries" or mixes counts. Sound: both
+    # build, and a request to one leaves the other's counters where they were.
+    a, b = GatewayMetrics(), GatewayMetrics()
+    app_a = create_gateway(scripted([" x"]), metrics=a)
+    create_gateway(scripted([" x"]), metrics=b)
+    asgi_calls(app_a, lambda c: c.post("/v1/completions", json={"model": "scripted", "prompt": "hi", "max_tokens": 2}))
+    assert a.generated_tokens._value.get() == 2 and b.generated_tokens._value.get() == 0
+
+
+def test_ring_observer_times_each_round_and_each_stage():
+    # Bug guarded: traversal time taken from the wrong round (pipelined rounds overlap) or
+    # compute attributed to the wrong stage. Sound: a round's time is its own send to its
+    # own Result; per-stage compute comes from the Result's per-stage times.
+    m = GatewayMetrics()
+    for rnd, phase in ((1, "prefill"), (2, "verify")):
+        m.round_sent(_forward("job", rnd, phase))
+    m.result_arrived(_result("job", 2, (0.002, 0.003)))
+    m.result_arrived(_result("job", 1, (0.004, 0.005)))
+    m.result_arrived(_result("job", 9, (0.001,)))  # never sent (another gateway's): compute only
+    assert _count(m, "shard_ring_traversal_seconds", {"phase": "prefill"}) == 1
+    assert _count(m, "shard_ring_traversal_seconds", {"phase": "verify"}) == 1
+    assert _count(m, "shard_stage_compute_seconds", {"stage": "0"}) == 3
+    assert _count(m, "shard_stage_compute_seconds", {"stage": "1"}) == 2
+    assert m.registry.get_sample_value("shard_stage_compute_seconds_sum", {"stage": "1"}) == 0.008
+    assert _count(m, "shard_ring_transport_seconds", {}) == 2
+
+
+def _count(m, name, labels):
+    return m.registry.get_sample_value(name + "_count", labels)
+
+
+def _forward(job, rnd, phase):
+    import torch
+
+    return Forward(job_id=job, epoch=1, round=rnd, nonce=b"\0" * 16, phase=phase, ctx_len=0,
+                   positions=torch.zeros(1, dtype=torch.int64), tokens=torch.zeros(1, dtype=torch.int64))
+
+
+def _result(job, rnd, compute):
+    import torch
+
+    return Result(job_id=job, epoch=1, round=rnd, hidden=torch.zeros(1, 4), compute_s=compute)
+
+
+def test_route_labels_are_bounded():
+    # Bug guarded: a label per requested path, so a scanner creates unbounded series.
+    assert route_of("/v1/receipts/abc123") == "/v1/receipts" and route_of("/v1/models/x/y") == "/v1/models"
+    assert route_of("/wp-login.php") == "other" and route_of("/static/status.js") == "/static"
+
+
+def test_drafted_rounds_counts_the_undrafted_rounds_as_none():
+    # Sound: 5 traversals, 3 drafted by ngram committing 7 tokens; the other 2 (the prefill
+    # among them) committed the rest of the 10 tokens.
+    stats = {"traversals": 5, "draft_rounds": {"ngram": 3}, "draft_round_tokens": {"ngram": 7}}
+    assert drafted_rounds(stats, 10) == {"ngram": (3, 7), "none": (2, 3)}
+    assert drafted_rounds({"engine": "local"}, 10) == {}
+
+
+def _job(ended_at, tokens=10, ttft=0.1, traversals=5, error=None):
+    return JobRecord(ended_at=ended_at, prompt_tokens=3, tokens=tokens, ttft_s=ttft, duration_s=1.0,
+                     traversals=traversals, drafted={"ngram": (traversals, tokens)}, error=error)
+
+
+def test_window_summary_counts_only_the_window_and_divides_by_the_time_it_covers():
+    # Bug guarded: old jobs kept in the rates, or a young gateway's rate divided by the
+    # whole window. Sound: the arithmetic is done by hand for three jobs.
+    jobs = [_job(1000.0 - 400), _job(1000.0 - 100, tokens=30, ttft=0.3, traversals=10), _job(1000.0 - 5, error="x")]
+    full = window_summary(jobs, 1000.0, window_s=300, bucket_s=10)
+    assert full["requests"] == 2 and full["failed"] == 1 and full["tokens"] == 40
+    assert full["tokens_per_s"] == 40 / 300 and full["tokens_per_traversal"] == 40 / 15
+    assert full["ttft_s"] == {"median": 0.2, "p90": 0.3}
+    assert full["drafters"]["ngram"] == {"traversals": 15, "tokens": 40, "tokens_per_traversal": 40 / 15}
+    assert len(full["series"]) == 30 and sum(b["requests"] for b in full["series"]) == 2
+    assert full["series"][-1]["requests"] == 1 and full["series"][-1]["ago_s"] == 0
+    young = window_summary(jobs, 1000.0, window_s=300, bucket_s=10, since=1000.0 - 120)
+    assert young["tokens_per_s"] == 40 / 120
