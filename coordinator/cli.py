@@ -38,7 +38,7 @@ shard is serving {model} at {base}/v1 (OpenAI-compatible). Try:
   {python} -c "from openai import OpenAI; c = OpenAI(base_url='{base}/v1', api_key='none'); \\
 print(c.chat.completions.create(model='{model}', messages=[{{'role': 'user', 'content': 'Name three colours.'}}], max_tokens=40).choices[0].message.content)"
 
-Ring status: curl {base}/v1/ring     Stop: Ctrl-C
+Status page: {base}/     Metrics: {base}/metrics     Ring as JSON: curl {base}/v1/ring     Stop: Ctrl-C
 """
 
 

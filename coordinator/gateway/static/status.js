@@ -82,7 +82,7 @@ function drawNodes(info) {
     return `<tr class="node" data-peer="${esc(peer)}" data-role="${esc(role.role || (m && m.role) || "")}">
       <td class="mono" title="${esc(peer)}">${esc(short(peer))}</td><td>${esc(role.role || (m && m.role) || "–")}</td>
       <td>${layers}</td><td>${esc(role.reason || "")}</td><td>${esc((m && m.device) || "–")}</td>
-      <td>${num(n.decode_s_per_layer * 1e3, 3)}</td><td>${mbit(n.upload_bytes_per_s)} / ${mbit(n.download_bytes_per_s)}</td>
+      <td>${n.decode_s_per_layer == null ? "–" : num(n.decode_s_per_layer * 1e3, 3)}</td><td>${mbit(n.upload_bytes_per_s)} / ${mbit(n.download_bytes_per_s)}</td>
       <td>${ms(n.one_way_to_coordinator_s, 2)}</td><td>${state}</td></tr>`;
   });
   $("nodes").tBodies[0].innerHTML = rows.join("") || '<tr><td colspan="9" class="mute">no node registered</td></tr>';
