@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from coordinator.spec.penalties import LogitRules
 from coordinator.spec.sampling import MAX_STOP_STRINGS, SamplingParams
 from coordinator.errors import RequestError, SamplingParamError
 
@@ -177,6 +178,22 @@ def _stop(value: object) -> tuple[str, ...]:
     raise _invalid_type("stop", "a string or an array of strings", value)
 
 
+def _logit_bias(value: object) -> tuple[tuple[int, float], ...]:
+    """OpenAI's {"token id": bias} map (JSON keys are strings) as sorted (id, bias) pairs."""
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        raise _invalid_type("logit_bias", "an object mapping token ids to numbers", value)
+    pairs: dict[int, float] = {}
+    for key, bias in value.items():
+        if not key.strip().isdigit():
+            raise _invalid_value("logit_bias", "keys must be token ids", key)
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)):
+            raise _invalid_type(f"logit_bias.{key}", "a number", bias)
+        pairs[int(key)] = float(bias)
+    return tuple(sorted(pairs.items()))
+
+
 def _common(f: _Fields, *, max_tokens: int | None, max_context_tokens: int) -> tuple[SamplingParams, bool, bool]:
     """Fields chat and completions share: sampling, stopping, streaming, unsupported knobs."""
     if max_tokens is not None and max_tokens > max_context_tokens:
@@ -184,11 +201,11 @@ def _common(f: _Fields, *, max_tokens: int | None, max_context_tokens: int) -> t
     n = f.int_("n", 1)
     if n != 1:
         raise _unsupported("n", "only n=1 is supported")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if f.number(name, 0.0) != 0.0:
-            raise _unsupported(name, "penalties are not supported; use 0")
-    if f.get("logit_bias") not in (None, {}):
-        raise _unsupported("logit_bias", "logit_bias is not supported")
+    try:
+        rules = LogitRules(f.number("presence_penalty", 0.0), f.number("frequency_penalty", 0.0),
+                           _logit_bias(f.get("logit_bias")))
+    except SamplingParamError as exc:
+        raise _invalid_value(exc.param, exc.reason, exc.value) from exc
     user = f.get("user")
     if user is not None and not isinstance(user, str):
         raise _invalid_type("user", "a string", user)
@@ -205,6 +222,7 @@ def _common(f: _Fields, *, max_tokens: int | None, max_context_tokens: int) -> t
             seed=f.int_("seed", None),
             max_tokens=max_tokens,
             stop=_stop(f.get("stop")),
+            rules=rules,
         )
     except SamplingParamError as exc:
         raise _invalid_value(exc.param, exc.reason, exc.value) from exc

@@ -33,21 +33,24 @@ class LocalJob:
         self._closed = False
         engine.open_jobs += 1
 
-    def _forward_and_sample(self, ids: list[int], position: int) -> int:
-        """Runs in a worker thread: feed `ids` after the cache, sample the token at `position`."""
+    def _forward_and_sample(self, ids: list[int], position: int, generated: list[int]) -> int:
+        """Runs in a worker thread: feed `ids` after the cache, sample the token at `position`
+        (after `generated`, this completion's tokens so far)."""
         model = self._engine.model
         with torch.inference_mode():  # grad mode is thread-local: set it in this thread
             if self._cache is None:
                 self._cache = self._engine.new_cache()
             out = model(torch.tensor([ids]), cache=self._cache, use_cache=True, logits_to_keep=1)
             logits = out.logits[0, -1]  # (V,)
-            return sample(logits, self._params, self._seed, position)
+            return sample(logits, self._params, self._seed, position, generated)
 
     async def next_tokens(self) -> AsyncIterator[list[int]]:
         feed = self._prompt_ids
         position = len(self._prompt_ids)  # tokens in the cache once `feed` is in
+        generated: list[int] = []
         while not self._closed and position < self._engine.max_context_tokens:
-            token = await trio.to_thread.run_sync(self._forward_and_sample, feed, position)
+            token = await trio.to_thread.run_sync(self._forward_and_sample, feed, position, generated)
+            generated.append(token)
             self._traversals += 1
             if self._ttft_s is None:
                 self._ttft_s = time.perf_counter() - self._opened_s

@@ -28,7 +28,8 @@ from receipts import sha256_digest
 from coordinator.errors import EmptyPromptError, JobFailedError, RingLost
 from coordinator.trust.receipt_check import JobReceipts
 from coordinator.spec import adapt
-from coordinator.spec.accept import Acceptance, TargetChoices, accept_as_committed, accept_greedy_lazy, row_positions
+from coordinator.spec.accept import (Acceptance, TargetChoices, accept_as_committed, accept_greedy_lazy, row_paths,
+                                     row_positions)
 from coordinator.spec.draft_tree import DraftTree
 from coordinator.spec.draft_round import draft_round, is_confident
 from coordinator.spec.drafting import Drafter
@@ -149,9 +150,12 @@ class RingJob:
         (coordinator.spec.accept: the text depends on the seed, never on the draft)."""
         tree, rows, head, params = got.tree, got.rows, self.head, self.params
         positions = row_positions(tree, len(self.committed) - 1)
+        generated = tuple(self.committed[len(self.prompt_ids):])  # what penalties count
+        paths = row_paths(tree) if params.rules.history_matters else [()] * (tree.num_nodes + 1)
 
         def choose(r: list[int]) -> list[int]:
-            return [sample(logits, params, seed, positions[i]) for i, logits in zip(r, head.logits(rows[r]))]
+            return [sample(logits, params, seed, positions[i], generated + paths[i])
+                    for i, logits in zip(r, head.logits(rows[r]))]
 
         return await trio.to_thread.run_sync(lambda: accept_greedy_lazy(tree, TargetChoices(tree, choose)))
 

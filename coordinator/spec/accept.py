@@ -118,6 +118,15 @@ def row_positions(tree: DraftTree, root_slot: int) -> list[int]:
     return [root_slot + 1] + [root_slot + 1 + d for d in tree.depths.tolist()]
 
 
+def row_paths(tree: DraftTree) -> list[tuple[int, ...]]:
+    """(M+1,) the draft tokens between the root and each verify row's position: none for
+    the root's row, node i's path (its ancestors' tokens, then its own) for node i's."""
+    toks, paths = tree.tokens.tolist(), [()]
+    for node, parent in enumerate(tree.parents.tolist()):
+        paths.append(paths[parent + 1] + (toks[node],))  # parents come first (topological order)
+    return paths
+
+
 # Sampled acceptance (what jobs use at temperature > 0) is `accept_greedy_lazy` with
 # `TargetChoices` whose choice at a row is the token plain sampling would draw there:
 # the row's target distribution inverted at the uniform of the position it decides

@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import math
 import secrets
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
 from coordinator.errors import SamplingParamError
+from coordinator.spec.penalties import LogitRules, apply_rules
 
 # OpenAI's documented ranges; top_k is the common extension (0 = disabled).
 MAX_TEMPERATURE = 2.0
@@ -46,6 +49,7 @@ class SamplingParams:
     seed: int | None = None
     max_tokens: int | None = None
     stop: tuple[str, ...] = ()
+    rules: LogitRules = LogitRules()  # penalties and logit_bias, applied before all of the above
 
     def __post_init__(self) -> None:
         if not _is_number(self.temperature) or not 0.0 <= self.temperature <= MAX_TEMPERATURE:
@@ -145,10 +149,13 @@ def probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return p / p.sum(dim=-1, keepdim=True)
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, seed: int, position: int) -> int:
-    """The token at `position` from its (V,) logits row: greedy at temperature 0, else
-    `probs(logits, params)` inverted at `uniform_at(seed, position)`. Speculative
-    acceptance draws every row the same way (coordinator.spec.accept.accept_choices)."""
+def sample(logits: torch.Tensor, params: SamplingParams, seed: int, position: int, generated: Sequence[int] = ()) -> int:
+    """The token at `position` from its (V,) logits row, after the request's penalties and
+    biases for `generated` (this completion's tokens before `position`): greedy at
+    temperature 0, else `probs` inverted at `uniform_at(seed, position)`. Speculative
+    acceptance draws every row the same way (coordinator.spec.accept.TargetChoices)."""
+    if params.rules.active:
+        logits = apply_rules(logits, params.rules, generated)
     if params.greedy:
         return greedy_token(logits)
     return draw(probs(logits, params), uniform_at(seed, position))
