@@ -23,6 +23,15 @@ class NotReadyError(CoordinatorError):
         super().__init__(f"engine not ready: {reason}")
 
 
+class RingWaitTimeout(NotReadyError):
+    """A job waited `waited_s` for a ring to (re-)form and none did."""
+
+    def __init__(self, waited_s: float) -> None:
+        self.waited_s = waited_s
+        super().__init__(f"no ring formed within {waited_s:g} s (nodes left or cannot reach each other); "
+                         "retry once nodes have joined")
+
+
 class PromptTooLongError(CoordinatorError):
     """The prompt leaves no room in the context for even one generated token."""
 

@@ -32,6 +32,9 @@ class EngineConfig:
     frame_timeout_s: float = 120.0  # one traversal; past it the job resumes on a new ring
     max_resumes: int = 3
     resume_wait_s: float = 10.0  # after a stage error, how long to wait for the ring to re-form
+    # A job waiting for a ring (none formed, or re-forming after a node left) fails with
+    # a 503 after this long rather than holding its client forever.
+    ring_wait_s: float = option(60.0, "how long a request waits for a ring to re-form before it fails (503)")
     # Emulated on the coordinator -> head edge; `shard-coord serve` gives its local nodes the same.
     link_latency_ms: float = option(0.0, "emulated one-way latency on every ring edge")
     link_upload_mbps: float = option(0.0, "emulated uplink of every ring sender in Mbit/s (0 = unlimited)")

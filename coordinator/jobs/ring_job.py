@@ -25,7 +25,7 @@ import torch
 import trio
 
 from receipts import sha256_digest
-from coordinator.errors import EmptyPromptError, JobFailedError, RingLost
+from coordinator.errors import EmptyPromptError, JobFailedError, RingLost, RingWaitTimeout
 from coordinator.trust.receipt_check import JobReceipts
 from coordinator.spec import adapt
 from coordinator.spec.accept import (Acceptance, TargetChoices, accept_as_committed, accept_greedy_lazy, row_paths,
@@ -227,7 +227,7 @@ class RingJob:
         resumes on a new ring (re-prefilling the committed context) when the ring changed or
         a stage failed."""
         for attempt in range(self.config.max_resumes + 1):
-            ring = await self.port.wait_ring()
+            ring = await self._wait_ring()
             if ring.epoch != self.ring_epoch:
                 if self.counts.traversals:
                     self._fold(job_stats.Resumed())
@@ -245,6 +245,13 @@ class RingJob:
                 if not isinstance(exc, RingLost):
                     await self.port.wait_change(ring.epoch, self.config.resume_wait_s)
         raise JobFailedError(f"job {self.job_id} lost its ring {self.config.max_resumes + 1} times")
+
+    async def _wait_ring(self) -> RingState:
+        """The current ring, waiting at most `config.ring_wait_s` for one to (re-)form.
+        Error handling: RingWaitTimeout (a NotReadyError: 503) when none forms in time."""
+        with trio.move_on_after(self.config.ring_wait_s):
+            return await self.port.wait_ring()
+        raise RingWaitTimeout(self.config.ring_wait_s)
 
     async def _round(self, ring: RingState, tree: DraftTree, limit: int) -> tuple[torch.Tensor, float, list, torch.Tensor | None]:
         """Feed the committed tokens the ring lacks as pipelined chunks (the last chunk ends
@@ -362,6 +369,9 @@ class RingJob:
         while True:
             msg = await self.inbox.receive()
             if isinstance(msg, RingLost):
+                current = self.port.ring
+                if current is not None and current.epoch == epoch:
+                    continue  # queued before this ring formed (epochs only grow): stale
                 raise msg
             if isinstance(msg, JobError):
                 if msg.epoch == epoch:
