@@ -16,6 +16,7 @@ py-libp2p 0.8.1 quirks handled here:
   that stream (a ShardError is the peer's fault and logged as such; anything else is ours
   and logged with its traceback).
 - The swarm's inbound connection slots are never released (`shard.inbound_conns`).
+- Yamux buffers whatever a peer sends past a stream's window (`shard.yamux_window`).
 - `host.connect` records the peer's addrs with a 120 s TTL; we keep our own copy of
   every address dialled so `open_stream(peer_id)` can redial after it expires.
 """
@@ -48,6 +49,7 @@ from libp2p.stream_muxer.yamux.yamux import Yamux
 # The transport's errors live with the package's others; importable from here too.
 from shard.errors import DialError, FrameTimeoutError, ShardError, StreamClosedError, TransportError, WireError
 from shard.inbound_conns import release_slots_on_close
+from shard.yamux_window import bound_stream_buffers
 from shard.wire.limits import FRAME_PREFIX  # ">I": body length, big-endian uint32; torch-free home
 
 log = logging.getLogger(__name__)
@@ -334,6 +336,7 @@ async def open_host(
         negotiate_timeout=config.negotiate_timeout_s,
     )
     release_slots_on_close(libp2p_host.get_network())
+    bound_stream_buffers(libp2p_host.get_network())
     async with libp2p_host.run([listen]):
         yield Host(libp2p_host, config)
 

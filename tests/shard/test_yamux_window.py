@@ -1,0 +1,53 @@
+"""A peer that sends past a stream's yamux window cannot make us buffer without bound.
+
+Bug guarded: py-libp2p 0.8.1 only logs a window violation and keeps buffering, so a peer
+pushed 600 MB into one probe stream nobody read. The test writes raw yamux DATA frames
+(48 MiB, 1 MiB each) for a stream whose handler never reads, bypassing the sender's own
+window accounting as a hostile peer would. Sound: the server's buffer for that stream
+stays within MAX_STREAM_BUFFER_BYTES, and the connection still carries another stream.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+
+import trio
+import trio.testing
+
+from shard.identity import keypair_from_seed
+from shard.transport import open_host
+from shard.yamux_window import MAX_STREAM_BUFFER_BYTES
+
+DATA_HEADER = struct.Struct("!BBHII")  # version, type (0 = DATA), flags, stream id, length
+CHUNK = 1 << 20
+
+
+def test_a_stream_past_its_window_is_cut_not_buffered():
+    async def main():
+        async with open_host(keypair_from_seed(os.urandom(32))) as server, \
+                open_host(keypair_from_seed(os.urandom(32))) as client:
+            server.set_handler("/sink/1", lambda stream: trio.sleep_forever())
+
+            async def echo(stream):
+                await stream.send_frame(await stream.recv_frame(1 << 10))
+
+            server.set_handler("/echo/1", echo)
+            with trio.fail_after(30):
+                await client.connect(server.addrs[0])
+                sink = await client.open_stream(server.peer_id, "/sink/1")
+                await sink.send_frame(b"hello")
+                muxed = sink._stream.muxed_conn
+                stream_id = sink._stream.muxed_stream.stream_id
+                for _ in range(48):
+                    await muxed.secured_conn.write(DATA_HEADER.pack(0, 0, 0, stream_id, CHUNK) + bytes(CHUNK))
+                await trio.testing.wait_all_tasks_blocked(cushion=0.2)
+                [conn] = server._host.get_network().connections[client._host.get_id()]
+                buffered = max((len(b) for b in conn.muxed_conn.stream_buffers.values()), default=0)
+                assert buffered <= MAX_STREAM_BUFFER_BYTES
+                other = await client.open_stream(server.peer_id, "/echo/1")
+                await other.send_frame(b"still here")
+                assert await other.recv_frame(1 << 10) == b"still here"
+            return buffered
+
+    assert trio.run(main) > 0  # the sink's buffer did fill: the bound, not a dead stream, held it
