@@ -13,12 +13,8 @@ This module does not know how tokens are made (the Engine does), nor the stoppin
 
 from __future__ import annotations
 
-import json
 import logging
-import secrets
-import time
 from collections.abc import Awaitable, Callable
-from contextlib import aclosing
 from dataclasses import dataclass
 from functools import partial, wraps
 from typing import Any
@@ -31,9 +27,10 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
-from starlette.types import Receive, Scope, Send
 
-from coordinator.jobs.engine import Engine, Finished, Generation, TextChunk, completion_budget, encode_chat, encode_prompt, open_generation
+from coordinator.jobs.engine import Engine, Generation, completion_budget, encode_chat, encode_prompt, open_generation
+from coordinator.gateway.responses import ChatShape, CompletionShape, GenerationResponse, TokenText
+from coordinator.spec.sampling import choice_params
 from coordinator.gateway.openai_schema import ChatRequest, CompletionRequest, parse_chat_request, parse_completion_request, parse_json_object
 from coordinator.errors import (CoordinatorError, EmptyPromptError, JobFailedError, NotReadyError, PromptFormatError, PromptTooLongError,
                                 RequestError, SamplingParamError)
@@ -124,140 +121,6 @@ def _openai_errors(handler: Callable[[Request], Awaitable[Response]]) -> Callabl
     return wrapped
 
 
-def _usage(fin: Finished) -> dict[str, int]:
-    return {
-        "prompt_tokens": fin.prompt_tokens,
-        "completion_tokens": fin.completion_tokens,
-        "total_tokens": fin.prompt_tokens + fin.completion_tokens,
-    }
-
-
-class _ChatShape:
-    """chat.completion / chat.completion.chunk bodies."""
-
-    id_prefix, object_whole, object_chunk = "chatcmpl-", "chat.completion", "chat.completion.chunk"
-
-    @staticmethod
-    def whole_choice(text: str, fin: Finished) -> dict[str, Any]:
-        return {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": fin.finish_reason, "logprobs": None}
-
-    @staticmethod
-    def first_chunk_choices() -> list[dict[str, Any]]:
-        return [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None, "logprobs": None}]
-
-    @staticmethod
-    def chunk_choice(text: str, finish_reason: str | None) -> dict[str, Any]:
-        delta = {"content": text} if text else {}
-        return {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
-
-
-class _CompletionShape:
-    """text_completion bodies (the same object name streams and whole)."""
-
-    id_prefix, object_whole, object_chunk = "cmpl-", "text_completion", "text_completion"
-
-    @staticmethod
-    def whole_choice(text: str, fin: Finished) -> dict[str, Any]:
-        return {"index": 0, "text": text, "finish_reason": fin.finish_reason, "logprobs": None}
-
-    @staticmethod
-    def first_chunk_choices() -> list[dict[str, Any]]:
-        return []
-
-    @staticmethod
-    def chunk_choice(text: str, finish_reason: str | None) -> dict[str, Any]:
-        return {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}
-
-
-async def _cancel_on_disconnect(receive: Receive, scope: trio.CancelScope) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
-    scope.cancel()
-
-
-class GenerationResponse(Response):
-    """Runs an open Generation while the client listens, then frees its job and slot.
-
-    Resource handling: whatever happens (normal end, client disconnect, engine failure,
-    cancellation) the generation is closed and the slot released exactly once, in
-    `__call__`'s finally. A disconnect (http.disconnect on receive) cancels the work.
-    Error handling: an engine failure mid-way becomes a 503 body when nothing was sent
-    yet, or an SSE `error` event when streaming had begun.
-    """
-
-    def __init__(self, gen: Generation, release: Callable[[], None], shape: Any, model: str, *, stream: bool,
-                 include_usage: bool, prefix_text: str = "") -> None:
-        super().__init__(status_code=200)
-        self.gen, self.release, self.shape, self.model = gen, release, shape, model
-        self.stream, self.include_usage, self.prefix_text = stream, include_usage, prefix_text
-        self.id = shape.id_prefix + secrets.token_hex(12)
-        self.created = int(time.time())
-
-    def _envelope(self, obj: str, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices, **extra}
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope)
-                await (self._send_stream(send) if self.stream else self._send_whole(send))
-                nursery.cancel_scope.cancel()
-        finally:
-            try:
-                await self.gen.aclose()
-            finally:
-                self.release()
-
-    async def _send_whole(self, send: Send) -> None:
-        parts = [self.prefix_text]
-        try:
-            async with aclosing(self.gen.events()) as events:
-                async for event in events:
-                    if isinstance(event, TextChunk):
-                        parts.append(event.text)
-                    else:
-                        fin = event  # Generation.events always ends with exactly one Finished
-        except CoordinatorError as exc:
-            await error_response(request_error_for(exc))({"type": "http"}, _no_receive, send)
-            return
-        body = self._envelope(self.shape.object_whole, [self.shape.whole_choice("".join(parts), fin)],
-                              usage=_usage(fin), shard=fin.stats)
-        await JSONResponse(body)({"type": "http"}, _no_receive, send)
-
-    async def _send_stream(self, send: Send) -> None:
-        headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
-        await send({"type": "http.response.start", "status": 200, "headers": headers})
-
-        async def event(data: Any) -> None:
-            payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
-            await send({"type": "http.response.body", "body": f"data: {payload}\n\n".encode(), "more_body": True})
-
-        obj = self.shape.object_chunk
-        first = self.shape.first_chunk_choices()
-        if first:
-            await event(self._envelope(obj, first))
-        if self.prefix_text:
-            await event(self._envelope(obj, [self.shape.chunk_choice(self.prefix_text, None)]))
-        try:
-            async with aclosing(self.gen.events()) as events:
-                async for ev in events:
-                    if isinstance(ev, TextChunk):
-                        if ev.text:
-                            await event(self._envelope(obj, [self.shape.chunk_choice(ev.text, None)]))
-                        continue
-                    await event(self._envelope(obj, [self.shape.chunk_choice("", ev.finish_reason)], shard=ev.stats))
-                    if self.include_usage:
-                        await event(self._envelope(obj, [], usage=_usage(ev)))
-            await event("[DONE]")
-        except CoordinatorError as exc:
-            await event(request_error_for(exc).body())
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-
-async def _no_receive() -> dict[str, Any]:
-    raise RuntimeError("a finished response does not read the request")
-
-
 def create_app(engine: Engine, config: ApiConfig = ApiConfig()) -> Starlette:
     """The ASGI app over `engine`. Stateless apart from the job-slot count."""
     slots = JobSlots(config.max_concurrent_jobs)
@@ -275,14 +138,28 @@ def create_app(engine: Engine, config: ApiConfig = ApiConfig()) -> Starlette:
     async def start(prompt_ids: list[int], req: ChatRequest | CompletionRequest, shape: Any,
                     prefix_text: str = "") -> Response:
         completion_budget(engine, len(prompt_ids), req.params)  # 413 before taking a slot
-        slots.acquire_nowait()
+        for taken in range(req.n):  # a slot per choice: each is a job
+            try:
+                slots.acquire_nowait()
+            except RequestError:
+                for _ in range(taken):
+                    slots.release()
+                raise
+        gens: list[Generation] = []
         try:
-            gen = await open_generation(engine, prompt_ids, req.params)
+            for params in choice_params(req.params, req.n):
+                gens.append(await open_generation(engine, prompt_ids, params))
         except BaseException:
-            slots.release()
+            with trio.CancelScope(shield=True):
+                for gen in gens:
+                    await gen.aclose()
+            for _ in range(req.n):
+                slots.release()
             raise
-        return GenerationResponse(gen, slots.release, shape, engine.model_id, stream=req.stream,
-                                  include_usage=req.include_usage, prefix_text=prefix_text)
+        headers = [("Warning", f'299 shard "Ignored unknown fields: {", ".join(req.ignored)}"')] if req.ignored else []
+        return GenerationResponse(gens, lambda: [slots.release() for _ in range(req.n)], shape, engine.model_id,
+                                  stream=req.stream, include_usage=req.include_usage, error_of=request_error_for,
+                                  text_of=TokenText(engine.tokenizer), prefix_text=prefix_text, headers=headers)
 
     @_openai_errors
     async def chat_completions(request: Request) -> Response:
@@ -290,7 +167,7 @@ def create_app(engine: Engine, config: ApiConfig = ApiConfig()) -> Starlette:
         req = parse_chat_request(body, max_context_tokens=engine.max_context_tokens)
         check_model(req.model)
         prompt_ids = encode_chat(engine.tokenizer, [m.as_template_dict() for m in req.messages])
-        return await start(prompt_ids, req, _ChatShape)
+        return await start(prompt_ids, req, ChatShape)
 
     @_openai_errors
     async def completions(request: Request) -> Response:
@@ -307,7 +184,7 @@ def create_app(engine: Engine, config: ApiConfig = ApiConfig()) -> Starlette:
                                    param="prompt", code="invalid_value")
             prompt_ids = list(req.prompt)
             prompt_text = engine.tokenizer.decode(prompt_ids, skip_special_tokens=True)
-        return await start(prompt_ids, req, _CompletionShape, prefix_text=prompt_text if req.echo else "")
+        return await start(prompt_ids, req, CompletionShape, prefix_text=prompt_text if req.echo else "")
 
     async def list_models(request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [model_card()]})

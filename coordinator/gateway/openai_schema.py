@@ -1,7 +1,8 @@
 """OpenAI request bodies -> validated frozen dataclasses, and OpenAI's error shape.
 
 Every field a client sends is type-checked and range-checked here with an exact message
-naming it; unknown fields are rejected as OpenAI does. This module does not know about
+naming it; unknown top-level fields are ignored and listed (`ignored`) for the response's
+Warning header, as vLLM does, so clients that send newer fields keep working. This module does not know about
 engines, tokenizers, HTTP servers or the model's name; the HTTP layer checks the model
 id and the prompt length (which needs the tokenizer).
 """
@@ -21,6 +22,8 @@ MAX_BODY_BYTES = 4 * 1024 * 1024
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant"})
 # OpenAI's /v1/completions default; chat completions default to "until the context is full".
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+MAX_CHOICES = 8  # n: each choice is a job of its own, and takes a job slot
+MAX_COMPLETION_LOGPROBS = 5  # OpenAI's bound on the legacy completions' logprobs
 
 
 
@@ -94,10 +97,9 @@ class _Fields:
             raise _invalid_type(name, "an integer", value)
         return value
 
-    def reject_unknown(self) -> None:
-        unknown = sorted(set(self.body) - self.seen)
-        if unknown:
-            raise RequestError(400, f"Unrecognized request argument supplied: {', '.join(unknown)}", code="unknown_parameter")
+    def unknown(self) -> tuple[str, ...]:
+        """Fields no parser read: ignored, and named in a response header (as vLLM does)."""
+        return tuple(sorted(set(self.body) - self.seen))
 
 
 @dataclass(frozen=True)
@@ -117,6 +119,8 @@ class ChatRequest:
     params: SamplingParams
     stream: bool
     include_usage: bool
+    n: int = 1  # choices, each its own job (choice i seeded seed + i)
+    ignored: tuple[str, ...] = ()  # unknown top-level fields
 
 
 @dataclass(frozen=True)
@@ -127,6 +131,8 @@ class CompletionRequest:
     stream: bool
     include_usage: bool
     echo: bool
+    n: int = 1
+    ignored: tuple[str, ...] = ()
 
 
 def _content_text(i: int, content: object) -> str:
@@ -194,13 +200,14 @@ def _logit_bias(value: object) -> tuple[tuple[int, float], ...]:
     return tuple(sorted(pairs.items()))
 
 
-def _common(f: _Fields, *, max_tokens: int | None, max_context_tokens: int) -> tuple[SamplingParams, bool, bool]:
-    """Fields chat and completions share: sampling, stopping, streaming, unsupported knobs."""
+def _common(f: _Fields, *, max_tokens: int | None, max_context_tokens: int,
+            logprobs: int | None) -> tuple[SamplingParams, bool, bool, int]:
+    """Fields chat and completions share: sampling, stopping, streaming, choices."""
     if max_tokens is not None and max_tokens > max_context_tokens:
         raise _invalid_value("max_tokens", f"must be at most the model's context of {max_context_tokens} tokens", max_tokens)
     n = f.int_("n", 1)
-    if n != 1:
-        raise _unsupported("n", "only n=1 is supported")
+    if not 1 <= n <= MAX_CHOICES:
+        raise _invalid_value("n", f"must be an integer in [1, {MAX_CHOICES}]", n)
     try:
         rules = LogitRules(f.number("presence_penalty", 0.0), f.number("frequency_penalty", 0.0),
                            _logit_bias(f.get("logit_bias")))
@@ -223,11 +230,11 @@ def _common(f: _Fields, *, max_tokens: int | None, max_context_tokens: int) -> t
             max_tokens=max_tokens,
             stop=_stop(f.get("stop")),
             rules=rules,
+            logprobs=logprobs,
         )
     except SamplingParamError as exc:
         raise _invalid_value(exc.param, exc.reason, exc.value) from exc
-    f.reject_unknown()
-    return params, stream, include_usage
+    return params, stream, include_usage, n
 
 
 def parse_chat_request(body: dict[str, Any], *, max_context_tokens: int) -> ChatRequest:
@@ -241,12 +248,15 @@ def parse_chat_request(body: dict[str, Any], *, max_context_tokens: int) -> Chat
         max_tokens = f.int_("max_tokens", None)
     else:
         f.get("max_tokens")
-    if f.get("logprobs") not in (None, False) or f.get("top_logprobs") is not None:
-        raise _unsupported("logprobs", "logprobs are not supported")
+    top = f.int_("top_logprobs", None)
+    if top is not None and not f.bool_("logprobs", False):
+        raise _invalid_value("top_logprobs", "needs 'logprobs': true", top)
+    logprobs = (0 if top is None else top) if f.bool_("logprobs", False) else None
     if f.get("response_format") not in (None, {"type": "text"}):
         raise _unsupported("response_format", "only {'type': 'text'} is supported")
-    params, stream, include_usage = _common(f, max_tokens=max_tokens, max_context_tokens=max_context_tokens)
-    return ChatRequest(model, messages, params, stream, include_usage)
+    params, stream, include_usage, n = _common(f, max_tokens=max_tokens, max_context_tokens=max_context_tokens,
+                                               logprobs=logprobs)
+    return ChatRequest(model, messages, params, stream, include_usage, n, f.unknown())
 
 
 def _prompt(value: object) -> str | tuple[int, ...]:
@@ -271,11 +281,13 @@ def parse_completion_request(body: dict[str, Any], *, max_context_tokens: int) -
     prompt = _prompt(f.get("prompt"))
     max_tokens = f.int_("max_tokens", COMPLETIONS_DEFAULT_MAX_TOKENS)
     echo = f.bool_("echo", False)
-    if f.get("logprobs") is not None:
-        raise _unsupported("logprobs", "logprobs are not supported")
+    logprobs = f.int_("logprobs", None)
+    if logprobs is not None and not 0 <= logprobs <= MAX_COMPLETION_LOGPROBS:
+        raise _invalid_value("logprobs", f"must be an integer in [0, {MAX_COMPLETION_LOGPROBS}]", logprobs)
     if f.get("suffix") is not None:
         raise _unsupported("suffix", "suffix is not supported")
     if f.int_("best_of", 1) != 1:
         raise _unsupported("best_of", "only best_of=1 is supported")
-    params, stream, include_usage = _common(f, max_tokens=max_tokens, max_context_tokens=max_context_tokens)
-    return CompletionRequest(model, prompt, params, stream, include_usage, echo)
+    params, stream, include_usage, n = _common(f, max_tokens=max_tokens, max_context_tokens=max_context_tokens,
+                                               logprobs=logprobs)
+    return CompletionRequest(model, prompt, params, stream, include_usage, echo, n, f.unknown())

@@ -23,6 +23,7 @@ import jinja2
 import trio
 
 from coordinator.spec.sampling import SamplingParams
+from coordinator.spec.target import TokenLogprob
 from coordinator.errors import EmptyPromptError, JobFailedError, PromptFormatError, PromptTooLongError
 
 FinishReason = Literal["stop", "length"]
@@ -39,7 +40,9 @@ class Job(Protocol):
 
     def next_tokens(self) -> AsyncIterator[list[int]]:
         """Committed token ids, one non-empty block per traversal, until the context is
-        full (then it ends). The consumer stops early by closing the job."""
+        full (then it ends). The consumer stops early by closing the job. A job opened with
+        `params.logprobs` set also has `token_logprobs`: one TokenLogprob per committed
+        token, appended before the block that holds it is yielded."""
         ...
 
     def stats(self) -> dict[str, Any]:
@@ -175,6 +178,7 @@ class TextChunk:
 
     text: str
     completion_tokens: int
+    logprobs: tuple[TokenLogprob, ...] = ()  # the tokens consumed since the previous chunk, when asked
 
 
 @dataclass(frozen=True)
@@ -219,6 +223,14 @@ class Generation:
         stops = StopMatcher(self.params.stop)
         eos = self.engine.eos_token_ids
         n = 0  # generated tokens consumed so far (see the module docstring)
+        logprobs = getattr(self.job, "token_logprobs", None) if self.params.logprobs is not None else None
+        reported = 0  # of them, how many a chunk carried
+
+        def logprobs_to(n: int) -> tuple[TokenLogprob, ...]:
+            nonlocal reported
+            out, reported = tuple(logprobs[reported:n]) if logprobs is not None else (), n
+            return out
+
         finish: FinishReason | None = None
         by_stop_string = False
         async for block in self.job.next_tokens():
@@ -238,8 +250,8 @@ class Generation:
                     break
             if finish is not None:
                 break
-            if any(pieces):
-                yield TextChunk("".join(pieces), n)
+            if any(pieces) or logprobs:
+                yield TextChunk("".join(pieces), n, logprobs_to(n))
         else:
             finish, pieces = "length", []  # the job ended: the context is full
         if not by_stop_string:
@@ -248,8 +260,8 @@ class Generation:
             text, by_stop_string = stops.push(detok.flush())
             pieces.append(text if by_stop_string else text + stops.flush())
             finish = "stop" if by_stop_string else finish
-        if any(pieces):
-            yield TextChunk("".join(pieces), n)
+        if any(pieces) or reported < n and logprobs:
+            yield TextChunk("".join(pieces), n, logprobs_to(n))
         await self.aclose()
         yield Finished(finish, len(self.prompt_ids), n, self.job.stats())
 

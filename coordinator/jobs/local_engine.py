@@ -17,6 +17,7 @@ import trio
 
 from coordinator.jobs.engine import eos_ids_of
 from coordinator.spec.sampling import SamplingParams, job_seed, sample
+from coordinator.spec.target import TokenLogprob, token_logprob
 
 
 class LocalJob:
@@ -25,6 +26,7 @@ class LocalJob:
     def __init__(self, engine: LocalEngine, prompt_ids: list[int], params: SamplingParams) -> None:
         self._engine, self._prompt_ids, self._params = engine, prompt_ids, params
         self._seed = job_seed(params.seed)
+        self.token_logprobs: list[TokenLogprob] = []  # one per generated token, when asked
         self._cache: Any = None
         self._opened_s = time.perf_counter()
         self._ttft_s: float | None = None
@@ -42,7 +44,10 @@ class LocalJob:
                 self._cache = self._engine.new_cache()
             out = model(torch.tensor([ids]), cache=self._cache, use_cache=True, logits_to_keep=1)
             logits = out.logits[0, -1]  # (V,)
-            return sample(logits, self._params, self._seed, position, generated)
+            token = sample(logits, self._params, self._seed, position, generated)
+            if self._params.logprobs is not None:
+                self.token_logprobs.append(token_logprob(logits, token, self._params.logprobs))
+            return token
 
     async def next_tokens(self) -> AsyncIterator[list[int]]:
         feed = self._prompt_ids

@@ -28,8 +28,8 @@ from receipts import sha256_digest
 from coordinator.errors import EmptyPromptError, JobFailedError, RingLost, RingWaitTimeout
 from coordinator.trust.receipt_check import JobReceipts
 from coordinator.spec import adapt
-from coordinator.spec.accept import (Acceptance, TargetChoices, accept_as_committed, accept_greedy_lazy, row_paths,
-                                     row_positions)
+from coordinator.spec.accept import Acceptance, accept_as_committed
+from coordinator.spec.target import TokenLogprob, accept_round
 from coordinator.spec.draft_tree import DraftTree
 from coordinator.spec.draft_round import draft_round, is_confident
 from coordinator.spec.drafting import Drafter
@@ -40,7 +40,7 @@ from coordinator.jobs.job_stats import JobStats
 from coordinator.jobs.pipeline import Ahead, ahead_drafter, next_ahead, pipeline_depth, queued_rows, still_valid
 from coordinator.jobs.port import JobPort
 from coordinator.jobs.prefill import prefill_chunks
-from coordinator.spec.sampling import SamplingParams, job_seed, sample
+from coordinator.spec.sampling import SamplingParams, job_seed
 from coordinator.swarm.swarm import RingState
 from coordinator.swarm.topology import Traversal
 from shard.ring_observer import NO_OBSERVER, RingObserver
@@ -93,6 +93,7 @@ class RingJob:
     ahead: deque[Ahead] = field(default_factory=deque)  # rounds sent ahead of the awaited one, oldest first
     discarded_in_flight: list[Ahead] = field(default_factory=list)  # discarded rounds a fresh one may queue behind
     receipts: JobReceipts | None = None
+    token_logprobs: list[TokenLogprob] = field(default_factory=list)  # one per committed token, when asked
     observer: RingObserver = NO_OBSERVER  # what a benchmark watches of its rounds
 
     @property
@@ -145,19 +146,14 @@ class RingJob:
         return Verified(tree, rows, traversal_s, draft_s, queued_behind, fed, tree_aux, pipelined=False)
 
     async def _accept(self, got: Verified, seed: int) -> Acceptance:
-        """The target's token at each row the walk reaches (LM-head rows only along the
-        accepted path): the argmax, or the draw plain sampling makes at that row's position
-        (coordinator.spec.accept: the text depends on the seed, never on the draft)."""
-        tree, rows, head, params = got.tree, got.rows, self.head, self.params
-        positions = row_positions(tree, len(self.committed) - 1)
-        generated = tuple(self.committed[len(self.prompt_ids):])  # what penalties count
-        paths = row_paths(tree) if params.rules.history_matters else [()] * (tree.num_nodes + 1)
-
-        def choose(r: list[int]) -> list[int]:
-            return [sample(logits, params, seed, positions[i], generated + paths[i])
-                    for i, logits in zip(r, head.logits(rows[r]))]
-
-        return await trio.to_thread.run_sync(lambda: accept_greedy_lazy(tree, TargetChoices(tree, choose)))
+        """The target's token at each row the walk reaches (coordinator.spec.target: the
+        text depends on the seed, never on the draft); logprobs noted when asked for."""
+        tree, rows, head = got.tree, got.rows, self.head
+        acc, logprobs = await trio.to_thread.run_sync(lambda: accept_round(
+            tree, lambda r: head.logits(rows[r]), self.params, seed, len(self.committed) - 1,
+            self.committed[len(self.prompt_ids):]))
+        self.token_logprobs += logprobs[: self.max_context_tokens - len(self.committed)]  # as _commit clips
+        return acc
 
     def _commit(self, acc: Acceptance, limit: int) -> list[int]:
         """Commit the accepted path and bonus token (clipped to the context); the ring then

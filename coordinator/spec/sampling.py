@@ -8,6 +8,7 @@ strings, jobs or the ring; it never touches the network.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import secrets
 from collections.abc import Sequence
@@ -22,6 +23,7 @@ from coordinator.spec.penalties import LogitRules, apply_rules
 MAX_TEMPERATURE = 2.0
 MAX_STOP_STRINGS = 4
 MAX_STOP_CHARS = 256
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs
 
 
 
@@ -50,6 +52,7 @@ class SamplingParams:
     max_tokens: int | None = None
     stop: tuple[str, ...] = ()
     rules: LogitRules = LogitRules()  # penalties and logit_bias, applied before all of the above
+    logprobs: int | None = None  # None: none reported; k: each token's logprob and the top k
 
     def __post_init__(self) -> None:
         if not _is_number(self.temperature) or not 0.0 <= self.temperature <= MAX_TEMPERATURE:
@@ -62,6 +65,8 @@ class SamplingParams:
             raise SamplingParamError("seed", self.seed, "must be a 64-bit integer or null")
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             raise SamplingParamError("max_tokens", self.max_tokens, "must be an integer >= 1 or null")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS):
+            raise SamplingParamError("top_logprobs", self.logprobs, f"must be an integer in [0, {MAX_TOP_LOGPROBS}]")
         if not isinstance(self.stop, tuple) or len(self.stop) > MAX_STOP_STRINGS:
             raise SamplingParamError("stop", self.stop, f"must be a tuple of at most {MAX_STOP_STRINGS} strings")
         for s in self.stop:
@@ -71,6 +76,15 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
+    """The params of each of a request's n choices: a seeded request's choice i is seeded
+    seed + i, so choice 0 is what the same request with n = 1 gives; unseeded choices
+    each draw fresh entropy."""
+    if params.seed is None:
+        return [params] * n
+    return [dataclasses.replace(params, seed=(params.seed + i) % 2**64) for i in range(n)]
 
 
 def job_seed(seed: int | None) -> int:
