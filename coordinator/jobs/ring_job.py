@@ -146,12 +146,10 @@ class RingJob:
         return Verified(tree, rows, traversal_s, draft_s, queued_behind, fed, tree_aux, pipelined=False)
 
     async def _accept(self, got: Verified, seed: int) -> Acceptance:
-        """The target's token at each row the walk reaches (coordinator.spec.target: the
-        text depends on the seed, never on the draft); logprobs noted when asked for."""
+        """The target's token per row walked (coordinator.spec.target); logprobs when asked."""
         tree, rows, head = got.tree, got.rows, self.head
-        acc, logprobs = await trio.to_thread.run_sync(lambda: accept_round(
-            tree, lambda r: head.logits(rows[r]), self.params, seed, len(self.committed) - 1,
-            self.committed[len(self.prompt_ids):]))
+        acc, logprobs = await trio.to_thread.run_sync(lambda: accept_round(tree, lambda r: head.logits(rows[r]),
+            self.params, seed, len(self.committed) - 1, self.committed[len(self.prompt_ids):]))
         self.token_logprobs += logprobs[: self.max_context_tokens - len(self.committed)]  # as _commit clips
         return acc
 
