@@ -10,7 +10,9 @@ with the slice loaded from the coordinator's own store (coordinator.trust.audit_
 frames, tree and verify frames and commits included, as one tree-masked forward, in a
 worker thread) and compares every verified round. So a selected stage is caught if it
 cheated on any verified frame of the job, and an audit costs about one prefill of the
-job's rows on that slice.
+job's rows on that slice. A stage that declared a weight quantisation (shard.quant) is
+replayed on the same store quantised the same way, frame by frame, and held to the
+kernels' bf16 step (stage_tolerance): running another scheme than declared is a mismatch.
 
 A mismatch, a missing record, a record that does not hash to the receipt, or no reply at
 all from a stage that is still connected (so going silent is no way out of an audit)
@@ -46,7 +48,8 @@ from shard.stage import Stage
 from shard.store import ModelStore
 from shard.transport import TransportError
 from shard.wire.codec import decode
-from shard.wire.dtypes import DTYPES, WireDType
+from shard.quant import quantise_stage, scheme
+from shard.wire.dtypes import BY_NAME, DTYPES, WireDType
 from shard.wire.messages import AuditReply, AuditRequest, Forward, Result
 
 log = logging.getLogger("shard.coordinator")
@@ -78,6 +81,19 @@ def wire_tolerance(row: WireDType) -> Tolerance:
 
 # Derived from the dtype table: never edit by hand.
 TOLERANCES: dict[str, Tolerance] = {d.name: wire_tolerance(d) for d in DTYPES if d.is_float}
+
+
+def stage_tolerance(wire_dtype: str, quant: str = "none") -> Tolerance:
+    """How far an honest stage's output may be from its replay, on wire `wire_dtype` under
+    its declared weight quantisation (shard.quant scheme name): a quantised stage's matmuls
+    round activations to the kernel's dtype (bf16), so its outputs are held to that dtype's
+    step when it is coarser than the wire's. The weights themselves need no allowance: the
+    replay quantises the same store with the same scheme."""
+    row = BY_NAME.get(wire_dtype, BY_NAME["f32"])
+    bits = scheme(quant).activation_mantissa_bits
+    if bits is not None and bits < row.mantissa_bits:
+        row = dataclasses.replace(row, mantissa_bits=bits)
+    return wire_tolerance(row)
 
 
 @dataclass(frozen=True)
@@ -112,6 +128,7 @@ class AuditPlan:
     aux_dtype: str | None  # None: wire_dtype
     rounds: tuple[int, ...]  # every round sent on this epoch up to the last verified, in send order
     receipts: dict[int, Receipt]  # round -> this stage's verified receipt, for those rounds
+    quant: str = "none"  # the weight quantisation the stage declared (shard.quant scheme name)
 
 
 def plan_audits(job: FinishedJob, rate: float, rng: random.Random) -> list[AuditPlan]:
@@ -175,7 +192,7 @@ def check_frames(stage: Stage, plan: AuditPlan, records: dict[int, tuple[bytes, 
                  max_replay_rows: int = 1024, stats: ReplayStats | None = None) -> Finding | None:
     """Pure over its inputs: verify the logged bytes against the receipts, replay, compare.
     `records`: round -> (input bytes, output bytes) as the stage returned them."""
-    tol = TOLERANCES.get(plan.wire_dtype, TOLERANCES["f32"])
+    tol = stage_tolerance(plan.wire_dtype, plan.quant)
     inputs, outputs, rounds = [], [], []
     for r in plan.rounds:
         rec, receipt = records.get(r), plan.receipts.get(r)
@@ -196,8 +213,9 @@ def check_frames(stage: Stage, plan: AuditPlan, records: dict[int, tuple[bytes, 
             return Finding("structure", r, f"logged frames of round {r} are not a Forward and its output",
                            _failed_spot(tol), bytes(32))
         inputs.append(inp), outputs.append(out), rounds.append(r)
-    expected = replay(stage, plan.wire_dtype, inputs, max_replay_rows, stats, aux_dtype=plan.aux_dtype)
-    aux_tol = TOLERANCES.get(plan.aux_dtype or plan.wire_dtype, TOLERANCES["f32"])
+    expected = replay(stage, plan.wire_dtype, inputs, max_replay_rows, stats, aux_dtype=plan.aux_dtype,
+                      frame_by_frame=scheme(plan.quant).quantised)
+    aux_tol = stage_tolerance(plan.aux_dtype or plan.wire_dtype, plan.quant)
     for r, inp, out, replayed in zip(rounds, inputs, outputs, expected):
         if r not in plan.receipts:
             continue
@@ -257,7 +275,7 @@ class Auditor:
         self.evidence: list = []  # EvidenceRecord, newest last
         self.stats = AuditStats()
         self._waiting: dict[tuple, list] = {}  # (peer, job, epoch, round, side) -> [Event, reply]
-        self._slices: OrderedDict[LayerRange, Stage] = OrderedDict()
+        self._slices: OrderedDict[tuple[LayerRange, str], Stage] = OrderedDict()  # (layers, quant) -> slice
         self._limiter = trio.CapacityLimiter(1)
         self._settled = trio.Event()  # set each time serve() has audited all it was handed
 
@@ -315,7 +333,7 @@ class Auditor:
             self.stats.audits += 1
             self._accuse(plan, finding)
             return finding
-        stage = await self._stage(plan.layers)
+        stage = await self._stage(plan.layers, plan.quant)
         started = time.perf_counter()
         finding = await trio.to_thread.run_sync(check_frames, stage, plan, records, self.swarm.control_limits,
                                                 self.config.max_replay_rows, self.stats.replay, limiter=self._limiter)
@@ -376,17 +394,19 @@ class Auditor:
             slot[1] = reply
             slot[0].set()
 
-    async def _stage(self, r: LayerRange) -> Stage:
-        stage = self._slices.get(r)
+    async def _stage(self, r: LayerRange, quant: str = "none") -> Stage:
+        key = (r, quant)
+        stage = self._slices.get(key)
         if stage is None:
             store, cfg = self.store, self.store.config
 
             def load() -> Stage:
                 emb = store.load_embedding() if r.start == 0 else None
-                return Stage(cfg, r, store.load_layers(r), dtype=torch.float32, device="cpu", embedding=emb)
+                stage = Stage(cfg, r, store.load_layers(r), dtype=torch.float32, device="cpu", embedding=emb)
+                return quantise_stage(stage, scheme(quant))
 
-            stage = self._slices[r] = await trio.to_thread.run_sync(load, limiter=self._limiter)
+            stage = self._slices[key] = await trio.to_thread.run_sync(load, limiter=self._limiter)
             while len(self._slices) > self.config.max_cached_slices:
                 self._slices.popitem(last=False)
-        self._slices.move_to_end(r)
+        self._slices.move_to_end(key)
         return stage

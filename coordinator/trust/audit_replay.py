@@ -166,10 +166,14 @@ Replayed = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
 
 
 def replay(stage: Stage, wire_dtype: str, frames: list[Forward], max_rows: int = 1024,
-           stats: ReplayStats | None = None, *, aux_dtype: str | None = None) -> list[Replayed | None]:
+           stats: ReplayStats | None = None, *, aux_dtype: str | None = None,
+           frame_by_frame: bool = False) -> list[Replayed | None]:
     """Recompute `frames` on a fresh cache, in f32, as this slice sends them after the
-    wire codec (before a tail's trim); None for a frame none of whose rows are kept."""
-    segments = plan_replay(frames, max_rows)
+    wire codec (before a tail's trim); None for a frame none of whose rows are kept.
+    `frame_by_frame`: one forward per frame, as the stage ran them, for stages whose maths
+    is not stable under re-summation (a quantised stage rounds activations to bf16 in every
+    matmul, so the tree forward's last-bit differences grow layer by layer into bf16 steps)."""
+    segments = None if frame_by_frame else plan_replay(frames, max_rows)
     if segments is None:  # one forward per frame, exactly as the stage ran them
         segments = [Segment((i,), (tuple(range(f.positions.shape[0])),), (), ()) for i, f in enumerate(frames)]
         merged = [dataclasses.replace(f, job_id=REPLAY_JOB_ID, receipts=(), compute_s=()) for f in frames]
