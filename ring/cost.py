@@ -25,8 +25,10 @@ from ring.spec import ModelSpec, Workload
 
 
 def max_layers(node: NodeInfo, model: ModelSpec, workload: Workload) -> int:
-    """How many layers fit in the node's memory with their KV cache for the whole context."""
-    return min(model.num_layers, node.memory_bytes // model.layer_bytes_with_kv(workload.context_tokens))
+    """How many layers fit in the node's memory with their KV cache for the whole context
+    (each layer's weights as the node holds them: a quantised node seats more)."""
+    return min(model.num_layers,
+               node.memory_bytes // model.layer_bytes_with_kv(workload.context_tokens, node.bytes_per_layer))
 
 
 @dataclass(frozen=True)

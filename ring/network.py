@@ -32,12 +32,16 @@ class NodeInfo:
     subnet: str  # e.g. "203.0.113.0/24": two stages in one subnet share one uplink and one fate
     trusted: bool = False
     held: LayerRange | None = None  # layers already on the node's disk/memory
+    # One layer's weights as this node holds them (its weight quantisation); 0: the model's.
+    bytes_per_layer: int = 0
 
     def __post_init__(self) -> None:
         if not self.peer:
             raise InvalidInputError("peer id", self.peer)
         if self.memory_bytes < 0:
             raise InvalidInputError(f"{self.peer} memory_bytes", self.memory_bytes)
+        if self.bytes_per_layer < 0:
+            raise InvalidInputError(f"{self.peer} bytes_per_layer", self.bytes_per_layer)
         for name in ("decode_s_per_layer_token", "prefill_s_per_layer_token"):
             value = getattr(self, name)
             if not (value >= 0 and math.isfinite(value)):

@@ -44,9 +44,10 @@ class ModelSpec:
             activation_bytes_per_token=hidden * wire_bytes_per_value,
         )
 
-    def layer_bytes_with_kv(self, context_tokens: int) -> int:
-        """Memory one layer needs on a stage: weights plus its KV cache for the context."""
-        return self.bytes_per_layer + self.kv_bytes_per_token_layer * context_tokens
+    def layer_bytes_with_kv(self, context_tokens: int, bytes_per_layer: int = 0) -> int:
+        """Memory one layer needs on a stage: weights (`bytes_per_layer` where the node holds
+        them otherwise, e.g. quantised; 0: as stored) plus its KV cache for the context."""
+        return (bytes_per_layer or self.bytes_per_layer) + self.kv_bytes_per_token_layer * context_tokens
 
 
 @dataclass(frozen=True)

@@ -80,3 +80,27 @@ def test_memory_and_unknown_peers_rejected():
         evaluate([Stage(A, LayerRange(0, 4))], _net(memory=300), MODEL, Workload(10, 2))
     with pytest.raises(UnknownPeerError):
         evaluate([Stage(PeerId("zz"), LayerRange(0, 4))], _net(), MODEL, Workload(10, 2))
+
+
+def test_a_node_holding_smaller_layers_seats_more_and_the_ring_needs_fewer_stages():
+    """Guards the quantised node's report (Register.bytes_per_layer): the memory check and
+    the search count its own bytes per layer, so 4x smaller layers fit 4x as many, and a
+    ring that needed two stages of f32 layers fits in one quantised node."""
+    from dataclasses import replace
+
+    from ring import select_ring
+    from ring.cost import max_layers
+
+    work = Workload(10, 2)
+    per_layer = MODEL.layer_bytes_with_kv(work.context_tokens)  # 100 weights + 12 KV
+    f32 = NodeInfo(A, 2 * per_layer, 0.01, 0.001, 1e6, 1e7, "x")
+    quantised = replace(f32, bytes_per_layer=25)  # 25 + 12 per layer: 6 fit, the model's 4 cap it
+    assert max_layers(f32, MODEL, work) == 2 and max_layers(quantised, MODEL, work) == 4
+    lat = LatencyMatrix({(C, A): 0.01, (A, B): 0.01, (B, C): 0.01, (A, C): 0.01})
+    pool = (f32, replace(f32, peer=B, subnet="y"))
+    assert len(select_ring(Network(C, pool, lat, 4e6), MODEL, work).stages) == 2
+    pool = (quantised, replace(f32, peer=B, subnet="y"))
+    plan = select_ring(Network(C, pool, lat, 4e6), MODEL, work)
+    assert [(s.peer, len(s.layers)) for s in plan.stages] == [(A, 4)]
+    with pytest.raises(InvalidInputError):
+        replace(f32, bytes_per_layer=-1)
