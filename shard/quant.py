@@ -244,3 +244,9 @@ def layer_bytes(cfg, layer: int, q: QuantScheme, dense_itemsize: int = 4) -> int
         else:
             total += dense_itemsize * int(torch.Size(shape).numel())
     return total
+
+
+def mean_layer_bytes(cfg, q: QuantScheme, dense_itemsize: int = 4) -> int:
+    """layer_bytes averaged over the model's layers (what a node reports for the selector)."""
+    n = cfg.num_layers
+    return max(1, sum(layer_bytes(cfg, i, q, dense_itemsize) for i in range(n)) // n)
