@@ -73,3 +73,31 @@ def test_jobs_are_isolated():
         c.open("a", 16)
     with pytest.raises(CacheError, match="no KV cache for job 'zz'"):
         c.get("zz")
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+def test_a_job_holds_only_what_it_touched_and_gives_it_back():
+    # Bug guarded: admitting a job made its whole first block resident (torch.zeros wrote
+    # it), so jobs a predecessor opened and never used cost their full admission in RSS.
+    # Each CPU block is now its own anonymous mapping: resident only where written,
+    # unmapped with the tensor. Sound: admitting a
+    # job (2 x 16 MiB for its first 256 slots) and writing one slot adds far less than the
+    # blocks to this process's RSS, writing every slot adds about all of it, and closing
+    # the job takes it back out (an 8 MiB margin covers the interpreter's own noise).
+    cache = KVCache(16, 8, 128, torch.float32, 1 << 30)  # 16 * 8 * 128 * 4 B = 64 KiB of K a slot
+    before = _rss_bytes()
+    job = cache.open("big", 1024)
+    assert job.capacity == 256
+    one = torch.ones(8, 1, 128)  # (kv_heads, T, head_dim)
+    job.write(0, 0, one, one)
+    assert _rss_bytes() - before < 8 << 20
+    for layer in range(16):
+        job.write(layer, 0, torch.ones(8, 256, 128), torch.ones(8, 256, 128))
+    assert _rss_bytes() - before > 28 << 20
+    cache.close("big")
+    del job
+    assert _rss_bytes() - before < 8 << 20
