@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial, wraps
 from typing import Any
 
@@ -29,8 +29,9 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from coordinator.jobs.engine import Engine, Generation, completion_budget, encode_chat, encode_prompt, open_generation
-from coordinator.gateway.responses import ChatShape, CompletionShape, GenerationResponse, TokenText
-from coordinator.spec.sampling import choice_params
+from coordinator.gateway.responses import ChatShape, CompletionShape, GenerationResponse, TokenText, job_id_of
+from coordinator.spec.grammar import json_constraint
+from coordinator.spec.sampling import SamplingParams, choice_params
 from coordinator.gateway.openai_schema import ChatRequest, CompletionRequest, parse_chat_request, parse_completion_request, parse_json_object
 from coordinator.errors import (CoordinatorError, EmptyPromptError, JobFailedError, NotReadyError, PromptFormatError, PromptTooLongError,
                                 RequestError, SamplingParamError)
@@ -135,6 +136,11 @@ def create_app(engine: Engine, config: ApiConfig = ApiConfig()) -> Starlette:
     def model_card() -> dict[str, Any]:
         return {"id": engine.model_id, "object": "model", "created": 0, "owned_by": "shard"}
 
+    def constrained(req: ChatRequest | CompletionRequest) -> SamplingParams:
+        """The request's params with its response_format's grammar (coordinator.spec.grammar)."""
+        schema = getattr(req, "json_schema", None)
+        return req.params if schema is None else replace(req.params, constraint=json_constraint(engine.tokenizer, schema))
+
     async def start(prompt_ids: list[int], req: ChatRequest | CompletionRequest, shape: Any,
                     prefix_text: str = "") -> Response:
         completion_budget(engine, len(prompt_ids), req.params)  # 413 before taking a slot
@@ -147,7 +153,7 @@ def create_app(engine: Engine, config: ApiConfig = ApiConfig()) -> Starlette:
                 raise
         gens: list[Generation] = []
         try:
-            for params in choice_params(req.params, req.n):
+            for params in choice_params(constrained(req), req.n):
                 gens.append(await open_generation(engine, prompt_ids, params))
         except BaseException:
             with trio.CancelScope(shield=True):
@@ -205,12 +211,18 @@ def create_app(engine: Engine, config: ApiConfig = ApiConfig()) -> Starlette:
         return JSONResponse(engine.info())
 
     async def receipts(request: Request) -> Response:
-        job_id = request.path_params["job_id"]
+        job_id = job_id_of(request.path_params["job_id"])  # a response's id names its job too
         bundle_of = getattr(engine, "bundle", None)  # engines without receipts have none
         bundle = bundle_of(job_id) if bundle_of is not None else None
         if bundle is None:
             raise RequestError(404, f"no receipt bundle for job `{job_id}`", param="job_id", code="receipts_not_found")
         return JSONResponse(bundle)
+
+    async def receipts_key(request: Request) -> Response:
+        checker = getattr(engine, "receipts", None)  # engines without receipts sign nothing
+        if checker is None:
+            raise RequestError(404, "receipts are off: nothing is signed", code="receipts_off")
+        return JSONResponse({"coordinator_public_key": checker.key.public_bytes().hex(), "algorithm": "Ed25519"})
 
     async def http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
@@ -230,6 +242,7 @@ def create_app(engine: Engine, config: ApiConfig = ApiConfig()) -> Starlette:
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/health", health, methods=["GET"]),
         Route("/v1/ring", ring, methods=["GET"]),
+        Route("/v1/receipts/key", _openai_errors(receipts_key), methods=["GET"]),
         Route("/v1/receipts/{job_id}", _openai_errors(receipts), methods=["GET"]),
     ]
     return Starlette(routes=routes, exception_handlers={HTTPException: http_error, Exception: server_error})

@@ -121,6 +121,7 @@ class ChatRequest:
     include_usage: bool
     n: int = 1  # choices, each its own job (choice i seeded seed + i)
     ignored: tuple[str, ...] = ()  # unknown top-level fields
+    json_schema: dict[str, Any] | None = None  # response_format's schema (json_object: any object)
 
 
 @dataclass(frozen=True)
@@ -170,6 +171,22 @@ def _messages(value: object) -> tuple[ChatMessage, ...]:
             )
         out.append(ChatMessage(role, _content_text(i, m["content"])))
     return tuple(out)
+
+
+def _response_format(value: object) -> dict[str, Any] | None:
+    """The JSON schema the output must match: None for text, any object for json_object."""
+    if value is None or value == {"type": "text"}:
+        return None
+    if not isinstance(value, dict):
+        raise _invalid_type("response_format", "an object", value)
+    if value.get("type") == "json_object":
+        return {"type": "object"}
+    if value.get("type") == "json_schema":
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+            raise _invalid_type("response_format.json_schema", "an object with a 'schema' object", spec)
+        return spec.get("schema", {})
+    raise _invalid_value("response_format", "type must be 'text', 'json_object' or 'json_schema'", value.get("type"))
 
 
 def _stop(value: object) -> tuple[str, ...]:
@@ -252,11 +269,10 @@ def parse_chat_request(body: dict[str, Any], *, max_context_tokens: int) -> Chat
     if top is not None and not f.bool_("logprobs", False):
         raise _invalid_value("top_logprobs", "needs 'logprobs': true", top)
     logprobs = (0 if top is None else top) if f.bool_("logprobs", False) else None
-    if f.get("response_format") not in (None, {"type": "text"}):
-        raise _unsupported("response_format", "only {'type': 'text'} is supported")
+    json_schema = _response_format(f.get("response_format"))
     params, stream, include_usage, n = _common(f, max_tokens=max_tokens, max_context_tokens=max_context_tokens,
                                                logprobs=logprobs)
-    return ChatRequest(model, messages, params, stream, include_usage, n, f.unknown())
+    return ChatRequest(model, messages, params, stream, include_usage, n, f.unknown(), json_schema)
 
 
 def _prompt(value: object) -> str | tuple[int, ...]:

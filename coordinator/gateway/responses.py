@@ -25,6 +25,14 @@ from coordinator.jobs.engine import Finished, Generation, TextChunk
 from coordinator.spec.target import TokenLogprob
 
 
+def job_id_of(name: str) -> str:
+    """The job id a response id (chatcmpl-<job id>, cmpl-<job id>) or a job id names."""
+    for prefix in (ChatShape.id_prefix, CompletionShape.id_prefix):
+        if name.startswith(prefix):
+            return name[len(prefix):]
+    return name
+
+
 def usage_of(fins: Sequence[Finished]) -> dict[str, int]:
     """One prompt, n completions: the prompt counts once (as OpenAI counts it)."""
     prompt, completion = fins[0].prompt_tokens, sum(f.completion_tokens for f in fins)
@@ -127,7 +135,9 @@ class GenerationResponse(Response):
         self.stream, self.include_usage, self.prefix_text = stream, include_usage, prefix_text
         self.error_of, self.text_of = error_of, text_of
         self.extra_headers = [(k.lower().encode(), v.encode()) for k, v in headers]
-        self.id = shape.id_prefix + secrets.token_hex(12)
+        # The first choice's job id when the engine names its jobs (receipts are kept by it),
+        # so GET /v1/receipts/{id} finds the bundle by the response's id too.
+        self.id = shape.id_prefix + str(getattr(self.gens[0].job, "job_id", None) or secrets.token_hex(12))
         self.created = int(time.time())
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:

@@ -16,6 +16,7 @@ import torch
 import trio
 
 from coordinator.jobs.engine import eos_ids_of
+from coordinator.spec.grammar import start_grammar
 from coordinator.spec.sampling import SamplingParams, job_seed, sample
 from coordinator.spec.target import TokenLogprob, token_logprob
 
@@ -26,6 +27,7 @@ class LocalJob:
     def __init__(self, engine: LocalEngine, prompt_ids: list[int], params: SamplingParams) -> None:
         self._engine, self._prompt_ids, self._params = engine, prompt_ids, params
         self._seed = job_seed(params.seed)
+        self._grammar = start_grammar(params.constraint)
         self.token_logprobs: list[TokenLogprob] = []  # one per generated token, when asked
         self._cache: Any = None
         self._opened_s = time.perf_counter()
@@ -44,7 +46,10 @@ class LocalJob:
                 self._cache = self._engine.new_cache()
             out = model(torch.tensor([ids]), cache=self._cache, use_cache=True, logits_to_keep=1)
             logits = out.logits[0, -1]  # (V,)
-            token = sample(logits, self._params, self._seed, position, generated)
+            allowed = self._grammar.allowed((), logits.shape[-1]) if self._grammar is not None else None
+            token = sample(logits, self._params, self._seed, position, generated, allowed)
+            if self._grammar is not None:
+                self._grammar.advance([token])
             if self._params.logprobs is not None:
                 self.token_logprobs.append(token_logprob(logits, token, self._params.logprobs))
             return token

@@ -29,6 +29,7 @@ from coordinator.errors import EmptyPromptError, JobFailedError, RingLost, RingW
 from coordinator.trust.receipt_check import JobReceipts
 from coordinator.spec import adapt
 from coordinator.spec.accept import Acceptance, accept_as_committed
+from coordinator.spec.grammar import GrammarState, start_grammar
 from coordinator.spec.target import TokenLogprob, accept_round
 from coordinator.spec.draft_tree import DraftTree
 from coordinator.spec.draft_round import draft_round, is_confident
@@ -114,11 +115,10 @@ class RingJob:
         if not self.prompt_ids:  # no root to verify after: no round could be sent
             raise EmptyPromptError()
         self.committed = list(self.prompt_ids)
-        seed = job_seed(self.params.seed)
-        limit = self.max_context_tokens
+        seed, limit, grammar = job_seed(self.params.seed), self.max_context_tokens, start_grammar(self.params.constraint)
         while len(self.committed) < limit:
             got = await self._next_round(limit)
-            acc = await self._accept(got, seed)
+            acc = await self._accept(got, seed, grammar)
             root_slot = len(self.committed) - 1
             tokens = self._commit(acc, limit)
             self._observe(got, acc, root_slot)
@@ -145,11 +145,11 @@ class RingJob:
         queued_behind = behind if self.ring_epoch == epoch else 0.0
         return Verified(tree, rows, traversal_s, draft_s, queued_behind, fed, tree_aux, pipelined=False)
 
-    async def _accept(self, got: Verified, seed: int) -> Acceptance:
+    async def _accept(self, got: Verified, seed: int, grammar: GrammarState | None) -> Acceptance:
         """The target's token per row walked (coordinator.spec.target); logprobs when asked."""
         tree, rows, head = got.tree, got.rows, self.head
         acc, logprobs = await trio.to_thread.run_sync(lambda: accept_round(tree, lambda r: head.logits(rows[r]),
-            self.params, seed, len(self.committed) - 1, self.committed[len(self.prompt_ids):]))
+            self.params, seed, len(self.committed) - 1, self.committed[len(self.prompt_ids):], grammar))
         self.token_logprobs += logprobs[: self.max_context_tokens - len(self.committed)]  # as _commit clips
         return acc
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from coordinator.errors import SamplingParamError
+from coordinator.spec.grammar import Constraint
 from coordinator.spec.penalties import LogitRules, apply_rules
 
 # OpenAI's documented ranges; top_k is the common extension (0 = disabled).
@@ -53,6 +54,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     rules: LogitRules = LogitRules()  # penalties and logit_bias, applied before all of the above
     logprobs: int | None = None  # None: none reported; k: each token's logprob and the top k
+    constraint: Constraint | None = None  # response_format's grammar; masks every target row
 
     def __post_init__(self) -> None:
         if not _is_number(self.temperature) or not 0.0 <= self.temperature <= MAX_TEMPERATURE:
@@ -163,13 +165,17 @@ def probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return p / p.sum(dim=-1, keepdim=True)
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, seed: int, position: int, generated: Sequence[int] = ()) -> int:
+def sample(logits: torch.Tensor, params: SamplingParams, seed: int, position: int, generated: Sequence[int] = (),
+           allowed: torch.Tensor | None = None) -> int:
     """The token at `position` from its (V,) logits row, after the request's penalties and
-    biases for `generated` (this completion's tokens before `position`): greedy at
-    temperature 0, else `probs` inverted at `uniform_at(seed, position)`. Speculative
-    acceptance draws every row the same way (coordinator.spec.accept.TargetChoices)."""
+    biases for `generated` (this completion's tokens before `position`) and its grammar's
+    `allowed` (V,) mask: greedy at temperature 0, else `probs` inverted at
+    `uniform_at(seed, position)`. Speculative acceptance draws every row the same way
+    (coordinator.spec.target.accept_round)."""
     if params.rules.active:
         logits = apply_rules(logits, params.rules, generated)
+    if allowed is not None:
+        logits = logits.float().masked_fill(~allowed, float("-inf"))
     if params.greedy:
         return greedy_token(logits)
     return draw(probs(logits, params), uniform_at(seed, position))

@@ -19,6 +19,7 @@ import torch
 
 from coordinator.spec.accept import Acceptance, TargetChoices, accept_greedy_lazy, row_paths, row_positions
 from coordinator.spec.draft_tree import DraftTree
+from coordinator.spec.grammar import GrammarState
 from coordinator.spec.sampling import SamplingParams, sample
 
 
@@ -39,26 +40,31 @@ def token_logprob(logits: torch.Tensor, token: int, top_n: int) -> TokenLogprob:
 
 
 def accept_round(tree: DraftTree, logits_of: Callable[[list[int]], torch.Tensor], params: SamplingParams, seed: int,
-                 root_slot: int, generated: Sequence[int]) -> tuple[Acceptance, list[TokenLogprob]]:
+                 root_slot: int, generated: Sequence[int],
+                 grammar: GrammarState | None = None) -> tuple[Acceptance, list[TokenLogprob]]:
     """Accept a verified round whose root sits at `root_slot`, after `generated` (this
     completion's committed tokens): the Acceptance and, when the request asked for
     logprobs, one TokenLogprob per committed token (the root's row, then each accepted
-    node's). LM-head rows are computed only along the walk (TargetChoices)."""
+    node's). LM-head rows are computed only along the walk (TargetChoices). `grammar`
+    (the job's, at `generated`) masks each row after its path and advances by the commit."""
     positions = row_positions(tree, root_slot)
-    paths = row_paths(tree) if params.rules.history_matters else [()] * (tree.num_nodes + 1)
+    paths = row_paths(tree) if params.rules.history_matters or grammar else [()] * (tree.num_nodes + 1)
     before = tuple(generated)
     reported: dict[int, TokenLogprob] = {}
 
     def choose(rows: list[int]) -> list[int]:
         out = []
         for r, logits in zip(rows, logits_of(rows)):
-            token = sample(logits, params, seed, positions[r], before + paths[r])
+            allowed = grammar.allowed(paths[r], logits.shape[-1]) if grammar is not None else None
+            token = sample(logits, params, seed, positions[r], before + paths[r], allowed)
             if params.logprobs is not None:
                 reported[r] = token_logprob(logits, token, params.logprobs)
             out.append(token)
         return out
 
     acc = accept_greedy_lazy(tree, TargetChoices(tree, choose))
+    if grammar is not None:
+        grammar.advance(acc.tokens)
     if params.logprobs is None:
         return acc, []
     return acc, [reported[r] for r in [0] + [1 + n for n in acc.nodes]]

@@ -1,0 +1,96 @@
+"""Constrained decoding: the tokens a JSON schema allows next, from llguidance.
+
+`response_format` json_object / json_schema compiles (llguidance, a maintained Rust
+grammar engine with Python bindings; CPU only, driven by our tokenizer and our logits) to
+a Constraint held in SamplingParams; each job starts its own GrammarState from it. A
+verify row's allowed tokens are the state's after the row's draft path (consumed, then
+rolled back), so the target distribution at every row is masked to the grammar and a
+draft token the grammar forbids is never accepted: drafts are checked, not trusted, and
+output stays exactly the masked target's. The state advances by what a round committed.
+
+It does not know about rounds, jobs or HTTP; the gateway builds Constraints.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import llguidance
+import llguidance.hf
+import torch
+
+from coordinator.errors import SamplingParamError
+
+ANY_OBJECT_SCHEMA = {"type": "object"}  # response_format json_object
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """A compiled-and-checked grammar for one tokenizer; immutable, shared by choices."""
+
+    grammar: str  # llguidance's grammar text (from the schema)
+    schema: str  # canonical JSON text of the schema
+    tokenizer: Any = field(compare=False, repr=False)  # llguidance.LLTokenizer
+
+    def start(self) -> GrammarState:
+        return GrammarState(llguidance.LLMatcher(self.tokenizer, self.grammar))
+
+
+_tokenizers: dict[int, Any] = {}  # id(hf tokenizer) -> LLTokenizer (built once; vocabularies are big)
+
+
+def json_constraint(hf_tokenizer: Any, schema: dict[str, Any]) -> Constraint:
+    """The Constraint for output matching `schema` (a JSON Schema), or SamplingParamError
+    naming what llguidance refused in it."""
+    lltok = _tokenizers.get(id(hf_tokenizer))
+    if lltok is None:
+        lltok = _tokenizers[id(hf_tokenizer)] = llguidance.hf.from_tokenizer(hf_tokenizer)
+    text = json.dumps(schema, sort_keys=True, separators=(",", ":"))
+    try:
+        # Compact JSON: a flexible-whitespace grammar lets a weak model pad forever.
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(text, defaults={"whitespace_flexible": False})
+    except ValueError as exc:
+        raise SamplingParamError("response_format", schema, f"is not a usable JSON schema: {exc}") from exc
+    problem = llguidance.LLMatcher.validate_grammar(grammar, lltok)
+    if problem:
+        raise SamplingParamError("response_format", schema, f"is not a usable JSON schema: {problem}")
+    return Constraint(grammar, text, lltok)
+
+
+class GrammarState:
+    """One job's place in its grammar: the committed tokens consumed so far."""
+
+    def __init__(self, matcher: Any) -> None:
+        self._matcher = matcher
+
+    def allowed(self, path: Sequence[int], vocab: int) -> torch.Tensor:
+        """(vocab,) bool: the tokens the grammar allows after the committed ones and then
+        `path` (a draft path). A path the grammar forbids allows nothing after its first
+        forbidden token: acceptance never reaches such a row, since the row above it was
+        masked so that the forbidden token could not be chosen."""
+        m = self._matcher
+        consumed = m.try_consume_tokens(list(path)) if path else 0
+        try:
+            if consumed < len(path):
+                return torch.zeros(vocab, dtype=torch.bool)
+            words = torch.frombuffer(bytearray(m.compute_bitmask()), dtype=torch.int32)  # (ceil(V'/32),)
+        finally:
+            if consumed:
+                m.rollback(consumed)
+        bits = (words[:, None] >> torch.arange(32, dtype=torch.int32)) & 1  # (W, 32), bit i of word w = token 32w + i
+        allowed = bits.flatten().bool()
+        out = torch.zeros(vocab, dtype=torch.bool)  # ids past the tokenizer's (model padding) are never allowed
+        n = min(vocab, allowed.shape[0])
+        out[:n] = allowed[:n]
+        return out
+
+    def advance(self, tokens: Sequence[int]) -> None:
+        """Consume committed tokens (those past a stop are never asked for again)."""
+        self._matcher.try_consume_tokens(list(tokens))
+
+
+def start_grammar(constraint: Constraint | None) -> GrammarState | None:
+    return None if constraint is None else constraint.start()
