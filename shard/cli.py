@@ -56,7 +56,8 @@ def run_join(args: argparse.Namespace) -> int:
 
     import trio
 
-    from shard.node import NodeConfig, run_node
+    from shard.join import run_node
+    from shard.node import NodeConfig
     from shard.options import config_from_args
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")

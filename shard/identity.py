@@ -12,6 +12,7 @@ key pair and a key pair into the bytes and ids the other modules need.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import secrets
 import stat
@@ -72,6 +73,30 @@ def load_or_create_identity(path: str | os.PathLike[str]) -> KeyPair:
     finally:
         os.close(fd)
     return keypair_from_seed(seed)
+
+
+def claim_key_path(directory: str | os.PathLike[str], stem: str, max_keys: int = 64) -> tuple[Path, int]:
+    """The first of `<stem>.key`, `<stem>-1.key`, ... in `directory` that no running
+    process holds, and the descriptor of its lock file (`<name>.lock`, flock'd): the claim
+    lasts as long as that descriptor stays open (the process, normally). So nodes started
+    on one machine without --key-path get distinct identities, and each keeps its own
+    across restarts when they are started in the same order.
+
+    Error handling: IdentityError when `max_keys` keys are all held. Resource handling:
+    the caller owns the returned descriptor; the kernel drops the lock when it closes.
+    """
+    folder = Path(directory)
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    for i in range(max_keys):
+        path = folder / (f"{stem}.key" if i == 0 else f"{stem}-{i}.key")
+        fd = os.open(path.with_suffix(".lock"), os.O_RDWR | os.O_CREAT, KEY_FILE_MODE)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue
+        return path, fd
+    raise IdentityError(str(folder / f"{stem}.key"), f"all {max_keys} keys are held by running nodes; pass --key-path")
 
 
 def _load(key_path: Path) -> KeyPair:

@@ -29,18 +29,19 @@ from shard.linkprobe import PROBE_PROTOCOL
 from shard.node_links import NodeLinks
 from shard.options import option
 from shard.receipt_signer import make_signer
+from shard.reconnect import ReconnectPolicy, RegistrationRefused, serve_reconnecting
 from shard.ring_inbox import InboxConfig, RingInbox
 from shard.ring_observer import NO_OBSERVER, RingObserver
 from shard.sources import DEFAULT_MODEL
 from shard.stage import Stage
 from shard.stage_worker import StageWorker, WorkerConfig
-from shard.store import ModelStore, open_or_prepare
+from shard.store import ModelStore
 from shard.transport import FramedStream, Host, TransportError
 from shard.wire.codec import decode, decode_frame, encode
 from shard.wire.dtypes import COMPUTE_DTYPES
 from shard.wire.limits import Limits
 from shard.wire.messages import (ROLE_STAGE, Assignment, AuditReply, AuditRequest, EndJob, Forward, JobError,
-                                 Ping, Pong, ProbePeers, Ready, Register)
+                                 Ping, Pong, ProbePeers, Ready, Refused, Register)
 
 log = logging.getLogger("shard.node")
 
@@ -60,7 +61,8 @@ class NodeConfig:
     coordinator: str = option(help="the coordinator's multiaddr, ending in /p2p/<its peer id>")
     model: str = option(DEFAULT_MODEL, "model alias, HF dir or GGUF file (prepared into the store once)")
     store_dir: str | None = option(None, "model store dir (default: the shard cache)")
-    key_path: str | None = option(None, "identity key file (default: <cache>/node.key)")
+    key_path: str | None = option(None, "identity key file (default: the first of <cache>/node.key, node-1.key, ... "
+                                        "no running node holds)")
     listen: str = option("/ip4/127.0.0.1/tcp/0", "libp2p listen multiaddr")
     device: str = option("cpu", "torch device for this node's layers")
     dtype: str = option("float32", "compute dtype of this node's layers", choices=tuple(COMPUTE_DTYPES))
@@ -133,6 +135,7 @@ class Node:
     _warm: Stage | None = None  # a slice kept loaded for an off-ring role (e.g. hot standby)
     observer: RingObserver = NO_OBSERVER  # what a benchmark watches of this node's frames
     inbox_config: InboxConfig = InboxConfig()
+    reconnect: ReconnectPolicy = ReconnectPolicy()
 
     def __post_init__(self) -> None:
         cfg = self.config
@@ -142,25 +145,31 @@ class Node:
     async def serve(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Register and serve until cancelled. Error handling: a bad frame, failed job or
         failed probe is reported and logged, never fatal; losing the coordinator's control
-        stream is fatal. Resource handling: all tasks live in this call's nursery."""
+        stream ends only the session: the node keeps its slice and registers again after a
+        backoff (shard.reconnect); a refused registration raises RegistrationRefused.
+        Resource handling: all tasks live in this call's nurseries."""
         cfg = self.config
         self.limits = Limits.for_model(self.store.config, max_tokens_per_frame=2048)
         dtype = COMPUTE_DTYPES[cfg.dtype]
         decode_s, prefill_s = await trio.to_thread.run_sync(measure_compute, self.store, dtype, cfg.device)
-        self.coordinator_id = await self.host.connect(cfg.coordinator)
         inbox = RingInbox(self._is_predecessor, self._serve_frame, lambda: self.limits.max_frame_bytes, self.inbox_config)
         self.host.set_handler(RING_PROTOCOL, inbox.serve)
         self.host.set_handler(PROBE_PROTOCOL, self.links.on_probe_stream)
-        control = await self.host.open_stream(self.coordinator_id, CONTROL_PROTOCOL)
-        try:
-            await self._serve_registered(control, decode_s, prefill_s, task_status)
-        finally:
-            # Leaving (cancelled or failed) closes the control stream: the coordinator
-            # re-forms at once instead of waiting for a ring frame to time out.
-            with trio.CancelScope(shield=True), trio.move_on_after(1.0):
-                await control.aclose()
 
-    async def _serve_registered(self, control: FramedStream, decode_s: float, prefill_s: float, task_status) -> None:
+        async def session(registered) -> None:
+            self.coordinator_id = await self.host.connect(cfg.coordinator)
+            control = await self.host.open_stream(self.coordinator_id, CONTROL_PROTOCOL)
+            try:
+                await self._serve_registered(control, decode_s, prefill_s, registered)
+            finally:
+                # Leaving (cancelled or failed) closes the control stream: the coordinator
+                # re-forms at once instead of waiting for a ring frame to time out.
+                with trio.CancelScope(shield=True), trio.move_on_after(1.0):
+                    await control.aclose()
+
+        await serve_reconnecting(session, self.reconnect, task_status)
+
+    async def _serve_registered(self, control: FramedStream, decode_s: float, prefill_s: float, registered) -> None:
         cfg = self.config
         async with trio.open_nursery() as self._tasks:  # control reader, ring sender, probes, emulated-link pumps
             self.links.nursery = self._tasks
@@ -174,12 +183,19 @@ class Node:
                 peer_id=self.host.peer_id, model=cfg.model, manifest_digest=self.store.digest, device=cfg.device,
                 memory_bytes=cfg.max_memory_bytes, decode_s_per_layer=decode_s, prefill_s_per_layer_token=prefill_s,
                 upload_bytes_per_s=upload, download_bytes_per_s=download, rtt_ms={self.coordinator_id: rtt_s * 1e3},
-                listen_addrs=tuple(self.host.addrs),
+                listen_addrs=tuple(self.host.addrs), held_epoch=self.held.epoch if self.held is not None else -1,
+                held_start=self._loaded.start if self._loaded else 0, held_end=self._loaded.end if self._loaded else 0,
             ))
             log.info("registered with %s (decode %.2f ms/layer, prefill %.3f ms/layer/token, rtt %.1f ms, "
                      "up %.1f / down %.1f Mbit/s)", self.coordinator_id, decode_s * 1e3, prefill_s * 1e3, rtt_s * 1e3,
                      upload * 8e-6, download * 8e-6)
-            task_status.started()
+            registered()
+
+    @property
+    def _loaded(self) -> LayerRange | None:
+        """The slice this node has loaded (a stage's, or a role's kept warm)."""
+        stage = self.state.worker.stage if self.state is not None else self._warm
+        return stage.layers if stage is not None else None
 
     async def _serve_control(self) -> None:
         while True:
@@ -197,6 +213,8 @@ class Node:
                 self._tasks.start_soon(self.links.report, msg, self.coordinator_id)
             elif isinstance(msg, AuditRequest):
                 await self._send_control(self._audit_reply(msg))
+            elif isinstance(msg, Refused):
+                raise RegistrationRefused(msg.code, msg.reason)
             else:
                 log.warning("ignoring %s on the control stream", type(msg).__name__)
 
@@ -370,17 +388,3 @@ class Node:
         self.observer.frame_sent(self.host.peer_id, len(body) + 4)
         await stream.send_frame(body)
 
-
-async def run_node(config: NodeConfig, task_status=trio.TASK_STATUS_IGNORED) -> None:
-    """Prepare (or verify) the model store, start the host and serve until cancelled."""
-    from shard.identity import identity_signing_key, load_or_create_identity
-    from shard.store import cache_root
-    from shard.transport import open_host
-
-    if config.torch_threads:
-        torch.set_num_threads(config.torch_threads)
-    store = await trio.to_thread.run_sync(lambda: open_or_prepare(config.model, config.store_dir))
-    keypair = load_or_create_identity(config.key_path or cache_root() / "node.key")
-    async with open_host(keypair, config.listen) as host:
-        node = Node(config, host, store, signing_seed=identity_signing_key(keypair))
-        await node.serve(task_status=task_status)

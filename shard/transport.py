@@ -17,6 +17,7 @@ py-libp2p 0.8.1 quirks handled here:
   and logged with its traceback).
 - The swarm's inbound connection slots are never released (`shard.inbound_conns`).
 - Yamux buffers whatever a peer sends past a stream's window (`shard.yamux_window`).
+- `host.run()` ending leaves connections open; wildcards are advertised (`shard.addresses`).
 - `host.connect` records the peer's addrs with a 120 s TTL; we keep our own copy of
   every address dialled so `open_stream(peer_id)` can redial after it expires.
 """
@@ -48,6 +49,7 @@ from libp2p.stream_muxer.yamux.yamux import Yamux
 
 # The transport's errors live with the package's others; importable from here too.
 from shard.errors import DialError, FrameTimeoutError, ShardError, StreamClosedError, TransportError, WireError
+from shard.addresses import advertised
 from shard.inbound_conns import release_slots_on_close
 from shard.yamux_window import bound_stream_buffers
 from shard.wire.limits import FRAME_PREFIX  # ">I": body length, big-endian uint32; torch-free home
@@ -134,6 +136,11 @@ class FramedStream:
     def remote_peer_id(self) -> str:
         """The peer id the Noise handshake proved (its static key signed by this identity)."""
         return self._remote_peer_id
+
+    @property
+    def remote_ip(self) -> str | None:
+        """The IP this stream's connection came from, as this host sees it (None: unknown)."""
+        return (self._stream.get_remote_address() or (None,))[0]
 
     @property
     def protocol_id(self) -> str:
@@ -334,11 +341,17 @@ async def open_host(
         muxer_opt={TProtocol(YAMUX_PROTOCOL_ID): Yamux},
         listen_addrs=[listen],
         negotiate_timeout=config.negotiate_timeout_s,
+        addrs_factory=advertised,  # 0.0.0.0 is never advertised: each interface's address is
     )
     release_slots_on_close(libp2p_host.get_network())
     bound_stream_buffers(libp2p_host.get_network())
     async with libp2p_host.run([listen]):
-        yield Host(libp2p_host, config)
+        try:
+            yield Host(libp2p_host, config)
+        finally:
+            # run() ending leaves connections open: peers would never see this host go.
+            with trio.CancelScope(shield=True), trio.move_on_after(2.0):
+                await libp2p_host.get_network().close()
 
 
 class MemoryFramedStream:

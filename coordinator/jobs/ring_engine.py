@@ -32,7 +32,7 @@ from coordinator.errors import RingLost
 from coordinator.spec.sampling import SamplingParams
 from coordinator.swarm.swarm import RingState, Swarm
 from coordinator.swarm.topology import Traversal
-from shard.errors import WireError
+from shard.errors import DialError, WireError
 from shard.stage import OutputHead
 from shard.transport import FramedStream, Host, TransportError
 from shard.node import RING_PROTOCOL
@@ -146,7 +146,11 @@ class RingEngine:
             stream = self._head_streams.get(ring.epoch)
             if stream is None:
                 self._head_streams.clear()
-                stream = await self.host.open_stream(ring.head, RING_PROTOCOL)
+                try:
+                    stream = await self.host.open_stream(ring.head, RING_PROTOCOL)
+                except DialError as exc:  # a head we cannot reach is treated as gone (re-formed without it)
+                    self.swarm.report_unreachable(ring.head, f"the coordinator could not reach it: {exc}")
+                    raise
                 stream = await self._emulate(stream)
                 self._head_streams[ring.epoch] = stream
             self.observer.frame_sent(self.host.peer_id, len(body) + 4)

@@ -42,6 +42,10 @@ class SwarmConfig:
     # on estimated latencies is a worse ring, but a missing report must not stall it.
     probe_wait_s: float = 10.0
     probe_interval_s: float = 300.0  # re-measure every node's links this often
+    # A restarted coordinator waits this long at most for nodes holding slices to
+    # re-register (they retry within shard.reconnect's 5 s) before forming a ring that
+    # would make them reload.
+    rejoin_wait_s: float = 10.0
     probe_bandwidth_bytes: int = 256 << 10  # payload of the periodic upload/download probes
     topology: TopologyConfig = TopologyConfig()
     churn: ChurnPolicy = ChurnPolicy()  # how re-selection weighs weight moves against ring speed
@@ -141,7 +145,45 @@ def choose(snapshot: Snapshot, members: frozenset[PeerId], config: SwarmConfig, 
         return evaluate([Stage(PeerId(p), r) for p, r in split], network, model, workload), network
     if snapshot.plan is not None and set(snapshot.plan.peers) & members:
         return reselect(snapshot.plan, network, model, workload, constraints, config.churn), network
+    if snapshot.plan is None:  # a restarted coordinator: the ring that was serving, as it was
+        warm = warm_plan(snapshot.held, members, network, model, workload)
+        if warm is not None:
+            return warm, network
     return select_ring(network, model, workload, constraints), network
+
+
+def warm_plan(held: Mapping[PeerId, LayerRange], members: frozenset[PeerId], network: Network, model: ModelSpec,
+              workload) -> Plan | None:
+    """The ring the members' loaded slices already make, when they tile [0, L) in order
+    (a coordinator restarted under warm nodes has no plan, only what each re-registered
+    holding): kept as it is, so nobody reloads; the next membership change re-selects
+    from it. Where two members hold the same slice the lower peer id is taken. None when
+    the slices leave a gap or the ring does not fit (ring.RingError)."""
+    stages = held_ring(held, members, model.num_layers)
+    if stages is None:
+        return None
+    try:
+        return evaluate([Stage(p, r) for p, r in stages], network, model, workload)
+    except RingError:
+        return None
+
+
+def rejoining(snapshot: Snapshot, members: frozenset[PeerId], model: ModelSpec) -> bool:
+    """Whether warm nodes are still re-registering with a restarted coordinator: no plan
+    yet, members hold slices, and those do not make a ring yet (forming now would reload)."""
+    held = {p: r for p, r in snapshot.held.items() if p in members}
+    return snapshot.plan is None and bool(held) and held_ring(held, members, model.num_layers) is None
+
+
+def held_ring(held: Mapping[PeerId, LayerRange], members: frozenset[PeerId],
+              num_layers: int) -> list[tuple[PeerId, LayerRange]] | None:
+    """The members' held slices in ring order when they tile [0, num_layers), else None."""
+    stages, end = [], 0
+    for start, stop, peer in sorted((r.start, r.end, p) for p, r in held.items() if p in members):
+        if start == end:
+            stages.append((peer, LayerRange(start, stop)))
+            end = stop
+    return stages if end == num_layers else None
 
 
 def decide(snapshot: Snapshot, members: frozenset[PeerId], config: SwarmConfig,

@@ -25,10 +25,11 @@ import trio
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
-from coordinator.swarm import formation, status, topology
+from coordinator.swarm import admission, formation, status, topology, unreachable
 from coordinator.swarm.formation import Formation, ModelIdentity, NoRing, RingState, Snapshot, SwarmConfig
 from coordinator.swarm.topology import Traversal, TraversalLog
 from ring import Network, PeerId, Plan, RingError
+from shard.addresses import dialable_from_elsewhere
 from shard.errors import WireError
 from shard.identity import peer_id_from_public_key
 from shard.layers import LayerRange
@@ -89,6 +90,7 @@ class Swarm:
         self.control_limits = dataclasses.replace(
             self.limits, max_tensor_elements=max(self.limits.max_tensor_elements, self.limits.max_frame_bytes))
         self.faulty: dict[PeerId, str] = {}  # peer id -> why audits excluded it from rings
+        self.unreachable = unreachable.Exclusions()  # nodes their predecessor could not reach sit out a while
         self.members: dict[PeerId, Member] = {}
         self.ring: RingState | None = None
         self.epoch = 0
@@ -119,6 +121,14 @@ class Swarm:
                         await stream.send_frame(encode(Pong(nonce=msg.nonce, sent_ns=msg.sent_ns,
                                                             payload=bytes(msg.reply_bytes))))
                 elif isinstance(msg, Register):
+                    held = self.members.get(peer)
+                    refused = admission.refusal(msg, identity_in_use=held is not None and held.control is not stream,
+                                                model_name=self.store.manifest.name, model_digest=self.store.digest)
+                    if refused is not None:
+                        log.warning("refused node %s: %s", peer, refused.reason)
+                        async with lock:
+                            await stream.send_frame(encode(refused))
+                        return
                     self._register(peer, msg, stream, lock)
                     await self._ask_probe(peer, sorted(set(self.members) - {peer}), bandwidth_bytes=0)
                 elif isinstance(msg, LinkReport):
@@ -126,6 +136,8 @@ class Swarm:
                 elif isinstance(msg, Ready):
                     self._on_ready(peer, msg)
                 elif isinstance(msg, JobError):
+                    if (blamed := unreachable.blamed(msg, peer, self.ring)) is not None:
+                        self.report_unreachable(blamed, f"{peer[-6:]} could not reach it: {msg.message}")
                     _offer(self._job_errors, msg, f"job {msg.job_id}'s error from {peer}")
                 elif isinstance(msg, AuditReply):
                     _offer(self._audit_replies, (peer, msg), f"an audit reply from {peer}")
@@ -136,19 +148,24 @@ class Swarm:
         except ValueError as exc:  # Register that fails validation
             log.warning("dropping node %s: %s", peer, exc)
         finally:
-            self._awaiting_reports.discard(peer)
-            self.links = topology.forget_peer(self.links, peer)
-            self.held.pop(peer, None)
-            if self.members.pop(peer, None) is not None:
-                self._notify()
+            member = self.members.get(peer)
+            if member is None or member.control is stream:  # a refused duplicate's stream leaves the member be
+                self._awaiting_reports.discard(peer)
+                self.links = topology.forget_peer(self.links, peer)
+                self.held.pop(peer, None)
+                if self.members.pop(peer, None) is not None:
+                    self._notify()
             await stream.aclose()
 
     def _register(self, peer: PeerId, msg: Register, stream: FramedStream, lock: trio.Lock) -> None:
         if msg.peer_id != peer:
             raise ValueError(f"registered as {msg.peer_id} over a stream authenticated as {peer}")
-        if msg.manifest_digest != self.store.digest:
-            raise ValueError(f"serves model digest {msg.manifest_digest[:12]}, ring model is {self.store.digest[:12]}")
+        # Peers are told only addresses they can dial (no 0.0.0.0; loopback only from this machine).
+        msg = dataclasses.replace(msg, listen_addrs=dialable_from_elsewhere(msg.listen_addrs, getattr(stream, "remote_ip", None)))
         self.members[peer] = Member(msg, stream, lock)
+        self.epoch = max(self.epoch, msg.held_epoch)  # a node that outlived its coordinator: epochs keep growing
+        if msg.held_end > msg.held_start:
+            self.held[peer] = LayerRange(msg.held_start, msg.held_end)
         self.links = topology.record_rtts(self.links, peer, msg.rtt_ms, self.peer_id,
                                           self.config.topology.coordinator_link_latency_s)
         log.info("node %s registered (%s, %.0f MB usable, up %.1f / down %.1f Mbit/s, rtt to coordinator %s ms)",
@@ -182,7 +199,13 @@ class Swarm:
         log.info("node %s measured %d links: %s", peer, len(msg.rtt_ms),
                  ", ".join(f"{p[-6:]} {ms:.1f} ms" for p, ms in sorted(msg.rtt_ms.items())))
         self._awaiting_reports.discard(peer)
+        self.unreachable.readmit(msg.rtt_ms)  # a peer measured a round trip to them: dialable after all
         self._notify()
+
+    def report_unreachable(self, peer: PeerId, reason: str) -> None:
+        """`peer` could not be reached by its ring predecessor: it sits out, the ring re-forms."""
+        if self.unreachable.strike(peer, reason):
+            self._notify()
 
     def _on_ready(self, peer: PeerId, msg: Ready) -> None:
         member = self.members.get(peer)
@@ -221,6 +244,7 @@ class Swarm:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._serve_probe_refresh)
             task_status.started()
+            rejoin_until = trio.current_time() + self.config.rejoin_wait_s
             while True:
                 changed = self._changed
                 wanted = self._eligible()
@@ -231,11 +255,16 @@ class Swarm:
                     if self._awaiting_reports & wanted:
                         await self._wait_for_reports()
                         continue  # membership may have changed meanwhile
+                    if trio.current_time() < rejoin_until and formation.rejoining(self.snapshot(), wanted, self.model):
+                        with trio.move_on_at(rejoin_until):
+                            await changed.wait()
+                        continue
                     await self._form(wanted)
-                await changed.wait()
+                with trio.move_on_at(self.unreachable.next_return_s()):
+                    await changed.wait()  # or an excluded node's sit-out ends
 
     def _eligible(self) -> frozenset[PeerId]:
-        return formation.eligible(self.members, self.faulty)
+        return formation.eligible(self.members, {**self.faulty, **self.unreachable.sitting_out()})
 
     async def _wait_for_reports(self) -> None:
         with trio.move_on_after(self.config.probe_wait_s):

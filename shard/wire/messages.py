@@ -17,9 +17,11 @@ import torch
 
 from receipts.schema import JOB_ID_PATTERN, MAX_JOB_ID_CHARS, MAX_NONCE_BYTES, MIN_NONCE_BYTES
 from shard.errors import WireError
-from shard.wire.dtypes import BY_TORCH, FLOAT_NAMES, FP8_NAMES
+from shard.wire.dtypes import FLOAT_NAMES
 from shard.wire.fields import Bytes, Float, Int, ListOf, MapOf, OptionalOf, Str, Tensor, kind_of, spec
 from shard.wire.limits import MAX_PAYLOAD_BYTES, MAX_RECEIPT_BYTES, MAX_RECEIPTS, Limits
+from shard.wire.shapes import (check_activations, check_context, check_nonnegative, check_tokens_dim, check_vector,
+                              fail_shape)
 from shard.wire.roles import ROLE_STAGE
 
 # 2: per-stage trailer fields (receipts, compute_s) left the header for a trailer after
@@ -47,69 +49,6 @@ F32 = frozenset({"f32"})
 # codec writes them in a trailer after the tensor bytes, outside the canonical bytes that
 # receipts hash (codec.encode_body), so appending never changes what was signed.
 TRAILER_FIELDS = ("receipts", "compute_s")
-
-
-def _fail_shape(name: str, expected: object, t: torch.Tensor) -> WireError:
-    return WireError(f"tensor '{name}' shape", expected, list(t.shape))
-
-
-def _check_tokens_dim(name: str, t: torch.Tensor, limits: Limits) -> int:
-    """T of a (T,) or (T, ...) tensor, checked to be in [1, max_tokens_per_frame]."""
-    if t.dim() < 1:
-        raise _fail_shape(name, "rank >= 1", t)
-    n = t.shape[0]
-    if not (1 <= n <= limits.max_tokens_per_frame):
-        raise WireError(f"tensor '{name}' tokens", limits.max_tokens_per_frame, n)
-    return n
-
-
-def _check_vector(name: str, t: torch.Tensor | None, n: int) -> None:
-    if t is not None and tuple(t.shape) != (n,):
-        raise _fail_shape(name, [n], t)
-
-
-def _check_nonnegative(name: str, t: torch.Tensor | None) -> None:
-    if t is not None and t.numel() and int(t.min()) < 0:
-        raise WireError(f"tensor '{name}' values", ">= 0", int(t.min()))
-
-
-def _check_activations(name: str, t: torch.Tensor | None, scale: torch.Tensor | None, n: int, limits: Limits, *, multiple: bool) -> None:
-    """t is (n, H) for hidden or (n, k*H), k >= 1, for aux; fp8 rows need a (n,) f32 scale."""
-    scale_name = f"{name}_scale"
-    if t is None:
-        if scale is not None:
-            raise WireError(f"tensor '{scale_name}' without '{name}'")
-        return
-    h = limits.hidden_size
-    expected = [n, ("k*H" if h is None else f"k*{h}") if multiple else ("H" if h is None else h)]
-    if t.dim() != 2 or t.shape[0] != n:
-        raise _fail_shape(name, expected, t)
-    if h is not None:
-        width = t.shape[1]
-        bad_width = (width == 0 or width % h != 0) if multiple else width != h
-        if bad_width:
-            raise _fail_shape(name, expected, t)
-    is_fp8 = BY_TORCH[t.dtype].name in FP8_NAMES
-    if is_fp8 and scale is None:
-        raise WireError(f"tensor '{scale_name}' missing for fp8 '{name}'")
-    if not is_fp8 and scale is not None:
-        raise WireError(f"tensor '{scale_name}' with non-fp8 '{name}'")
-    _check_vector(scale_name, scale, n)
-
-
-def _check_context(fwd: "Forward", limits: Limits) -> None:
-    """Positions below the model's context, ctx_len within it, aux layers inside the model."""
-    ctx = limits.max_context_tokens
-    if ctx is not None:
-        top = int(fwd.positions.max())
-        if top >= ctx:
-            raise WireError("tensor 'positions' values", f"< {ctx} (the model's context)", top)
-        if fwd.ctx_len > ctx:
-            raise WireError("field 'ctx_len'", f"<= {ctx} (the model's context)", fwd.ctx_len)
-    if limits.num_layers is not None:
-        bad = [layer for layer in fwd.want_aux_layers if layer >= limits.num_layers]
-        if bad:
-            raise WireError("field 'want_aux_layers' values", f"< {limits.num_layers} (the model's layers)", bad[0])
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -142,18 +81,18 @@ class Forward:
     compute_s: tuple[float, ...] = spec(COMPUTE_TIMES, default=())
 
     def check(self, limits: Limits) -> None:
-        n = _check_tokens_dim("positions", self.positions, limits)
-        _check_vector("positions", self.positions, n)
-        _check_nonnegative("positions", self.positions)
-        _check_context(self, limits)
+        n = check_tokens_dim("positions", self.positions, limits)
+        check_vector("positions", self.positions, n)
+        check_nonnegative("positions", self.positions)
+        check_context(self.positions, self.ctx_len, self.want_aux_layers, limits)
         if (self.tokens is None) == (self.hidden is None):
             raise WireError("exactly one of tensors 'tokens', 'hidden'", 1, int(self.tokens is not None) + int(self.hidden is not None))
-        _check_vector("tokens", self.tokens, n)
-        _check_nonnegative("tokens", self.tokens)
-        _check_activations("hidden", self.hidden, self.hidden_scale, n, limits, multiple=False)
-        _check_activations("aux", self.aux, self.aux_scale, n, limits, multiple=True)
+        check_vector("tokens", self.tokens, n)
+        check_nonnegative("tokens", self.tokens)
+        check_activations("hidden", self.hidden, self.hidden_scale, n, limits, multiple=False)
+        check_activations("aux", self.aux, self.aux_scale, n, limits, multiple=True)
         if self.tree_parents is not None:
-            _check_vector("tree_parents", self.tree_parents, n)
+            check_vector("tree_parents", self.tree_parents, n)
             p = self.tree_parents.to(torch.int64)  # (T,)
             bad = (p < -1) | (p >= torch.arange(n, device=p.device))
             if bool(bad.any()):
@@ -181,12 +120,12 @@ class Result:
     compute_s: tuple[float, ...] = spec(COMPUTE_TIMES, default=())  # as in Forward
 
     def check(self, limits: Limits) -> None:
-        n = _check_tokens_dim("hidden", self.hidden, limits)
-        _check_activations("hidden", self.hidden, self.hidden_scale, n, limits, multiple=False)
+        n = check_tokens_dim("hidden", self.hidden, limits)
+        check_activations("hidden", self.hidden, self.hidden_scale, n, limits, multiple=False)
         # On prefill the tail returns only the last hidden row but aux for every token
         # (a drafter needs the whole prompt's features), so aux has its own row count.
-        n_aux = _check_tokens_dim("aux", self.aux, limits) if self.aux is not None else n
-        _check_activations("aux", self.aux, self.aux_scale, n_aux, limits, multiple=True)
+        n_aux = check_tokens_dim("aux", self.aux, limits) if self.aux is not None else n
+        check_activations("aux", self.aux, self.aux_scale, n_aux, limits, multiple=True)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -233,6 +172,23 @@ class Register:
     download_bytes_per_s: float = spec(Float())
     rtt_ms: dict[str, float] = spec(MapOf(PEER_ID, Float()), default_factory=dict)  # peer id -> ms
     listen_addrs: tuple[str, ...] = spec(ListOf(NAME, max_items=64), default=())
+    # A node re-registering keeps what it holds: its last epoch (-1: none) and its loaded
+    # layers [held_start, held_end) ([0, 0): none), so the ring re-forms warm.
+    held_epoch: int = spec(Int(-1), default=-1)
+    held_start: int = spec(Int(), default=0)
+    held_end: int = spec(Int(), default=0)
+
+    def check(self, limits: Limits) -> None:
+        pass
+
+
+@dataclass(frozen=True, kw_only=True)
+class Refused:
+    """Coordinator -> node: registration refused (`code`), `reason` one line to act on."""
+
+    KIND: ClassVar[str] = "refused"
+    code: str = spec(Str(64))
+    reason: str = spec(Str(1024))
 
     def check(self, limits: Limits) -> None:
         pass
@@ -375,14 +331,14 @@ class AuditReply:
 
     def check(self, limits: Limits) -> None:
         if self.frame is not None and self.frame.dim() != 1:
-            raise _fail_shape("frame", ["nbytes"], self.frame)
+            raise fail_shape("frame", ["nbytes"], self.frame)
 
 
-Message = Union[Forward, Result, EndJob, JobError, Register, Assignment, Ready, Ping, Pong, ProbePeers, LinkReport,
-                AuditRequest, AuditReply]
+Message = Union[Forward, Result, EndJob, JobError, Register, Refused, Assignment, Ready, Ping, Pong, ProbePeers,
+                LinkReport, AuditRequest, AuditReply]
 # The allow-list: the only classes a peer's `kind` can name.
-REGISTRY: dict[str, type] = {c.KIND: c for c in (Forward, Result, EndJob, JobError, Register, Assignment, Ready, Ping, Pong,
-                                                 ProbePeers, LinkReport, AuditRequest, AuditReply)}
+REGISTRY: dict[str, type] = {c.KIND: c for c in (Forward, Result, EndJob, JobError, Register, Refused, Assignment, Ready,
+                                                 Ping, Pong, ProbePeers, LinkReport, AuditRequest, AuditReply)}
 
 for _cls in REGISTRY.values():
     _clash = {f.name for f in dataclasses.fields(_cls)} & RESERVED_KEYS

@@ -25,7 +25,7 @@ from shard.wire.dtypes import BY_NAME, FLOAT_NAMES, FP8_NAMES
 from shard.wire.fp8 import encode_fp8
 from shard.wire.limits import FRAME_PREFIX, Limits
 from shard.wire.messages import (REGISTRY, Assignment, AuditRequest, EndJob, Forward, JobError, LinkReport, Ping, Pong, ProbePeers, Ready,
-                                 Register, Result)
+                                 Refused, Register, Result)
 
 H = 8
 LIMITS = Limits(hidden_size=H, max_tokens_per_frame=32)
@@ -58,7 +58,9 @@ SMALL = {
         peer_id="12D3KooWA", model="SmolLM2-135M", manifest_digest="ab" * 32, device="cpu", memory_bytes=8 << 30,
         decode_s_per_layer=0.001, prefill_s_per_layer_token=1e-5, upload_bytes_per_s=1.25e6,
         download_bytes_per_s=1e7, rtt_ms={"12D3KooWB": 20.5, "12D3KooWC": 0.0}, listen_addrs=("/ip4/127.0.0.1/tcp/4001",),
+        held_epoch=7, held_start=3, held_end=9,
     ),
+    "refused": Refused(code="model_mismatch", reason="rejoin with --model smollm2-135m"),
     "assignment": Assignment(
         epoch=2, peer_id="12D3KooWA", role="stage", layer_start=0, layer_end=15, predecessor=None,
         successor="12D3KooWB", model="SmolLM2-135M", manifest_digest="ab" * 32, wire_dtype="bf16", signature=b"s" * 64,
@@ -249,7 +251,7 @@ def _header_case(mutate, base=None) -> bytes:
 
 PINNED = {
     "unknown kind": (lambda h: h.update(kind="Pickle"), "message kind (limit ['assignment', 'audit_reply', 'audit_request', 'end_job', 'forward', 'job_error', "
-                     "'link_report', 'ping', 'pong', 'probe_peers', 'ready', 'register', 'result'], got Pickle)"),
+                     "'link_report', 'ping', 'pong', 'probe_peers', 'ready', 'refused', 'register', 'result'], got Pickle)"),
     "bool version": (lambda h: h.update(v=True), "protocol version (limit 2, got True)"),
     "old version": (lambda h: h.update(v=1), "protocol version (limit 2, got 1)"),
     "future version": (lambda h: h.update(v=3), "protocol version (limit 2, got 3)"),

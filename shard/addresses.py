@@ -1,0 +1,63 @@
+"""Which of a host's addresses others are told to dial.
+
+A host listening on 0.0.0.0 (or ::) is listening on every interface, but "0.0.0.0" sent
+to a peer makes it dial its own machine. `advertised` is the host's libp2p AddrsFactory:
+wildcards become each interface's address (py-libp2p's `expand_wildcard_address`),
+routable ones first and loopback last, and observed addresses identify confirmed pass
+through. `dialable_from_elsewhere` is what the coordinator hands a node's peers: a node
+whose control connection did not come over loopback lives on another machine, so its
+loopback addresses (and any unspecified one) are dropped there.
+Pure apart from reading the interface table; knows nothing of rings or registration.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Iterable
+
+import multiaddr
+from libp2p.utils.address_validation import expand_wildcard_address
+
+_IP_PROTOCOLS = ("ip4", "ip6")
+
+
+def ip_of(addr: multiaddr.Multiaddr | str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """The IP an address names (None: a DNS name, a relay circuit without one, ...)."""
+    try:
+        ma = addr if isinstance(addr, multiaddr.Multiaddr) else multiaddr.Multiaddr(addr)
+    except (multiaddr.exceptions.Error, ValueError):
+        return None  # not a multiaddr: whoever dials it gets the DialError
+    for proto in _IP_PROTOCOLS:
+        try:
+            return ipaddress.ip_address(ma.value_for_protocol(proto))
+        except (multiaddr.exceptions.ProtocolLookupError, ValueError):
+            continue
+    return None
+
+
+def advertised(candidates: Iterable[multiaddr.Multiaddr]) -> list[multiaddr.Multiaddr]:
+    """`candidates` (listen addresses, then observed ones) with every wildcard expanded to
+    the interfaces' addresses; routable before loopback, duplicates dropped, order kept
+    otherwise."""
+    out: list[multiaddr.Multiaddr] = []
+    for addr in candidates:
+        ip = ip_of(addr)
+        out += expand_wildcard_address(addr) if ip is not None and ip.is_unspecified else [addr]
+    seen: set[str] = set()
+    unique = [a for a in out if not (str(a) in seen or seen.add(str(a)))]
+    usable = [a for a in unique if (ip := ip_of(a)) is None or not ip.is_unspecified]
+    return sorted(usable, key=lambda a: bool((ip := ip_of(a)) is not None and ip.is_loopback))
+
+
+def dialable_from_elsewhere(addrs: Iterable[str], observed_ip: str | None) -> tuple[str, ...]:
+    """What peers are told to dial for a node whose connection came from `observed_ip`
+    (None: unknown, e.g. an in-memory stream): never an unspecified address, and loopback
+    ones only when the node itself connected over loopback (or from where is unknown)."""
+    local = observed_ip is None or ipaddress.ip_address(observed_ip).is_loopback
+    out = []
+    for addr in addrs:
+        ip = ip_of(addr)
+        if ip is not None and (ip.is_unspecified or (ip.is_loopback and not local)):
+            continue
+        out.append(addr)
+    return tuple(out)

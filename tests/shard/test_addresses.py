@@ -1,0 +1,35 @@
+"""What a node tells others to dial (shard.addresses), issue 19.
+
+Bug guarded: a node listening on 0.0.0.0 advertised /ip4/0.0.0.0/..., which makes every
+peer dial its own machine; nodes on other hosts were handed 127.0.0.1 addresses. The ring
+"formed" and every request failed. Sound: the factory is run on the real interface table
+(whatever this machine has, the wildcard must be gone and a concrete address in its place).
+"""
+
+from __future__ import annotations
+
+import multiaddr
+
+from shard.addresses import advertised, dialable_from_elsewhere, ip_of
+
+PEER = "12D3KooWGzBqWv1o7w7yWd8yBvZZ8CZbSrYkLqUhHwPqCFDKkV8q"
+
+
+def test_a_wildcard_listen_address_is_advertised_as_concrete_interface_addresses():
+    got = advertised([multiaddr.Multiaddr("/ip4/0.0.0.0/tcp/4001")])
+    assert got and all(not ip_of(a).is_unspecified for a in got)
+    assert all(a.value_for_protocol("tcp") == "4001" for a in got)
+    loopback = [ip_of(a).is_loopback for a in got]
+    assert loopback == sorted(loopback)  # routable ones first: the coordinator's join line prints the first
+
+
+def test_a_concrete_listen_address_is_advertised_as_it_is():
+    addr = multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/5000")
+    assert advertised([addr, addr]) == [addr]
+
+
+def test_peers_elsewhere_are_never_told_loopback_or_unspecified_addresses():
+    addrs = [f"/ip4/127.0.0.1/tcp/1/p2p/{PEER}", f"/ip4/10.0.0.2/tcp/1/p2p/{PEER}", f"/ip4/0.0.0.0/tcp/1/p2p/{PEER}"]
+    assert dialable_from_elsewhere(addrs, "10.0.0.9") == (f"/ip4/10.0.0.2/tcp/1/p2p/{PEER}",)
+    # A node on the coordinator's own machine keeps its loopback address (all of a local ring).
+    assert dialable_from_elsewhere(addrs, "127.0.0.1") == tuple(addrs[:2])
