@@ -28,6 +28,7 @@ from shard.layers import LayerRange
 from shard.linkprobe import PROBE_PROTOCOL
 from shard.node_links import NodeLinks
 from shard.options import option
+from shard.quant import NONE, SCHEMES, QuantScheme, mean_layer_bytes, quantise_stage, scheme
 from shard.receipt_signer import make_signer
 from shard.reconnect import ReconnectPolicy, RegistrationRefused, serve_reconnecting
 from shard.ring_inbox import InboxConfig, RingInbox
@@ -66,6 +67,7 @@ class NodeConfig:
     listen: str = option("/ip4/127.0.0.1/tcp/0", "libp2p listen multiaddr")
     device: str = option("cpu", "torch device for this node's layers")
     dtype: str = option("float32", "compute dtype of this node's layers", choices=tuple(COMPUTE_DTYPES))
+    quant: str = option("none", "weight-only quantisation of this node's layers (shard.quant)", choices=tuple(SCHEMES))
     max_memory_bytes: int = option(4 << 30, "weights + KV cache this node may use")
     torch_threads: int = option(0, "torch threads (0 = torch's default)")
     link_latency_ms: float = option(0.0, "emulated one-way latency on this node's outgoing ring edge")
@@ -81,14 +83,14 @@ class NodeConfig:
                                        "free the KV of a job that ran no frame for this long")
 
 
-def measure_compute(store: ModelStore, dtype: torch.dtype, device: str) -> tuple[float, float]:
+def measure_compute(store: ModelStore, dtype: torch.dtype, device: str, quant: QuantScheme = NONE) -> tuple[float, float]:
     """(decode seconds per layer per token, prefill seconds per layer per token), measured
-    on layer 0 of this model: a short self-benchmark run once at start-up."""
+    on layer 0 of this model under `quant`: a short self-benchmark run once at start-up."""
     from shard.kvcache import KVCache
 
     cfg = store.config
     r = LayerRange(0, 1)
-    stage = Stage(cfg, r, store.load_layers(r, dtype, device), dtype=dtype, device=device)
+    stage = quantise_stage(Stage(cfg, r, store.load_layers(r, dtype, device), dtype=dtype, device=device), quant)
     cache = KVCache(1, cfg.num_kv_heads, cfg.head_dim, dtype, 1 << 30, device)
     job = cache.open("bench", 512)
     x = torch.randn(128, cfg.hidden_size, dtype=dtype)
@@ -151,7 +153,7 @@ class Node:
         cfg = self.config
         self.limits = Limits.for_model(self.store.config, max_tokens_per_frame=2048)
         dtype = COMPUTE_DTYPES[cfg.dtype]
-        decode_s, prefill_s = await trio.to_thread.run_sync(measure_compute, self.store, dtype, cfg.device)
+        decode_s, prefill_s = await trio.to_thread.run_sync(measure_compute, self.store, dtype, cfg.device, scheme(cfg.quant))
         inbox = RingInbox(self._is_predecessor, self._serve_frame, lambda: self.limits.max_frame_bytes, self.inbox_config)
         self.host.set_handler(RING_PROTOCOL, inbox.serve)
         self.host.set_handler(PROBE_PROTOCOL, self.links.on_probe_stream)
@@ -185,6 +187,7 @@ class Node:
                 upload_bytes_per_s=upload, download_bytes_per_s=download, rtt_ms={self.coordinator_id: rtt_s * 1e3},
                 listen_addrs=tuple(self.host.addrs), held_epoch=self.held.epoch if self.held is not None else -1,
                 held_start=self._loaded.start if self._loaded else 0, held_end=self._loaded.end if self._loaded else 0,
+                quant=cfg.quant, bytes_per_layer=self._bytes_per_layer(),
             ))
             log.info("registered with %s (decode %.2f ms/layer, prefill %.3f ms/layer/token, rtt %.1f ms, "
                      "up %.1f / down %.1f Mbit/s)", self.coordinator_id, decode_s * 1e3, prefill_s * 1e3, rtt_s * 1e3,
@@ -261,7 +264,8 @@ class Node:
         worker = StageWorker(stage, WorkerConfig(
             wire_dtype=a.wire_dtype, aux_dtype=a.aux_dtype, is_tail=a.successor is None,
             max_context_tokens=self.store.config.max_context_tokens,
-            max_kv_bytes=max(self.config.max_memory_bytes - self.store.layer_bytes(r), 64 << 20),
+            max_kv_bytes=max(self.config.max_memory_bytes - (len(r) * self._bytes_per_layer() or self.store.layer_bytes(r)),
+                             64 << 20),
             job_idle_timeout_s=self.config.job_idle_timeout_s,
         ), signer=signer)
         self.state = EpochState(a, worker, a.predecessor or self.coordinator_id, a.successor or self.coordinator_id)
@@ -275,7 +279,13 @@ class Node:
         cfg, dtype = self.store.config, COMPUTE_DTYPES[self.config.dtype]
         weights = self.store.load_layers(r, dtype, self.config.device)
         embedding = self.store.load_embedding(dtype, self.config.device) if r.start == 0 else None
-        return Stage(cfg, r, weights, dtype=dtype, device=self.config.device, embedding=embedding)
+        stage = Stage(cfg, r, weights, dtype=dtype, device=self.config.device, embedding=embedding)
+        return quantise_stage(stage, scheme(self.config.quant))
+
+    def _bytes_per_layer(self) -> int:
+        """One layer's weights as held under this node's quantisation (0: none, the store's stand)."""
+        q, dense = scheme(self.config.quant), COMPUTE_DTYPES[self.config.dtype].itemsize
+        return mean_layer_bytes(self.store.config, q, dense) if q.quantised else 0
 
     def _is_predecessor(self, peer_id: str) -> bool:
         return self.state is not None and peer_id == self.state.predecessor

@@ -88,6 +88,7 @@ def node_info(reg: Register, held: LayerRange | None = None) -> NodeInfo:
         download_bytes_per_s=max(reg.download_bytes_per_s, 1.0),
         subnet=subnet_of(reg.peer_id, reg.listen_addrs),
         held=held,
+        bytes_per_layer=reg.bytes_per_layer,
     )
 
 

@@ -17,6 +17,7 @@ import torch
 
 from receipts.schema import JOB_ID_PATTERN, MAX_JOB_ID_CHARS, MAX_NONCE_BYTES, MIN_NONCE_BYTES
 from shard.errors import WireError
+from shard.quant import SCHEMES
 from shard.wire.dtypes import FLOAT_NAMES
 from shard.wire.fields import Bytes, Float, Int, ListOf, MapOf, OptionalOf, Str, Tensor, kind_of, spec
 from shard.wire.limits import MAX_PAYLOAD_BYTES, MAX_RECEIPT_BYTES, MAX_RECEIPTS, Limits
@@ -177,6 +178,10 @@ class Register:
     held_epoch: int = spec(Int(-1), default=-1)
     held_start: int = spec(Int(), default=0)
     held_end: int = spec(Int(), default=0)
+    # The weight quantisation the node runs its layers in (shard.quant), and what one layer
+    # then holds in memory: the selector seats layers by it, the auditor replays under it.
+    quant: str = spec(Str(16, choices=tuple(SCHEMES)), default="none")
+    bytes_per_layer: int = spec(Int(0), default=0)  # 0: the store's own bytes per layer
 
     def check(self, limits: Limits) -> None:
         pass

@@ -16,7 +16,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from coordinator.trust.audit import TOLERANCES, AuditPlan, check_frames, stage_tolerance
+from coordinator.trust.audit import AuditPlan, check_frames
+from coordinator.trust.tolerance import TOLERANCES, stage_tolerance
 from receipts import sha256_digest
 from ring import PeerId
 from shard.layers import LayerRange
