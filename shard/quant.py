@@ -147,7 +147,8 @@ class Int4Linear:
         self.out_features, self.in_features, self.group_size, self.bias = n, k, group_size, bias
         # The CPU packing takes N in multiples of 16: zero rows pad it, cut off the output.
         n = -(-n // INT4_ROWS_MULTIPLE) * INT4_ROWS_MULTIPLE
-        w = F.pad(weight.float(), (0, 0, 0, n - self.out_features)).reshape(n, k // group_size, group_size)  # (N, K/G, G)
+        w = F.pad(weight.float(), (0, 0, 0, n - self.out_features))  # (N, K)
+        w = w.reshape(n, k // group_size, group_size)  # (N, K/G, G)
         lo, hi = w.amin(dim=-1), w.amax(dim=-1)  # (N, K/G)
         scales = ((hi - lo) / 15).clamp(min=1e-6).to(KERNEL_DTYPE)
         zeros = (lo + INT4_ZERO_POINT * scales.float()).to(KERNEL_DTYPE)
