@@ -154,7 +154,8 @@ class Node:
         self.limits = Limits.for_model(self.store.config, max_tokens_per_frame=2048)
         dtype = COMPUTE_DTYPES[cfg.dtype]
         decode_s, prefill_s = await trio.to_thread.run_sync(measure_compute, self.store, dtype, cfg.device, scheme(cfg.quant))
-        inbox = RingInbox(self._is_predecessor, self._serve_frame, lambda: self.limits.max_frame_bytes, self.inbox_config)
+        inbox = RingInbox(lambda peer: self.state is not None and peer == self.state.predecessor, self._serve_frame,
+                          lambda: self.limits.max_frame_bytes, self.inbox_config)
         self.host.set_handler(RING_PROTOCOL, inbox.serve)
         self.host.set_handler(PROBE_PROTOCOL, self.links.on_probe_stream)
 
@@ -202,7 +203,12 @@ class Node:
 
     async def _serve_control(self) -> None:
         while True:
-            msg = decode(await self.control.recv_frame(self.limits.max_frame_bytes), self.limits)
+            body = await self.control.recv_frame(self.limits.max_frame_bytes)
+            try:
+                msg = decode(body, self.limits)
+            except WireError as exc:  # costs that message; a bad length prefix (above) ends the stream
+                log.warning("dropped a malformed control message: %s", exc)
+                continue
             if isinstance(msg, Assignment):
                 try:
                     await self._assume(msg)
@@ -287,13 +293,9 @@ class Node:
         q, dense = scheme(self.config.quant), COMPUTE_DTYPES[self.config.dtype].itemsize
         return mean_layer_bytes(self.store.config, q, dense) if q.quantised else 0
 
-    def _is_predecessor(self, peer_id: str) -> bool:
-        return self.state is not None and peer_id == self.state.predecessor
-
     async def _serve_frame(self, remote: str, body: bytes) -> bool:
-        """Decode and handle one frame body from `remote` (RingInbox.serve_frame); False
-        ends its stream (the epoch changed under it). A frame that does not decode costs
-        that frame, and its job when the frame names one (a JobError), never the node."""
+        """Decode and handle one frame body (RingInbox.serve_frame); False ends its stream. A frame
+        that does not decode costs that frame, and its job when it names one, never the node."""
         state = self.state
         if state is None or remote != state.predecessor:
             log.warning("refused a frame from %s: not the predecessor of epoch %s",
@@ -310,11 +312,9 @@ class Node:
         return True
 
     async def _sweep_idle_jobs(self) -> None:
-        """Every few seconds, free the KV of jobs idle past the worker's job_idle_timeout_s."""
+        """Every few seconds, free the KV of jobs idle past job_idle_timeout_s."""
         while True:
-            state = self.state
-            idle_s = WorkerConfig.job_idle_timeout_s if state is None else state.worker.config.job_idle_timeout_s
-            await trio.sleep(min(idle_s / 4, 10.0))
+            await trio.sleep(min(self.config.job_idle_timeout_s / 4, 10.0))
             await self.evict_idle_jobs()
 
     async def evict_idle_jobs(self) -> list[str]:

@@ -228,6 +228,8 @@ class Assignment:
         # slice they keep warm or check, or none at all (layer_start == layer_end).
         if self.layer_start > self.layer_end or (self.role == ROLE_STAGE and self.layer_start == self.layer_end):
             raise WireError("field 'layer_end' must exceed 'layer_start'", self.layer_start, self.layer_end)
+        if limits.num_layers is not None and self.layer_end > limits.num_layers:
+            raise WireError("field 'layer_end'", f"<= {limits.num_layers} (the model's layers)", self.layer_end)
 
     def signing_bytes(self) -> bytes:
         """Deterministic msgpack of every field but the signature, keys sorted, with the

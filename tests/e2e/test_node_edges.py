@@ -211,14 +211,17 @@ def test_frames_that_killed_the_node_end_their_job_not_the_node(tiny_llama_store
 
 def test_replayed_or_misaddressed_assignments_are_refused(tiny_llama_store):
     # Bug guarded: _assume checked the signature and the model digest only, so an old
-    # assignment replayed (or one for another node) re-seated this node. Sound: neither
-    # refused assignment is answered with Ready nor changes the epoch served, the node
-    # stays up, and a newer assignment for this node is then taken (Ready, epoch 2).
+    # assignment replayed (or one for another node) re-seated this node; and a control
+    # message that failed to decode ended the node. Sound: no refused message is answered
+    # with Ready or changes the epoch served, the node stays up, and a newer assignment
+    # for this node is then taken (Ready, epoch 2).
     store = tiny_llama_store
 
     async def script(ctx):
         node = ctx["node"]
         other = ID.from_pubkey(keypair_from_seed(os.urandom(32)).public_key).to_base58()
+        await ctx["control"].send_frame(os.urandom(100))  # not a message: dropped, not fatal
+        await ctx["control"].send_frame(encode(signed_assignment(ctx, layer_end=node.store.num_layers + 1)))
         await ctx["control"].send_frame(encode(signed_assignment(ctx, peer_id=other)))
         await ctx["control"].send_frame(encode(signed_assignment(ctx, epoch=0)))
         await ctx["control"].send_frame(encode(signed_assignment(ctx, epoch=1, layer_end=1)))

@@ -449,6 +449,8 @@ def test_positions_context_and_layers_are_bounded_by_the_model():
     assert str(_refuse(encode(ctx), limits)) == "field 'ctx_len' (limit <= 128 (the model's context), got 129)"
     layers = dataclasses.replace(ok, want_aux_layers=(1, 2))
     assert str(_refuse(encode(layers), limits)) == "field 'want_aux_layers' values (limit < 2 (the model's layers), got 2)"
+    slice_past = dataclasses.replace(SMALL["assignment"], layer_start=1, layer_end=3)
+    assert str(_refuse(encode(slice_past), limits)) == "field 'layer_end' (limit <= 2 (the model's layers), got 3)"
 
 
 def test_a_refused_frame_names_its_job_when_it_can():
