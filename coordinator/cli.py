@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
 import sys
@@ -11,6 +12,7 @@ import trio
 
 from coordinator.config import CoordConfig
 from coordinator.server import serve_coordinator
+from coordinator.errors import CoordinatorError
 from shard.errors import ShardError
 from shard.options import add_options, config_from_args
 
@@ -53,18 +55,46 @@ def main(argv: list[str] | None = None) -> int:
 
     async def run() -> None:
         async with trio.open_nursery() as nursery:
-            http_port, addr, model_id = await nursery.start(serve_coordinator, config)
+            http_port, addr, model_id, key_hex = await nursery.start(serve_coordinator, config)
             print(banner(http_port, config.http.rsplit(":", 1)[0], model_id), flush=True)
+            if key_hex is not None:
+                print(f"Receipts are signed by coordinator key {key_hex} (GET /v1/receipts/key); check a bundle "
+                      f"with: shard-receipts verify BUNDLE --coordinator-key {key_hex}", flush=True)
             print(f"Volunteers join with: shard-node join --coordinator {addr}\n", flush=True)
 
     try:
         trio.run(run)
-    except ShardError as e:
-        print(f"{PROG} {args.command}: error: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        return 130
+    except BaseException as e:  # trio may wrap what ended the run in exception groups
+        status, line = exit_of(e, config)
+        if line:
+            print(f"{PROG} {args.command}: error: {line}", file=sys.stderr)
+        return status
     return 0
+
+
+def exit_of(exc: BaseException, config: CoordConfig) -> tuple[int, str]:
+    """(exit status, the one error line or "") for what ended the run; re-raises what is a
+    bug (a traceback is then the useful report). Ctrl-C is quiet: the user asked for it."""
+    leaves = list(_leaves(exc))
+    if any(isinstance(e, KeyboardInterrupt) for e in leaves):
+        return 130, ""
+    for e in leaves:
+        if isinstance(e, OSError) and e.errno == errno.EADDRINUSE:
+            return 1, (f"{config.http} is in use (another shard-coord, or another server): stop it, "
+                       f"or pass --http HOST:PORT with a free port")
+        if isinstance(e, (ShardError, CoordinatorError)):
+            return 1, " ".join(str(e).split())
+        if isinstance(e, OSError):
+            return 1, f"{e.strerror or e} ({config.http}): check --http and --listen"
+    raise exc
+
+
+def _leaves(exc: BaseException):
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            yield from _leaves(inner)
+    else:
+        yield exc
 
 
 if __name__ == "__main__":

@@ -27,7 +27,8 @@ log = logging.getLogger("shard.coordinator")
 
 
 async def serve_coordinator(config: CoordConfig, task_status=trio.TASK_STATUS_IGNORED) -> None:
-    """Run until cancelled. task_status.started((http_port, multiaddr, model id)), once the
+    """Run until cancelled. task_status.started((http_port, multiaddr, model id, the
+    coordinator's receipt-signing public key as hex or None with receipts off)), once the
     local ring is ready when there is one."""
     from transformers import AutoTokenizer
 
@@ -48,7 +49,8 @@ async def serve_coordinator(config: CoordConfig, task_status=trio.TASK_STATUS_IG
         if config.local_nodes:
             log.info("waiting for %d local nodes to load their slices and form the ring", config.local_nodes)
             await coordinator.swarm.wait_ring()
-        task_status.started((http_port, coordinator.addr, coordinator.engine.model_id))
+        key = coordinator.receipts.key.public_bytes().hex() if coordinator.receipts is not None else None
+        task_status.started((http_port, coordinator.addr, coordinator.engine.model_id, key))
         await trio.sleep_forever()
 
 

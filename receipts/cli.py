@@ -125,6 +125,12 @@ def main(argv: list[str] | None = None) -> int:
             "no --manifest: using each bundle's own recorded layer count, so coverage is "
             "checked against the bundle's claim, not the model's"
         )
+    if coordinator_key is None:
+        warnings.append(
+            "no --coordinator-key: each bundle's signature was checked against the key the bundle "
+            "names, so who signed it was not checked; pass your coordinator's key (it prints it at "
+            "start, and serves it at GET /v1/receipts/key)"
+        )
     results = [check_bundle_file(path, manifest, coordinator_key) for path in args.bundles]
     all_ok = all(not r.failures for r in results)
     if args.json:

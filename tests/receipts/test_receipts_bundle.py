@@ -229,9 +229,21 @@ def _manifest(tmp_path, num_layers=30, digest=None):
 
 def test_cli_ok_with_manifest(tmp_path, capsys):
     good = _write(tmp_path, "good.json", BUNDLE)
-    assert main(["verify", good, "--manifest", _manifest(tmp_path)]) == 0
+    assert main(["verify", good, "--manifest", _manifest(tmp_path), "--coordinator-key", COORD.public_bytes().hex()]) == 0
     out, err = capsys.readouterr()
     assert out == f"ok {good}: job job-1\n" and err == ""
+
+
+def test_cli_without_coordinator_key_says_the_signer_was_not_checked(tmp_path, capsys):
+    # Bug guarded (issue 23): "ok" without --coordinator-key read as "signed by my
+    # coordinator" though any key that signed the bundle passes. Sound: a valid bundle
+    # still verifies (exit 0), with one warning line naming what was not checked.
+    good = _write(tmp_path, "good.json", BUNDLE)
+    assert main(["verify", good, "--manifest", _manifest(tmp_path)]) == 0
+    out, err = capsys.readouterr()
+    assert out == f"ok {good}: job job-1\n"
+    assert err.splitlines() == [err.strip()] and err.startswith("warning: no --coordinator-key:")
+    assert "who signed it was not checked" in err and "/v1/receipts/key" in err
 
 
 def test_cli_without_manifest_warns(tmp_path, capsys):
