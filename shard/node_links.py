@@ -28,6 +28,10 @@ from shard.wire.messages import LinkReport, Ping, ProbePeers
 
 log = logging.getLogger("shard.node")
 
+# Anyone may probe a node. A prober uses one stream at a time (shard.node_links.rtt_to_peer);
+# two cover a retry overlapping a stream not yet closed.
+MAX_PROBE_STREAMS_PER_PEER = 2
+
 
 @dataclass
 class NodeLinks:
@@ -44,6 +48,7 @@ class NodeLinks:
     _uplink: Uplink | None = None
     _pong_waiters: dict[int, trio.Event] = field(default_factory=dict)
     _nonces: itertools.count = field(default_factory=lambda: itertools.count(1))
+    _probing: dict[str, int] = field(default_factory=dict)  # peer id -> its open probe streams
 
     def _settings(self) -> dict | None:
         """EmulatedLink arguments with this node's one uplink, or None when not emulated."""
@@ -142,6 +147,24 @@ class NodeLinks:
             return None
 
     async def on_probe_stream(self, stream: FramedStream) -> None:
-        """Echo a peer's probes; the echoes cross our own emulated uplink, as ring frames would."""
-        async with self.open_link(stream) as link:
-            await serve_probe(link)
+        """Echo a peer's probes; the echoes cross our own emulated uplink, as ring frames would.
+        A stream lives at most twice probe_timeout_s (a probe is a few round trips within the
+        prober's own probe_timeout_s), and a peer's streams past MAX_PROBE_STREAMS_PER_PEER
+        are reset unread."""
+        peer = stream.remote_peer_id
+        if self._probing.get(peer, 0) >= MAX_PROBE_STREAMS_PER_PEER:
+            log.info("reset a probe stream from %s: it holds %d already", peer, MAX_PROBE_STREAMS_PER_PEER)
+            try:
+                await stream.reset()
+            except Exception:  # already gone
+                pass
+            return
+        self._probing[peer] = self._probing.get(peer, 0) + 1
+        try:
+            with trio.move_on_after(2 * self.probe_timeout_s):
+                async with self.open_link(stream) as link:
+                    await serve_probe(link)
+        finally:
+            self._probing[peer] -= 1
+            if not self._probing[peer]:
+                del self._probing[peer]
