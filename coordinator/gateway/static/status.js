@@ -37,7 +37,7 @@ function drawRing(info) {
     <path d="M0,0 L10,5 L0,10 z" fill="#2f6fdf"/></marker></defs>`;
   svg += `<g class="coord" data-role="coordinator"><rect class="box" x="${x(0)}" y="${Y0}" width="${W}" height="${H}" rx="8"/>
     <text x="${x(0) + 12}" y="${Y0 + 24}" font-weight="600">coordinator</text>
-    <text x="${x(0) + 12}" y="${Y0 + 44}">embedding ids out</text>
+    <text x="${x(0) + 12}" y="${Y0 + 44}">sends token ids</text>
     <text x="${x(0) + 12}" y="${Y0 + 62}">LM head, drafters, receipts</text></g>`;
   members.forEach((m, i) => {
     const bx = x(i + 1), node = nodes[m.peer_id] || {};
