@@ -8,7 +8,7 @@ import pathlib
 
 import pytest
 
-from coordinator.trust.audit import TOLERANCES, wire_tolerance
+from coordinator.trust.tolerance import TOLERANCES, wire_tolerance
 from shard.wire.dtypes import (ACTIVATION_NAMES, BY_CLI_NAME, BY_NAME, COMPUTE_DTYPES, DTYPES, from_cli_name)
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
