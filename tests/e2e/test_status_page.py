@@ -25,6 +25,7 @@ from html.parser import HTMLParser
 import httpx
 import pytest
 import trio
+from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoTokenizer
 
 from coordinator.assembly import open_coordinator
@@ -127,11 +128,12 @@ def test_status_page_shows_the_ring_as_v1_ring_reports_it(chromium, tiny_llama_s
                     dom = (await _browser(chromium, "--dump-dom", base + "/")).decode()
                     ring = (await client.get("/v1/ring")).json()
                     status = (await client.get("/v1/status")).json()
+                    scrape = (await client.get("/metrics")).text
                 SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
                 await _browser(chromium, "--window-size=1500,1150", f"--screenshot={SCREENSHOT}", base + "/")
-                return dom, ring, status
+                return dom, ring, status, scrape
 
-    dom, ring, status = trio.run(main)
+    dom, ring, status, scrape = trio.run(main)
     page = Elements()
     page.feed(dom)
     assert page.by_id("ready").get("data-ready") == "true", "the script did not render (or saw no ring)"
@@ -154,3 +156,13 @@ def test_status_page_shows_the_ring_as_v1_ring_reports_it(chromium, tiny_llama_s
     errors = [e for e in status["errors"] if e["status"] == 404]
     assert len(page.with_class("error")) == len(status["errors"]) and len(errors) == 1, status["errors"]
     assert SCREENSHOT.stat().st_size > 10_000
+    # The same gateway's metrics, fed by its RingObserver on the real ring: every stage's
+    # compute, every hop's latency, the rounds timed, and the audits the page shows.
+    samples = {(x.name, tuple(sorted(x.labels.items()))): x.value
+               for family in text_string_to_metric_families(scrape) for x in family.samples}
+    stage_counts = {dict(labels)["stage"]: v for (name, labels), v in samples.items()
+                    if name == "shard_stage_compute_seconds_count"}
+    assert sorted(stage_counts) == [str(i) for i in range(STAGES)] and min(stage_counts.values()) > 0
+    assert len([k for k in samples if k[0] == "shard_hop_latency_seconds"]) == STAGES + 1
+    assert sum(v for k, v in samples.items() if k[0] == "shard_ring_traversal_seconds_count") > 0
+    assert samples[("shard_audits_total", ())] == audits["audits"]
