@@ -28,16 +28,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def banner(http_port: int, host: str, model: str) -> str:
+def banner(http_port: int, host: str, model: str, *, keys: bool = False) -> str:
+    """What `serve` prints once the ring is ready; with `keys` (--api-keys) the examples
+    send the key from $SHARD_API_KEY."""
     base = f"http://{host}:{http_port}"
     python = os.path.relpath(sys.executable) if sys.executable.startswith(os.getcwd()) else sys.executable
+    auth = ' -H "Authorization: Bearer $SHARD_API_KEY"' if keys else ""
+    api_key = "__import__('os').environ['SHARD_API_KEY']" if keys else "'none'"
+    first = "API keys are on: export SHARD_API_KEY=<a key from the --api-keys file>, then try:" if keys else "Try:"
     return f"""
-shard is serving {model} at {base}/v1 (OpenAI-compatible). Try:
+shard is serving {model} at {base}/v1 (OpenAI-compatible). {first}
 
-  curl {base}/v1/chat/completions -H 'Content-Type: application/json' \\
+  curl {base}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\
     -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "Name three colours."}}], "max_tokens": 40}}'
 
-  {python} -c "from openai import OpenAI; c = OpenAI(base_url='{base}/v1', api_key='none'); \\
+  {python} -c "from openai import OpenAI; c = OpenAI(base_url='{base}/v1', api_key={api_key}); \\
 print(c.chat.completions.create(model='{model}', messages=[{{'role': 'user', 'content': 'Name three colours.'}}], max_tokens=40).choices[0].message.content)"
 
 Status page: {base}/     Metrics: {base}/metrics     Ring as JSON: curl {base}/v1/ring     Stop: Ctrl-C
@@ -56,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     async def run() -> None:
         async with trio.open_nursery() as nursery:
             http_port, addr, model_id, key_hex = await nursery.start(serve_coordinator, config)
-            print(banner(http_port, config.http.rsplit(":", 1)[0], model_id), flush=True)
+            print(banner(http_port, config.http.rsplit(":", 1)[0], model_id, keys=config.api.api_keys is not None), flush=True)
             if key_hex is not None:
                 print(f"Receipts are signed by coordinator key {key_hex} (GET /v1/receipts/key); check a bundle "
                       f"with: shard-receipts verify BUNDLE --coordinator-key {key_hex}", flush=True)

@@ -195,3 +195,13 @@ def test_per_key_token_rate_is_429_with_retry_after_until_refilled(scripted, key
     assert refused.status_code == 429 and refused.body["type"] == "tokens"
     assert int(refused.response.headers["retry-after"]) >= used - 60 - 1  # one token a second refills it
     assert other.choices[0].text
+
+
+def test_the_banner_examples_send_the_key_when_keys_are_on():
+    # Bug guarded: a gateway started with --api-keys printing examples that get 401 as
+    # printed. Sound: both examples name $SHARD_API_KEY with keys on, and neither without.
+    from coordinator.cli import banner
+
+    on, off = banner(8000, "127.0.0.1", "m", keys=True), banner(8000, "127.0.0.1", "m")
+    assert '-H "Authorization: Bearer $SHARD_API_KEY"' in on and "environ['SHARD_API_KEY']" in on
+    assert "SHARD_API_KEY" not in off and "api_key='none'" in off
