@@ -30,6 +30,7 @@ from starlette.routing import Route
 
 from coordinator.jobs.engine import Engine, Generation, completion_budget, encode_chat, encode_prompt, open_generation
 from coordinator.gateway.responses import ChatShape, CompletionShape, GenerationResponse, TokenText, job_id_of
+from coordinator.gateway.tools import ToolChatShape, check_template_takes_tools
 from coordinator.spec.grammar import json_constraint
 from coordinator.spec.sampling import SamplingParams, choice_params
 from coordinator.gateway.openai_schema import ChatRequest, CompletionRequest, parse_chat_request, parse_completion_request, parse_json_object
@@ -172,8 +173,10 @@ def create_app(engine: Engine, config: ApiConfig = ApiConfig()) -> Starlette:
         body = parse_json_object(await request.body())
         req = parse_chat_request(body, max_context_tokens=engine.max_context_tokens)
         check_model(req.model)
-        prompt_ids = encode_chat(engine.tokenizer, [m.as_template_dict() for m in req.messages])
-        return await start(prompt_ids, req, ChatShape)
+        if req.tools:
+            check_template_takes_tools(engine.tokenizer, engine.model_id)
+        prompt_ids = encode_chat(engine.tokenizer, [m.as_template_dict() for m in req.messages], req.tools)
+        return await start(prompt_ids, req, ToolChatShape if req.tools else ChatShape)
 
     @_openai_errors
     async def completions(request: Request) -> Response:

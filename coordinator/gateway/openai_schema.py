@@ -19,7 +19,7 @@ from coordinator.spec.sampling import MAX_STOP_STRINGS, SamplingParams
 from coordinator.errors import RequestError, SamplingParamError
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
-CHAT_ROLES = frozenset({"system", "developer", "user", "assistant"})
+CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 # OpenAI's /v1/completions default; chat completions default to "until the context is full".
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 MAX_CHOICES = 8  # n: each choice is a job of its own, and takes a job slot
@@ -106,10 +106,17 @@ class _Fields:
 class ChatMessage:
     role: str
     content: str
+    tool_calls: tuple[dict[str, Any], ...] = ()  # an assistant's earlier calls, arguments as objects
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
-    def as_template_dict(self) -> dict[str, str]:
+    def as_template_dict(self) -> dict[str, Any]:
         # "developer" is OpenAI's newer name for "system"; chat templates know "system".
-        return {"role": "system" if self.role == "developer" else self.role, "content": self.content}
+        out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": self.content}
+        if self.tool_calls:
+            out["tool_calls"] = list(self.tool_calls)
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
 
 
 @dataclass(frozen=True)
@@ -122,6 +129,7 @@ class ChatRequest:
     n: int = 1  # choices, each its own job (choice i seeded seed + i)
     ignored: tuple[str, ...] = ()  # unknown top-level fields
     json_schema: dict[str, Any] | None = None  # response_format's schema (json_object: any object)
+    tools: tuple[dict[str, Any], ...] = ()  # function definitions for the chat template (tool_choice "none": none)
 
 
 @dataclass(frozen=True)
@@ -158,19 +166,59 @@ def _messages(value: object) -> tuple[ChatMessage, ...]:
     for i, m in enumerate(value):
         if not isinstance(m, dict):
             raise _invalid_type(f"messages[{i}]", "an object", m)
-        extra = sorted(set(m) - {"role", "content", "name"})
+        extra = sorted(set(m) - {"role", "content", "name", "tool_calls", "tool_call_id", "refusal"})
         if extra:
             raise _unsupported(f"messages[{i}]", f"fields {extra} are not supported")
         role = m.get("role")
         if role not in CHAT_ROLES:
             raise _invalid_value(f"messages[{i}].role", f"must be one of {sorted(CHAT_ROLES)}", role)
-        if "content" not in m:
+        calls = _tool_calls(i, m.get("tool_calls")) if role == "assistant" else ()
+        if "content" not in m and not calls:
             raise RequestError(
                 400, f"Missing required parameter: 'messages[{i}].content'.", param=f"messages[{i}].content",
                 code="missing_required_parameter",
             )
-        out.append(ChatMessage(role, _content_text(i, m["content"])))
+        call_id = m.get("tool_call_id")
+        if role == "tool" and not isinstance(call_id, str):
+            raise _invalid_type(f"messages[{i}].tool_call_id", "a string", call_id)
+        content = "" if m.get("content") is None and calls else _content_text(i, m.get("content"))
+        out.append(ChatMessage(role, content, calls, call_id if role == "tool" else None))
     return tuple(out)
+
+
+def _tool_calls(i: int, value: object) -> tuple[dict[str, Any], ...]:
+    """An assistant message's calls as chat templates read them: arguments as objects."""
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        raise _invalid_type(f"messages[{i}].tool_calls", "an array", value)
+    out = []
+    for j, call in enumerate(value):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise _invalid_type(f"messages[{i}].tool_calls[{j}].function", "an object with a name", fn)
+        args = fn.get("arguments", "{}")
+        try:
+            args = json.loads(args) if isinstance(args, str) else args
+        except json.JSONDecodeError:
+            pass  # the template shows it as the text it is
+        out.append({"id": call.get("id"), "type": "function", "function": {"name": fn["name"], "arguments": args}})
+    return tuple(out)
+
+
+def _tools(f: _Fields) -> tuple[dict[str, Any], ...]:
+    """`tools` as the chat template wants them, or () when absent or tool_choice is "none"."""
+    tools, choice = f.get("tools"), f.get("tool_choice")
+    f.get("parallel_tool_calls")  # accepted: a template decides how many calls a reply holds
+    if tools is None:
+        return ()
+    if not isinstance(tools, list) or not all(
+            isinstance(t, dict) and t.get("type") == "function" and isinstance(t.get("function"), dict)
+            and isinstance(t["function"].get("name"), str) for t in tools):
+        raise _invalid_type("tools", "an array of {'type': 'function', 'function': {'name': ...}}", tools)
+    if choice not in (None, "auto", "none"):
+        raise _unsupported("tool_choice", "only 'auto' and 'none' are supported")
+    return () if choice == "none" else tuple(tools)
 
 
 def _response_format(value: object) -> dict[str, Any] | None:
@@ -272,7 +320,8 @@ def parse_chat_request(body: dict[str, Any], *, max_context_tokens: int) -> Chat
     json_schema = _response_format(f.get("response_format"))
     params, stream, include_usage, n = _common(f, max_tokens=max_tokens, max_context_tokens=max_context_tokens,
                                                logprobs=logprobs)
-    return ChatRequest(model, messages, params, stream, include_usage, n, f.unknown(), json_schema)
+    tools = _tools(f)
+    return ChatRequest(model, messages, params, stream, include_usage, n, f.unknown(), json_schema, tools)
 
 
 def _prompt(value: object) -> str | tuple[int, ...]:

@@ -239,16 +239,21 @@ class GenerationResponse(Response):
                 await event(self._envelope(obj, [self.shape.chunk_choice(i, self.prefix_text, None, None)]))
         offsets = [len(self.prefix_text)] * n  # characters sent per choice (completions' text_offset)
         fins: list[Finished] = []
+        buffered, held = getattr(self.shape, "buffered", False), [""] * n  # a shape that reads the whole text
 
         async def on_event(index: int, ev: TextChunk | Finished) -> None:
-            if isinstance(ev, TextChunk):
+            if isinstance(ev, TextChunk) and buffered:
+                held[index] += ev.text
+            elif isinstance(ev, TextChunk):
                 if ev.text or ev.logprobs:
                     logprobs = self._logprobs(index, ev.logprobs, offsets[index])
                     await event(self._envelope(obj, [self.shape.chunk_choice(index, ev.text, None, logprobs)]))
                     offsets[index] += len(ev.text)
-                return
-            fins.append(ev)
-            await event(self._envelope(obj, [self.shape.chunk_choice(index, "", ev.finish_reason, None)], shard=ev.stats))
+            else:
+                fins.append(ev)
+                last = (self.shape.final_chunk_choice(index, held[index], ev) if buffered
+                        else self.shape.chunk_choice(index, "", ev.finish_reason, None))
+                await event(self._envelope(obj, [last], shard=ev.stats))
 
         try:
             await self._each_event(on_event)

@@ -84,11 +84,13 @@ def eos_ids_of(tokenizer: Any, generation_eos: int | Iterable[int] | None = None
     return frozenset(ids)
 
 
-def encode_chat(tokenizer: Any, messages: Sequence[Mapping[str, str]]) -> list[int]:
-    """Render messages with the tokenizer's chat template (plus the assistant prompt) and
-    tokenise. The template adds any BOS itself, so no special tokens are added again."""
+def encode_chat(tokenizer: Any, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] = ()) -> list[int]:
+    """Render messages (and `tools`, OpenAI function definitions, when given) with the
+    tokenizer's chat template plus the assistant prompt, and tokenise. The template adds
+    any BOS itself, so no special tokens are added again."""
     try:
-        text = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+        text = tokenizer.apply_chat_template(list(messages), tools=list(tools) or None, add_generation_prompt=True,
+                                             tokenize=False)
     except (jinja2.TemplateError, ValueError, TypeError) as exc:  # incl. the template's raise_exception
         raise PromptFormatError(str(exc)) from exc
     return list(tokenizer.encode(text, add_special_tokens=False))
