@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP gateway: a starlette app over an Engine, served by hypercorn on trio.
 
 Routes: GET /v1/models, GET /v1/models/{id}, POST /v1/chat/completions, POST /v1/completions
-(streaming as server-sent events, or whole), GET /health, GET /v1/ring. Errors use OpenAI's
+(streaming as server-sent events, or whole; bodies in coordinator.gateway.responses), GET /health,
+GET /v1/ring, GET /v1/receipts/{response or job id}, GET /v1/receipts/key. Errors use OpenAI's
 JSON shape with the status a client expects (400 bad request, 404 unknown model or route,
 413 prompt longer than the context, 429 too many concurrent jobs, 503 no ring). Every
 response carries a `shard` object with the job's stats.

@@ -16,7 +16,8 @@ import pytest
 def serve(store, home, *args: str) -> subprocess.Popen:
     env = {**os.environ, "SHARD_HOME": str(home), "OMP_NUM_THREADS": "1"}
     return subprocess.Popen([sys.executable, "-m", "coordinator.cli", "serve", "--model", str(store.root),
-                             "--store-dir", str(store.root), "--log-level", "WARNING", *args],
+                             "--store-dir", str(store.root), "--listen", "/ip4/127.0.0.1/tcp/0", "--log-level", "WARNING",
+                             *args],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 
