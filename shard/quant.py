@@ -17,7 +17,7 @@ The kernels: torch's packed weight-only matmuls, `_weight_int8pack_mm` and
 by device). They take activations in bf16: on the dev VM's AVX-512 CPU the int8 kernel ran
 a 1-row (960 x 576) product in 45 us with bf16 activations and 940 us with f32 ones (f32
 F.linear: 100 us), so activations are cast to bf16 around the kernel and back. That
-rounding (2^-9 of each input and output element) is what a quantised stage's outputs
+rounding (2^-8 of each input and output element: bf16's unit roundoff) is what a quantised stage's outputs
 carry beyond the weights' own error; `QuantScheme.activation_mantissa_bits` states it for
 the audit tolerances.
 
@@ -156,6 +156,25 @@ class Int4Linear:
         q = ((w - z) / s + INT4_ZERO_POINT).round().clamp(0, 15).to(torch.int32)  # (N, K/G, G)
         self.scales_and_zeros = torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous()  # (K/G, N, 2)
         self.weight = pack_int4(q.reshape(n, k), weight.device)  # the nibbles are not kept
+
+    @classmethod
+    def from_grid(cls, nibbles: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                  bias: torch.Tensor | None = None, device: torch.device | str = "cpu") -> "Int4Linear":
+        """An already-quantised weight w = (q - 8) * s + z: nibbles (N, K) in [0, 15], scales
+        and zeros (N, K/G) (e.g. a GGUF's 4-bit blocks, shard.gguf_quant); s and z are
+        rounded to bf16, the nibbles kept as they are."""
+        self = cls.__new__(cls)
+        n, k = nibbles.shape
+        groups = scales.shape[1]
+        if scales.shape != zeros.shape or scales.shape[0] != n or k % groups:
+            raise QuantError("int4 grid scales/zeros shape (N, K/G)", (n, "K/G"), tuple(scales.shape))
+        self.out_features, self.in_features, self.group_size, self.bias = n, k, k // groups, bias
+        pad = -(-n // INT4_ROWS_MULTIPLE) * INT4_ROWS_MULTIPLE - n
+        sz = torch.stack([scales.float(), zeros.float()], dim=-1)  # (N, K/G, 2)
+        sz = F.pad(sz, (0, 0, 0, 0, 0, pad), value=1.0).to(KERNEL_DTYPE)  # padded rows: any finite scale
+        self.scales_and_zeros = sz.transpose(0, 1).contiguous().to(device)  # (K/G, N, 2)
+        self.weight = pack_int4(F.pad(nibbles.to(torch.int32), (0, 0, 0, pad)), device)
+        return self
 
     def nibbles(self) -> torch.Tensor:
         """(N padded, K) int32 in [0, 15], read back through the kernel: with scale 1 and
