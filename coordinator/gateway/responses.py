@@ -10,6 +10,7 @@ open jobs or know the engine; errors are turned into OpenAI errors by the caller
 from __future__ import annotations
 
 import json
+import logging
 import secrets
 import time
 from collections.abc import Callable, Sequence
@@ -23,6 +24,8 @@ from starlette.types import Receive, Scope, Send
 from coordinator.errors import CoordinatorError, RequestError
 from coordinator.jobs.engine import Finished, Generation, TextChunk
 from coordinator.spec.target import TokenLogprob
+
+log = logging.getLogger(__name__)
 
 
 def job_id_of(name: str) -> str:
@@ -262,4 +265,8 @@ class GenerationResponse(Response):
             await event("[DONE]")
         except CoordinatorError as exc:
             await event(self.error_of(exc).body())
+        except Exception:  # a bug: the client still gets an error event and a closed stream, not silence
+            log.exception("generation failed mid-stream")
+            await event(RequestError(500, "The server had an error while processing your request.",
+                                     type="server_error").body())
         await send({"type": "http.response.body", "body": b"", "more_body": False})

@@ -10,7 +10,7 @@ import trio
 
 from coordinator.gateway.api import create_app
 from coordinator.jobs.engine import encode_chat
-from tests.coordinator.gateway.test_api_http import CHAT, HELLO, asgi, openai_client, served
+from tests.coordinator.gateway.test_api_http import CHAT, HELLO, asgi, openai_client, served, sse_events
 
 
 def ask(app, calls):
@@ -100,3 +100,15 @@ def test_unknown_fields_are_ignored_and_named_in_a_warning_header(scripted):
     assert extended.status_code == 200 and "warning" not in plain.headers
     assert extended.headers["warning"] == '299 shard "Ignored unknown fields: frobnicate, metadata, store"'
     assert extended.json()["choices"] == plain.json()["choices"]
+
+
+def test_a_bug_mid_stream_still_ends_the_stream_with_an_error_event(scripted):
+    # Bug guarded (issue 23): an unexpected exception while streaming left the client a 200
+    # with an empty body and no end. Sound: the scripted second block holds a None where a
+    # token id must be, which the detokeniser cannot decode (a TypeError, not ours).
+    engine = scripted(["ab"])
+    engine.blocks.append([None])
+    r = asgi(create_app(engine), lambda c: c.post(CHAT, json={"model": "scripted", "messages": HELLO, "stream": True}))
+    events = sse_events(r.text)
+    assert r.status_code == 200 and events[-1]["error"]["type"] == "server_error", events
+    assert engine.jobs[0].closed
