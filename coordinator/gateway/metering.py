@@ -34,7 +34,8 @@ class JobRecord:
     ttft_s: float | None  # None: no token came
     duration_s: float  # open_job to aclose
     traversals: int
-    drafted: dict[str, tuple[int, int]] = field(default_factory=dict)  # family -> (rounds, tokens); "none": undrafted
+    # family -> (rounds, tokens, seconds of those traversals); "none": rounds without a draft
+    drafted: dict[str, tuple[int, int, float]] = field(default_factory=dict)
     error: str | None = None  # the error that ended it, as the client was told
     error_kind: str | None = None  # its type name ("JobFailedError", "ReceiptRejected", ...)
     receipt_check: str | None = None  # the receipts check that failed, when one did
@@ -51,17 +52,19 @@ class JobWatcher(Protocol):
     def job_ended(self, record: JobRecord) -> None: ...
 
 
-def drafted_rounds(stats: dict[str, Any], tokens: int) -> dict[str, tuple[int, int]]:
-    """(rounds, tokens) per drafter family from a ring job's stats; rounds without a draft
-    (the prefill's included) under "none". Engines without those figures give {}."""
+def drafted_rounds(stats: dict[str, Any], tokens: int) -> dict[str, tuple[int, int, float]]:
+    """(rounds, tokens, traversal seconds) per drafter family from a ring job's stats;
+    rounds without a draft (the prefill's included) under "none", with the tokens the
+    drafted ones did not commit. Engines without those figures give {}."""
     rounds, round_tokens = stats.get("draft_rounds"), stats.get("draft_round_tokens")
-    traversals = stats.get("traversals")
+    traversals, seconds = stats.get("traversals"), stats.get("traversal_s_by_drafter") or {}
     if not isinstance(rounds, dict) or not isinstance(round_tokens, dict) or not isinstance(traversals, int):
         return {}
-    out = {str(f): (int(n), int(round_tokens.get(f, 0))) for f, n in rounds.items()}
-    plain_rounds = traversals - sum(n for n, _ in out.values())
+    out = {str(f): (int(n), int(round_tokens.get(f, 0)), float(seconds.get(f, 0.0))) for f, n in rounds.items()}
+    plain_rounds = traversals - sum(n for n, _, _ in out.values())
     if plain_rounds > 0:
-        out["none"] = (plain_rounds, max(0, tokens - sum(t for _, t in out.values())))
+        out["none"] = (plain_rounds, max(0, tokens - sum(t for _, t, _ in out.values())),
+                       float(seconds.get("none", 0.0)))
     return out
 
 

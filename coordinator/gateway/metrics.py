@@ -74,6 +74,9 @@ class GatewayMetrics(RingObserver):
                                   "no draft, the prefill's included)", ["drafter"], registry=r)
         self.traversal_tokens = Counter("shard_traversal_tokens", "tokens those traversals committed", ["drafter"],
                                         registry=r)
+        self.traversal_seconds = Counter("shard_traversal_seconds", "seconds those traversals took, each from its "
+                                         "send to its result (÷ shard_traversals_total: the mean)", ["drafter"],
+                                         registry=r)
         self.tokens_per_traversal = Histogram("shard_tokens_per_traversal", "a job's mean tokens per traversal, "
                                               "per drafter family", ["drafter"], buckets=TOKENS_BUCKETS, registry=r)
         self.traversal_s = Histogram("shard_ring_traversal_seconds", "a round from send to the tail's Result, "
@@ -114,9 +117,10 @@ class GatewayMetrics(RingObserver):
         self.prompt_tokens.inc(record.prompt_tokens)
         self.generated_tokens.inc(record.tokens)
         self.jobs.labels("error" if record.error else "ok").inc()
-        for family, (rounds, tokens) in record.drafted.items():
+        for family, (rounds, tokens, seconds) in record.drafted.items():
             self.traversals.labels(family).inc(rounds)
             self.traversal_tokens.labels(family).inc(tokens)
+            self.traversal_seconds.labels(family).inc(seconds)
             if rounds:
                 self.tokens_per_traversal.labels(family).observe(tokens / rounds)
         if record.receipt_check is not None:

@@ -58,12 +58,12 @@ def window_summary(jobs: Iterable[JobRecord], now: float, *, window_s: float = W
     ttfts = [j.ttft_s for j in recent if j.ttft_s is not None]
     tokens = sum(j.tokens for j in recent)
     traversals = sum(j.traversals for j in recent)
-    drafters: dict[str, list[int]] = {}
+    drafters: dict[str, list[float]] = {}
     for j in recent:
-        for family, (rounds, n) in j.drafted.items():
-            acc = drafters.setdefault(family, [0, 0])
-            acc[0] += rounds
-            acc[1] += n
+        for family, figures in j.drafted.items():
+            acc = drafters.setdefault(family, [0, 0, 0.0])
+            for i, v in enumerate(figures):  # rounds, tokens, seconds
+                acc[i] += v
     series = []
     for b in range(int(window_s // bucket_s)):
         lo = start + b * bucket_s
@@ -81,8 +81,8 @@ def window_summary(jobs: Iterable[JobRecord], now: float, *, window_s: float = W
         "tokens_per_s": tokens / min(covered_s, window_s),
         "ttft_s": {"median": statistics.median(ttfts) if ttfts else None, "p90": _quantile(ttfts, 0.9)},
         "tokens_per_traversal": tokens / traversals if traversals else None,
-        "drafters": {f: {"traversals": r, "tokens": n, "tokens_per_traversal": n / r if r else None}
-                     for f, (r, n) in sorted(drafters.items())},
+        "drafters": {f: {"traversals": r, "tokens": n, "tokens_per_traversal": n / r if r else None,
+                         "traversal_s": sec / r if r else None} for f, (r, n, sec) in sorted(drafters.items())},
         "series": series,
     }
 

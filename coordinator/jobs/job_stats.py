@@ -24,6 +24,7 @@ class RoundCommitted:
     tokens: int  # tokens it committed (accepted path and bonus, clipped to the context)
     pipelined: bool  # it was sent ahead, before the round it built on was verified
     since_start_s: float  # seconds from the job's start to this commit
+    traversal_s: float = 0.0  # the round's own traversal: its send to its result
 
 
 @dataclass(frozen=True)
@@ -61,9 +62,10 @@ class JobStats:
     pipelined: int = 0  # traversals whose round was sent ahead and turned out valid
     most_in_flight: int = 1  # the most rounds this job had in the ring at once
     discarded: int = 0  # rounds sent ahead on an assumption that failed
+    traversal_s: Mapping[str, float] = field(default_factory=dict)  # committed rounds' seconds; "none": undrafted
 
 
-def _counted(counts: Mapping[str, int], keys: Iterable[str], by: int = 1) -> dict[str, int]:
+def _counted(counts: Mapping[str, float], keys: Iterable[str], by: float = 1) -> dict[str, float]:
     out = dict(counts)
     for key in keys:
         out[key] = out.get(key, 0) + by
@@ -79,7 +81,8 @@ def apply(event: Event, stats: JobStats) -> JobStats:
             ttft_s=event.since_start_s if stats.ttft_s is None else stats.ttft_s,
             undrafted_rounds=0 if drafted else stats.undrafted_rounds + 1,
             drafted=_counted(stats.drafted, [event.family] if drafted else []),
-            drafted_tokens=_counted(stats.drafted_tokens, [event.family] if drafted else [], event.tokens))
+            drafted_tokens=_counted(stats.drafted_tokens, [event.family] if drafted else [], event.tokens),
+            traversal_s=_counted(stats.traversal_s, [event.family or "none"], event.traversal_s))
     if isinstance(event, RoundSentAhead):
         return replace(stats, most_in_flight=max(stats.most_in_flight, event.in_flight))
     if isinstance(event, RoundsDiscarded):
@@ -101,6 +104,7 @@ def figures(stats: JobStats, *, generated: int, ring_epoch: int, drafter: str, p
             "ring_epoch": ring_epoch, "ttft_s": stats.ttft_s, "resumes": stats.resumes,
             "drafter": drafter, "draft_rounds": dict(stats.drafted),
             "draft_round_tokens": dict(stats.drafted_tokens), "drafter_skipped_rounds": dict(stats.skipped),
+            "traversal_s_by_drafter": dict(stats.traversal_s),
             "pipelined_rounds": stats.pipelined, "most_rounds_in_flight": stats.most_in_flight,
             "pipelined_rounds_discarded": stats.discarded, "planner": planner_figures(planner), "job_id": job_id}
 

@@ -168,7 +168,7 @@ class RingJob:
         tree = got.tree
         self._fold(job_stats.RoundCommitted(
             family=tree.source.family if tree.num_nodes else None, tokens=len(tokens),
-            pipelined=got.pipelined, since_start_s=time.monotonic() - self.started_s))
+            pipelined=got.pipelined, since_start_s=time.monotonic() - self.started_s, traversal_s=got.traversal_s))
         if tree.num_nodes:
             self.adapt = adapt.apply(adapt.RoundVerified(
                 source=tree.source, nodes=tree.num_nodes, tried=acc.tried, accepted=len(acc.nodes),

@@ -165,4 +165,7 @@ def test_status_page_shows_the_ring_as_v1_ring_reports_it(chromium, tiny_llama_s
     assert sorted(stage_counts) == [str(i) for i in range(STAGES)] and min(stage_counts.values()) > 0
     assert len([k for k in samples if k[0] == "shard_hop_latency_seconds"]) == STAGES + 1
     assert sum(v for k, v in samples.items() if k[0] == "shard_ring_traversal_seconds_count") > 0
+    by_drafter = {dict(labels)["drafter"]: v for (name, labels), v in samples.items()
+                  if name == "shard_traversal_seconds_total"}
+    assert set(by_drafter) == set(window["drafters"]) and all(v > 0 for v in by_drafter.values())
     assert samples[("shard_audits_total", ())] == audits["audits"]

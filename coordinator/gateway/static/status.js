@@ -117,8 +117,8 @@ function drawStatus(st) {
     card("tokens", w.tokens, `tokens generated (${w.prompt_tokens} prompt)`, w.tokens),
   ].join("");
   $("drafters").tBodies[0].innerHTML = Object.entries(w.drafters).map(([f, d]) =>
-    `<tr class="drafter" data-drafter="${esc(f)}"><td>${esc(f)}</td><td>${d.traversals}</td><td>${d.tokens}</td><td>${num(d.tokens_per_traversal)}</td></tr>`
-  ).join("") || '<tr><td colspan="4" class="mute">no traversals in the window</td></tr>';
+    `<tr class="drafter" data-drafter="${esc(f)}"><td>${esc(f)}</td><td>${d.traversals}</td><td>${d.tokens}</td><td>${num(d.tokens_per_traversal)}</td><td>${ms(d.traversal_s)}</td></tr>`
+  ).join("") || '<tr><td colspan="5" class="mute">no traversals in the window</td></tr>';
   drawTrust(st.trust || {}, jobs);
   $("errorlist").innerHTML = st.errors.length ? "<ul>" + st.errors.map((e) =>
     `<li class="error"><span class="mute">${new Date(e.at * 1000).toLocaleTimeString()}</span> ${esc(e.where)}` +

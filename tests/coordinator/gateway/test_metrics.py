@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 
 import httpx
+import pytest
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -21,7 +22,8 @@ HELLO = [{"role": "user", "content": "hello"}]
 EXPECTED = {
     "shard_http_requests_total", "shard_generated_tokens_total", "shard_prompt_tokens_total", "shard_jobs_total",
     "shard_time_to_first_token_seconds", "shard_inter_token_latency_seconds", "shard_jobs_running",
-    "shard_jobs_waiting", "shard_traversals_total", "shard_traversal_tokens_total", "shard_tokens_per_traversal",
+    "shard_jobs_waiting", "shard_traversals_total", "shard_traversal_tokens_total", "shard_traversal_seconds_total",
+    "shard_tokens_per_traversal",
     "shard_ring_traversal_seconds", "shard_ring_transport_seconds", "shard_stage_compute_seconds",
     "shard_hop_latency_seconds", "shard_hop_round_send_seconds", "shard_receipt_failures_total",
     "shard_audits_total", "shard_audit_evidence_total", "shard_api_key_refusals_total", "shard_ring_ready",
@@ -147,14 +149,15 @@ def test_route_labels_are_bounded():
 def test_drafted_rounds_counts_the_undrafted_rounds_as_none():
     # Sound: 5 traversals, 3 drafted by ngram committing 7 tokens; the other 2 (the prefill
     # among them) committed the rest of the 10 tokens.
-    stats = {"traversals": 5, "draft_rounds": {"ngram": 3}, "draft_round_tokens": {"ngram": 7}}
-    assert drafted_rounds(stats, 10) == {"ngram": (3, 7), "none": (2, 3)}
+    stats = {"traversals": 5, "draft_rounds": {"ngram": 3}, "draft_round_tokens": {"ngram": 7},
+             "traversal_s_by_drafter": {"ngram": 0.5, "none": 0.25}}
+    assert drafted_rounds(stats, 10) == {"ngram": (3, 7, 0.5), "none": (2, 3, 0.25)}
     assert drafted_rounds({"engine": "local"}, 10) == {}
 
 
 def _job(ended_at, tokens=10, ttft=0.1, traversals=5, error=None):
     return JobRecord(ended_at=ended_at, prompt_tokens=3, tokens=tokens, ttft_s=ttft, duration_s=1.0,
-                     traversals=traversals, drafted={"ngram": (traversals, tokens)}, error=error)
+                     traversals=traversals, drafted={"ngram": (traversals, tokens, traversals * 0.01)}, error=error)
 
 
 def test_window_summary_counts_only_the_window_and_divides_by_the_time_it_covers():
@@ -165,7 +168,8 @@ def test_window_summary_counts_only_the_window_and_divides_by_the_time_it_covers
     assert full["requests"] == 2 and full["failed"] == 1 and full["tokens"] == 40
     assert full["tokens_per_s"] == 40 / 300 and full["tokens_per_traversal"] == 40 / 15
     assert full["ttft_s"] == {"median": 0.2, "p90": 0.3}
-    assert full["drafters"]["ngram"] == {"traversals": 15, "tokens": 40, "tokens_per_traversal": 40 / 15}
+    assert full["drafters"]["ngram"] == {"traversals": 15, "tokens": 40, "tokens_per_traversal": 40 / 15,
+                                         "traversal_s": pytest.approx(0.01)}
     assert len(full["series"]) == 30 and sum(b["requests"] for b in full["series"]) == 2
     assert full["series"][-1]["requests"] == 1 and full["series"][-1]["ago_s"] == 0
     young = window_summary(jobs, 1000.0, window_s=300, bucket_s=10, since=1000.0 - 120)

@@ -36,6 +36,14 @@ def test_a_committed_round_counts_its_traversal_its_drafter_and_the_first_commit
     assert stats.undrafted_rounds == 0
 
 
+def test_committed_rounds_sum_their_traversal_time_per_drafter():
+    # Bug guarded: traversal time per drafter (the gateway's metrics divide it by the
+    # rounds) mixing families or dropping undrafted rounds. Sound: sums by hand.
+    stats = fold(RoundCommitted(None, 1, False, 0.5, traversal_s=0.5), RoundCommitted("ngram", 3, False, 0.7, 0.25),
+                 RoundCommitted("ngram", 1, True, 0.8, 0.125), RoundCommitted(None, 1, False, 0.9, 0.0625))
+    assert stats.traversal_s == {"none": 0.5625, "ngram": 0.375}
+
+
 def test_undrafted_rounds_count_since_the_last_draft():
     # draft_round probes a drafter the planner gave up on after this many plain rounds:
     # the count must restart at every drafted round.
@@ -79,7 +87,8 @@ def test_the_figures_keep_the_names_responses_and_benchmarks_read():
     got = figures(stats, generated=3, ring_epoch=7, drafter="hybrid", planner=AdaptState(), job_id="j")
     assert got == {"traversals": 3, "tokens_per_traversal": 1.0, "ring_epoch": 7, "ttft_s": 0.25, "resumes": 1,
                    "drafter": "hybrid", "draft_rounds": {}, "draft_round_tokens": {},
-                   "drafter_skipped_rounds": {"eagle": 1}, "pipelined_rounds": 0, "most_rounds_in_flight": 2,
+                   "drafter_skipped_rounds": {"eagle": 1}, "traversal_s_by_drafter": {"none": 0.0},
+                   "pipelined_rounds": 0, "most_rounds_in_flight": 2,
                    "pipelined_rounds_discarded": 1, "planner": planner_figures(AdaptState()), "job_id": "j"}
     assert figures(JobStats(), generated=0, ring_epoch=-1, drafter="none", planner=AdaptState(),
                    job_id="j")["tokens_per_traversal"] == 0.0  # no traversal yet: no division by zero
