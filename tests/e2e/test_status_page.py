@@ -15,6 +15,7 @@ machine); elsewhere the test is skipped with the command to install it.
 
 from __future__ import annotations
 
+import html
 import os
 import pathlib
 import random
@@ -37,6 +38,7 @@ from coordinator.jobs.engine_config import EngineConfig
 from coordinator.swarm.formation import SwarmConfig
 from coordinator.trust.audit import AuditConfig
 from coordinator.trust.report import trust_report
+from tests.e2e.ringkit import memory_for_stages
 from shard.identity import keypair_from_seed
 from shard.node import Node, NodeConfig
 from shard.transport import open_host
@@ -45,6 +47,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 SCREENSHOT = ROOT / "docs" / "img" / "status-page.png"
 PROMPTS = ["hello there", "the ring of stages", "one two three one two three"]
 STAGES = 3
+NODES = 4  # each holds at most a third of the layers: three stages, and one node with another role
 
 
 @pytest.fixture(scope="session")
@@ -83,7 +86,8 @@ class Elements(HTMLParser):
 async def _node(store, coordinator_addr: str, task_status=trio.TASK_STATUS_IGNORED) -> None:
     seed = os.urandom(32)
     async with open_host(keypair_from_seed(seed), "/ip4/127.0.0.1/tcp/0") as host:
-        node = Node(NodeConfig(coordinator=coordinator_addr, model=store.manifest.name), host, store, signing_seed=seed)
+        node = Node(NodeConfig(coordinator=coordinator_addr, model=store.manifest.name,
+                               max_memory_bytes=memory_for_stages(store, STAGES)), host, store, signing_seed=seed)
         async with trio.open_nursery() as nursery:
             await nursery.start(node.serve)
             task_status.started()
@@ -100,7 +104,7 @@ async def _browser(chromium: str, *args: str) -> bytes:
 def test_status_page_shows_the_ring_as_v1_ring_reports_it(chromium, tiny_llama_store):
     store = tiny_llama_store
     tokenizer = AutoTokenizer.from_pretrained(str(store.tokenizer_dir))
-    config = CoordConfig(listen="/ip4/127.0.0.1/tcp/0", min_nodes=STAGES, swarm=SwarmConfig(planner="all_nodes", ready_timeout_s=30),
+    config = CoordConfig(listen="/ip4/127.0.0.1/tcp/0", min_nodes=NODES, swarm=SwarmConfig(ready_timeout_s=30),
                          engine=EngineConfig(draft="ngram"), audit=AuditConfig(rate=1.0))
 
     async def main():
@@ -109,7 +113,7 @@ def test_status_page_shows_the_ring_as_v1_ring_reports_it(chromium, tiny_llama_s
             async with open_coordinator(config, store, tokenizer, keypair_from_seed(os.urandom(32)), observer=metrics,
                                         audit_rng=random.Random(0)) as coordinator:
                 nursery = coordinator.nursery
-                for _ in range(STAGES):
+                for _ in range(NODES):
                     await nursery.start(_node, store, coordinator.addr)
                 while coordinator.swarm.ring is None or len(coordinator.swarm.ring.stages) < STAGES:
                     await coordinator.swarm.wait_ring()
@@ -143,8 +147,12 @@ def test_status_page_shows_the_ring_as_v1_ring_reports_it(chromium, tiny_llama_s
     hops = [(a["data-src"], a["data-dst"]) for a in page.with_class("hop")]
     assert hops == [(h["src"], h["dst"]) for h in ring["topology"]["plan"]["hops"]] and len(hops) == STAGES + 1
     nodes = {a["data-peer"]: a["data-role"] for a in page.with_class("node")}
-    assert set(nodes) == set(ring["topology"]["nodes"])
+    assert set(nodes) == set(ring["topology"]["nodes"]) and len(nodes) == NODES
     assert all(nodes[m["peer_id"]] for m in ring["members"])  # every stage shows its role
+    roles = ring["topology"]["roles"]
+    off_ring = set(nodes) - {m["peer_id"] for m in ring["members"]}
+    assert len(off_ring) == NODES - STAGES and all(nodes[p] == roles[p]["role"] for p in off_ring)
+    assert all(roles[p]["reason"] in html.unescape(dom) for p in off_ring)  # and why it has that role
     window = status["window"]
     assert window["requests"] == len(PROMPTS) and window["tokens_per_traversal"] > 0
     assert page.by_id("requests")["data-value"] == str(window["requests"])

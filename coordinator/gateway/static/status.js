@@ -74,7 +74,10 @@ function drawRing(info) {
 function drawNodes(info) {
   const topo = info.topology || {}, roles = topo.roles || {}, nodes = topo.nodes || {};
   const members = Object.fromEntries((info.members || []).map((m) => [m.peer_id, m]));
-  const rows = Object.entries(nodes).map(([peer, n]) => {
+  const order = Object.fromEntries((info.members || []).map((m, i) => [m.peer_id, i]));
+  const place = (peer) => order[peer] ?? Infinity;  // stages in ring order, then the other nodes
+  const sorted = Object.entries(nodes).sort(([a], [b]) => place(a) - place(b) || (a < b ? -1 : 1));
+  const rows = sorted.map(([peer, n]) => {
     const role = roles[peer] || {}, m = members[peer];
     const layers = m ? `${m.layers[0]}–${m.layers[1]}` : n.held ? `holds ${n.held[0]}–${n.held[1]}` : "–";
     const state = n.faulty ? `<span class="pill bad" title="${esc(n.faulty)}">faulty</span>`
