@@ -48,13 +48,16 @@ class Coordinator:
 
 def assembled(config: CoordConfig) -> CoordConfig:
     """`config` with the values one component takes from another filled in: the swarm's
-    first-ring size, and the topology's prefill chunk and coordinator link latency (the
-    engine's own)."""
+    first-ring size, the topology's prefill chunk and coordinator link latency (the
+    engine's own), and with --local-nodes one stage per node (planner "all_nodes"): on
+    loopback the selector rightly seats every layer on one node, and a newcomer would
+    never see the pipeline (--local-selector-split keeps the selector's choice)."""
     swarm, engine = config.swarm, config.engine
     topology = dataclasses.replace(swarm.topology, prefill_chunk_tokens=engine.prefill_chunk_tokens,
                                    coordinator_link_latency_s=engine.link_latency_ms / 1e3)
+    planner = "all_nodes" if config.local_nodes > 1 and not config.local_selector_split else swarm.planner
     return dataclasses.replace(config, swarm=dataclasses.replace(
-        swarm, min_nodes=config.first_ring_nodes, topology=topology))
+        swarm, min_nodes=config.first_ring_nodes, topology=topology, planner=planner))
 
 
 @contextlib.asynccontextmanager

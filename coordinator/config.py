@@ -33,7 +33,9 @@ class CoordConfig:
     http: str = option(f"{ApiConfig.host}:{ApiConfig.port}",
                        "HOST:PORT for the OpenAI-compatible API (port 0 picks one)")
     key_path: str | None = option(None, "identity key file (default: <cache>/coordinator.key)")
-    local_nodes: int = option(0, "spawn this many nodes on loopback and serve with them")
+    local_nodes: int = option(0, "spawn this many nodes on loopback and serve with them, one stage each")
+    local_selector_split: bool = option(False, "with --local-nodes, let the ring selector choose the stages instead "
+                                               "(on loopback it seats every layer on one node: fewer hops)")
     # 0: --local-nodes, else 1 (SwarmConfig.min_nodes is set from it at assembly).
     min_nodes: int = option(0, "form a ring once this many nodes joined (default: local-nodes, else 1)")
     swarm: SwarmConfig = field(default_factory=SwarmConfig)

@@ -23,7 +23,7 @@ FLAGS = {"--model", "--store-dir", "--listen", "--http", "--key-path", "--local-
          "--eagle-tree", "--pipeline-depth", "--prefill-chunk-tokens", "--prefill-edge-chunk-tokens",
          "--max-concurrent-jobs", "--node-threads", "--receipts-dir", "--audit-rate", "--log-level", "--ring-wait-s",
          "--api-keys", "--key-max-concurrent-jobs", "--key-tokens-per-minute", "--public-health", "--public-status",
-         "--public-metrics"}
+         "--public-metrics", "--local-selector-split"}
 
 
 def _serve_parser() -> argparse.ArgumentParser:
@@ -106,3 +106,8 @@ def test_assembly_derives_what_one_component_takes_from_another():
     assert config.swarm.topology.coordinator_link_latency_s == pytest.approx(0.020)
     assert assembled(_parse("--local-nodes", "3", "--min-nodes", "2")).swarm.min_nodes == 2
     assert assembled(_parse()).swarm.min_nodes == 1
+    # --local-nodes N is an N-stage ring (issue 23: loopback's selector seated all 30 layers on
+    # one node); --local-selector-split and volunteer swarms keep the selector.
+    assert config.swarm.planner == "all_nodes"
+    assert assembled(_parse("--local-nodes", "3", "--local-selector-split")).swarm.planner == "select_ring"
+    assert assembled(_parse("--local-nodes", "1")).swarm.planner == assembled(_parse()).swarm.planner == "select_ring"

@@ -1,0 +1,42 @@
+"""`shard-coord serve --local-nodes N` as a newcomer runs it (issue 23): an N-stage ring,
+and the serving banner only once requests are answered."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+
+def test_local_nodes_form_one_stage_each_and_the_banner_means_ready(tiny_llama_store, tmp_path):
+    # Bug guarded: "a local 3-node ring" was one stage holding every layer plus idle nodes
+    # (the selector prefers fewer hops on loopback), and the banner said "serving" while
+    # requests got 503. Sound: the first request is sent the moment the banner is read,
+    # and /v1/ring lists the stages the coordinator actually formed.
+    env = {**os.environ, "SHARD_HOME": str(tmp_path), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "coordinator.cli", "serve", "--model", str(tiny_llama_store.root),
+                             "--store-dir", str(tiny_llama_store.root), "--local-nodes", "2", "--http", "127.0.0.1:0",
+                             "--listen", "/ip4/127.0.0.1/tcp/0", "--log-level", "WARNING"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        deadline, seen, m = time.monotonic() + 180, "", None
+        while m is None and time.monotonic() < deadline and proc.poll() is None:
+            seen += proc.stdout.readline()
+            m = re.search(r"serving (\S+) at (http://127\.0\.0\.1:\d+)/v1", seen)
+        if m is None:
+            pytest.fail(f"no banner: {seen}")
+        model, base = m.groups()
+        r = httpx.post(f"{base}/v1/completions", json={"model": model, "prompt": "abc",
+                                                       "max_tokens": 4, "temperature": 0}, timeout=60)
+        ring = httpx.get(f"{base}/v1/ring", timeout=10).json()
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    assert r.status_code == 200, r.text
+    stages = [m["layers"] for m in ring["members"] if m["role"] == "stage"]
+    assert sorted(stages) in ([[0, 3], [3, 5]], [[0, 2], [2, 5]]), ring["members"]
