@@ -22,13 +22,19 @@ from shard.options import option
 from shard.sources import DEFAULT_MODEL
 
 
+# Where nodes join: stable by default, so a volunteer's join command survives a restart.
+DEFAULT_LISTEN = "/ip4/0.0.0.0/tcp/4001"
+LOOPBACK_ANY_PORT = "/ip4/127.0.0.1/tcp/0"  # in-process rings and tests: never a fixed port
+
+
 @dataclass(frozen=True)
 class CoordConfig:
     """Everything `shard-coord serve` takes; its flags are derived from these fields."""
 
     model: str = option(DEFAULT_MODEL, "model alias, HF dir or GGUF file (prepared into the store once)")
     store_dir: str | None = option(None, "model store dir (default: the shard cache)")
-    listen: str = option("/ip4/127.0.0.1/tcp/0", "libp2p listen multiaddr")
+    listen: str = option(DEFAULT_LISTEN, "libp2p listen multiaddr; volunteers' join commands name it, so it stays "
+                                         "the same across restarts (libp2p's customary port 4001, every interface)")
     # The API's address; ApiConfig's host and port are what this flag's default is made of.
     http: str = option(f"{ApiConfig.host}:{ApiConfig.port}",
                        "HOST:PORT for the OpenAI-compatible API (port 0 picks one)")

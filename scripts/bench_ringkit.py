@@ -28,7 +28,7 @@ import torch
 import trio
 
 from coordinator.assembly import open_coordinator
-from coordinator.config import CoordConfig
+from coordinator.config import LOOPBACK_ANY_PORT, CoordConfig
 from coordinator.jobs.engine_config import EngineConfig
 from coordinator.jobs.ring_engine import RingEngine
 from coordinator.swarm.formation import SwarmConfig
@@ -159,7 +159,7 @@ async def open_bench_ring(store, tokenizer, stages: int, link: LinkSpec, wire_dt
     aux_dtype = WIRE_DTYPES.get(aux, aux) if aux else None
     # Every node a stage: a benchmark of an N-stage ring wants N, while ring.select_ring
     # rightly prefers fewer hops on loopback.
-    config = CoordConfig(min_nodes=stages, swarm=SwarmConfig(wire_dtype=wire, aux_dtype=aux_dtype, planner="all_nodes"),
+    config = CoordConfig(listen=LOOPBACK_ANY_PORT, min_nodes=stages, swarm=SwarmConfig(wire_dtype=wire, aux_dtype=aux_dtype, planner="all_nodes"),
                          engine=engine_config, audit=AuditConfig(rate=0.0))
     probe = FrameProbe(stages)
     async with contextlib.AsyncExitStack() as stack:

@@ -10,7 +10,7 @@ import argparse
 import sys
 from typing import Callable
 
-from shard.errors import ShardError
+from shard.errors import ShardError, sole_error
 from shard.sources import ALIASES, DEFAULT_MODEL
 
 PROG = "shard-node"
@@ -83,7 +83,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.run(args)
-    except ShardError as e:
+    except (ShardError, BaseExceptionGroup) as caught:
+        e = sole_error(caught)
+        if not isinstance(e, ShardError):
+            raise
         one_line = " ".join(str(e).split())
         print(f"{PROG} {args.command}: error: {one_line}", file=sys.stderr)
         return 1

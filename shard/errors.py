@@ -108,3 +108,19 @@ class StreamClosedError(TransportError):
             else f"mid-frame after {received_bytes} of {expected_bytes} bytes"
         )
         super().__init__(f"stream {reason} {where}", peer_id)
+
+
+def sole_error(exc: BaseException) -> BaseException:
+    """What ended a task tree: the one exception inside nested ExceptionGroups (trio and
+    py-libp2p wrap what a child raised once per nursery), else `exc` itself."""
+    leaves: list[BaseException] = []
+
+    def walk(e: BaseException) -> None:
+        if isinstance(e, BaseExceptionGroup):
+            for inner in e.exceptions:
+                walk(inner)
+        else:
+            leaves.append(e)
+
+    walk(exc)
+    return leaves[0] if len(leaves) == 1 else exc

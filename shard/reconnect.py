@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import trio
 
-from shard.errors import ShardError, TransportError, WireError
+from shard.errors import ShardError, TransportError, WireError, sole_error
 
 log = logging.getLogger("shard.node")
 
@@ -61,21 +61,6 @@ def _first_leaf(exc: BaseException) -> BaseException:
     return exc
 
 
-def _sole(exc: BaseExceptionGroup) -> BaseException | None:
-    """The one error in `exc`, if it holds exactly one (a Cancelled beside it keeps the group)."""
-    leaves: list[BaseException] = []
-
-    def walk(e: BaseException) -> None:
-        if isinstance(e, BaseExceptionGroup):
-            for inner in e.exceptions:
-                walk(inner)
-        else:
-            leaves.append(e)
-
-    walk(exc)
-    return leaves[0] if len(leaves) == 1 else None
-
-
 async def serve_reconnecting(session: Callable[[Callable[[], None]], Awaitable[None]],
                              policy: ReconnectPolicy = ReconnectPolicy(), task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Run `session(registered)` again whenever it ends with a lost connection, after a
@@ -99,8 +84,8 @@ async def serve_reconnecting(session: Callable[[Callable[[], None]], Awaitable[N
         except BaseException as exc:  # noqa: BLE001 (classified below; Cancelled re-raised)
             lost = connection_lost(exc)
             if lost is None:
-                sole = _sole(exc) if isinstance(exc, BaseExceptionGroup) else None
-                if isinstance(sole, Exception):
+                sole = sole_error(exc)
+                if isinstance(sole, Exception) and sole is not exc:
                     raise sole from exc
                 raise
         attempt += 1

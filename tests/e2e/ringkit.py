@@ -13,7 +13,7 @@ import trio
 from transformers import AutoTokenizer
 
 from coordinator.assembly import open_coordinator
-from coordinator.config import CoordConfig
+from coordinator.config import LOOPBACK_ANY_PORT, CoordConfig
 from coordinator.jobs.engine_config import EngineConfig
 from coordinator.jobs.ring_engine import RingEngine
 from coordinator.spec.sampling import SamplingParams
@@ -82,7 +82,7 @@ def memory_for_stages(store, stages: int) -> int:
 async def open_local_ring(store, nodes: int, *, wire_dtype: str = "f32", engine: EngineConfig = EngineConfig(),
                           node_config: dict | None = None) -> AsyncIterator[LocalRing]:
     tokenizer = AutoTokenizer.from_pretrained(str(store.tokenizer_dir))
-    config = CoordConfig(min_nodes=nodes, swarm=SwarmConfig(wire_dtype=wire_dtype), engine=engine,
+    config = CoordConfig(listen=LOOPBACK_ANY_PORT, min_nodes=nodes, swarm=SwarmConfig(wire_dtype=wire_dtype), engine=engine,
                          receipts=ReceiptConfig(enabled=False))
     async with open_coordinator(config, store, tokenizer, keypair_from_seed(os.urandom(32))) as coordinator:
         node_config = {"max_memory_bytes": memory_for_stages(store, nodes), **(node_config or {})}

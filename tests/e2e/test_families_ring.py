@@ -70,6 +70,7 @@ def test_http_greedy_equals_generate(tiny_model_factory, tiny_store_factory, tmp
     with open(log_path, "w") as log:
         proc = subprocess.Popen([sys.executable, "-m", "coordinator.cli", "serve", "--model", str(tiny.path),
                                  "--store-dir", str(store.root), "--local-nodes", "3", "--http", "127.0.0.1:0",
+                                 "--listen", "/ip4/127.0.0.1/tcp/0",
                                  "--draft", "none"], stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
         base, deadline = None, time.monotonic() + 120

@@ -31,7 +31,7 @@ import torch
 import trio
 
 from coordinator.assembly import open_coordinator
-from coordinator.config import CoordConfig
+from coordinator.config import LOOPBACK_ANY_PORT, CoordConfig
 from coordinator.trust.audit import AuditConfig
 from coordinator.errors import CoordinatorError
 from coordinator.trust.receipt_check import ReceiptConfig
@@ -116,7 +116,7 @@ async def run_ring(store, *, wire_dtype="f32", rate=1.0, requests=2, tokens=8, c
                    unsigned=False, receipts_dir=None, seed=0, draft="none", silent=False, reply_timeout_s=10,
                    aux_dtype=None, eagle_head=None):
     """Start the ring, serve `requests` greedy requests, wait for audits; return what happened."""
-    config = CoordConfig(min_nodes=2, swarm=SwarmConfig(wire_dtype=wire_dtype, aux_dtype=aux_dtype, ready_timeout_s=30,
+    config = CoordConfig(listen=LOOPBACK_ANY_PORT, min_nodes=2, swarm=SwarmConfig(wire_dtype=wire_dtype, aux_dtype=aux_dtype, ready_timeout_s=30,
                                                         planner="all_nodes"),
                          engine=EngineConfig(draft=draft, eagle_head=eagle_head, frame_timeout_s=10, max_resumes=3,
                                              resume_wait_s=5),

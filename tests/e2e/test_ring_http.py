@@ -38,7 +38,7 @@ def ring(smollm2_store, tmp_path_factory):
     env = {**os.environ, "SHARD_HOME": str(home), "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "coordinator.cli", "serve", "--model", "smollm2-135m", "--store-dir", str(smollm2_store.root),
-         "--local-nodes", "3", "--http", "127.0.0.1:0"],
+         "--local-nodes", "3", "--http", "127.0.0.1:0", "--listen", "/ip4/127.0.0.1/tcp/0"],
         stdout=log, stderr=subprocess.STDOUT, env=env,
     )
     deadline = time.monotonic() + 240

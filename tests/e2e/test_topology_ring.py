@@ -19,7 +19,7 @@ import trio
 from transformers import AutoTokenizer
 
 from coordinator.assembly import open_coordinator
-from coordinator.config import CoordConfig
+from coordinator.config import LOOPBACK_ANY_PORT, CoordConfig
 from coordinator.jobs.engine_config import EngineConfig
 from coordinator.jobs.ring_engine import RingEngine
 from coordinator.swarm.formation import SwarmConfig
@@ -49,7 +49,7 @@ async def open_topology_ring(store, node_configs: list[dict], min_nodes: int
     # The tiny model's layers (150 kB) move faster than loopback latency noise (a few ms per
     # hop, times every decode traversal); charge moves as a real model's layers would cost.
     churn = ChurnPolicy(amortise_over_requests=0.01)
-    config = CoordConfig(min_nodes=min_nodes, swarm=SwarmConfig(probe_wait_s=20.0, topology=topo, churn=churn),
+    config = CoordConfig(listen=LOOPBACK_ANY_PORT, min_nodes=min_nodes, swarm=SwarmConfig(probe_wait_s=20.0, topology=topo, churn=churn),
                          engine=EngineConfig(draft="none", prefill_chunk_tokens=64, link_latency_ms=LATENCY_MS),
                          receipts=ReceiptConfig(enabled=False))
     async with open_coordinator(config, store, tokenizer, keypair_from_seed(os.urandom(32))) as coordinator:
