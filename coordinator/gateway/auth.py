@@ -27,6 +27,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from coordinator.errors import RequestError
 
+DIGEST_PREFIX = "sha256:"  # a key file line holding a key's digest instead of the key
 # The routes that run generations: the ones per-key concurrency and token budgets apply to.
 GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 
@@ -40,7 +41,8 @@ class KeyBook:
 
     @classmethod
     def from_file(cls, path: str) -> KeyBook:
-        """One key per line; blank lines and lines starting with `#` are skipped.
+        """One key per line; blank lines and lines starting with `#` are skipped. A line
+        `sha256:<64 hex digits>` is a key's digest, so the file at rest need not hold keys.
         Error handling: ValueError naming the file when it cannot be read or holds no key."""
         try:
             with open(path, encoding="utf-8") as f:
@@ -50,7 +52,7 @@ class KeyBook:
         keys = [line for line in lines if line and not line.startswith("#")]
         if not keys:
             raise ValueError(f"--api-keys {path}: no keys in the file (one key per line)")
-        return cls(tuple(hashlib.sha256(k.encode()).digest() for k in keys), path)
+        return cls(tuple(_digest_of_line(k) for k in keys), path)
 
     def match(self, presented: str) -> int | None:
         """The index of the key `presented` is, None if none. Every digest is compared."""
@@ -64,7 +66,16 @@ class KeyBook:
     def label(self, index: int) -> str:
         """A name for key `index` fit for logs and metrics: its digest's first 8 hex digits
         (a digest of a random key reveals nothing of it)."""
-        return "sha256:" + self.digests[index].hex()[:8]
+        return DIGEST_PREFIX + self.digests[index].hex()[:8]
+
+
+def _digest_of_line(line: str) -> bytes:
+    if line.startswith(DIGEST_PREFIX) and len(line) == len(DIGEST_PREFIX) + 64:
+        try:
+            return bytes.fromhex(line[len(DIGEST_PREFIX):])
+        except ValueError:
+            pass  # not hex: then it is a key that happens to start so
+    return hashlib.sha256(line.encode()).digest()
 
 
 @dataclass(frozen=True)

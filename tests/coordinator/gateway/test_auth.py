@@ -55,6 +55,15 @@ def test_key_file_keeps_digests_and_skips_comments_and_blanks(key_file):
     assert book.label(0) == "sha256:" + hashlib.sha256(b"sk-alpha").hexdigest()[:8]
 
 
+def test_key_file_lines_may_be_digests(tmp_path):
+    # Bug guarded: a file of digests (keys not kept at rest) read as literal keys. Sound:
+    # the digest line admits the key it is the digest of, and only that key.
+    path = tmp_path / "digests.txt"
+    path.write_text("sha256:" + hashlib.sha256(b"sk-gamma").hexdigest() + "\nsha256:not-hex\n")
+    book = KeyBook.from_file(str(path))
+    assert book.match("sk-gamma") == 0 and book.match("sha256:not-hex") == 1 and book.match("sk-alpha") is None
+
+
 def test_key_file_errors_name_the_file(tmp_path):
     empty = tmp_path / "empty.txt"
     empty.write_text("# nothing yet\n\n")
