@@ -31,7 +31,7 @@ from starlette.routing import Route
 
 from coordinator.jobs.engine import Engine, Generation, completion_budget, encode_chat, encode_prompt, open_generation
 from coordinator.gateway.responses import ChatShape, CompletionShape, GenerationResponse, TokenText, job_id_of
-from coordinator.gateway.tools import ToolChatShape, check_template_takes_tools
+from coordinator.gateway.tools import ToolChatShape, check_template_takes_tools, forced_call_constraint
 from coordinator.spec.grammar import json_constraint
 from coordinator.spec.sampling import SamplingParams, choice_params
 from coordinator.gateway.openai_schema import ChatRequest, CompletionRequest, parse_chat_request, parse_completion_request, parse_json_object
@@ -140,7 +140,9 @@ def create_app(engine: Engine, config: ApiConfig = ApiConfig()) -> Starlette:
 
     def constrained(req: ChatRequest | CompletionRequest) -> SamplingParams:
         """The request's params with its response_format's grammar (coordinator.spec.grammar)."""
-        schema = getattr(req, "json_schema", None)
+        schema, forced = getattr(req, "json_schema", None), getattr(req, "forced_tool", None)
+        if forced is not None:
+            return replace(req.params, constraint=forced_call_constraint(engine.tokenizer, req.tools, forced))
         return req.params if schema is None else replace(req.params, constraint=json_constraint(engine.tokenizer, schema))
 
     async def start(prompt_ids: list[int], req: ChatRequest | CompletionRequest, shape: Any,

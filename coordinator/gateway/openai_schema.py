@@ -130,6 +130,7 @@ class ChatRequest:
     ignored: tuple[str, ...] = ()  # unknown top-level fields
     json_schema: dict[str, Any] | None = None  # response_format's schema (json_object: any object)
     tools: tuple[dict[str, Any], ...] = ()  # function definitions for the chat template (tool_choice "none": none)
+    forced_tool: str | None = None  # tool_choice: "required" (any tool) or the function named; None: the model decides
 
 
 @dataclass(frozen=True)
@@ -206,19 +207,28 @@ def _tool_calls(i: int, value: object) -> tuple[dict[str, Any], ...]:
     return tuple(out)
 
 
-def _tools(f: _Fields) -> tuple[dict[str, Any], ...]:
-    """`tools` as the chat template wants them, or () when absent or tool_choice is "none"."""
+def _tools(f: _Fields) -> tuple[tuple[dict[str, Any], ...], str | None]:
+    """`tools` as the chat template wants them (() when absent or tool_choice is "none"),
+    and the call tool_choice forces: "required", a function's name, or None."""
     tools, choice = f.get("tools"), f.get("tool_choice")
     f.get("parallel_tool_calls")  # accepted: a template decides how many calls a reply holds
     if tools is None:
-        return ()
+        if choice not in (None, "none", "auto"):
+            raise _invalid_value("tool_choice", "needs 'tools'", choice)
+        return (), None
     if not isinstance(tools, list) or not all(
             isinstance(t, dict) and t.get("type") == "function" and isinstance(t.get("function"), dict)
             and isinstance(t["function"].get("name"), str) for t in tools):
         raise _invalid_type("tools", "an array of {'type': 'function', 'function': {'name': ...}}", tools)
-    if choice not in (None, "auto", "none"):
-        raise _unsupported("tool_choice", "only 'auto' and 'none' are supported")
-    return () if choice == "none" else tuple(tools)
+    names = [t["function"]["name"] for t in tools]
+    if choice in (None, "auto", "none", "required"):
+        forced = "required" if choice == "required" else None
+    elif isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict) \
+            and choice["function"].get("name") in names:
+        forced = choice["function"]["name"]
+    else:
+        raise _invalid_value("tool_choice", f"must be 'none', 'auto', 'required' or a function of tools {names}", choice)
+    return ((), None) if choice == "none" else (tuple(tools), forced)
 
 
 def _response_format(value: object) -> dict[str, Any] | None:
@@ -320,8 +330,10 @@ def parse_chat_request(body: dict[str, Any], *, max_context_tokens: int) -> Chat
     json_schema = _response_format(f.get("response_format"))
     params, stream, include_usage, n = _common(f, max_tokens=max_tokens, max_context_tokens=max_context_tokens,
                                                logprobs=logprobs)
-    tools = _tools(f)
-    return ChatRequest(model, messages, params, stream, include_usage, n, f.unknown(), json_schema, tools)
+    tools, forced = _tools(f)
+    if forced is not None and json_schema is not None:
+        raise _unsupported("tool_choice", "a forced tool call and response_format cannot both shape one reply")
+    return ChatRequest(model, messages, params, stream, include_usage, n, f.unknown(), json_schema, tools, forced)
 
 
 def _prompt(value: object) -> str | tuple[int, ...]:

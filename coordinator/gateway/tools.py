@@ -4,7 +4,8 @@ The model's own template renders the tool definitions (and earlier calls and res
 the messages), so every model is prompted the way it was trained. Its reply is read for
 calls in the two formats open models write: Hermes-style `<tool_call>{json}</tool_call>`
 blocks (Qwen 2.5/3, Hermes, SmolLM3) and a bare JSON call or list of calls (Llama 3.x's
-`{"name": ..., "parameters": ...}`). A template that has no tools is refused with a 400,
+`{"name": ..., "parameters": ...}`). tool_choice "required" or a named function constrains
+the reply to one such call (coordinator.spec.grammar). A template that has no tools is refused with a 400,
 since it would silently drop them. It does not know engines, jobs or HTTP framing.
 """
 
@@ -13,10 +14,12 @@ from __future__ import annotations
 import json
 import re
 import secrets
+from collections.abc import Sequence
 from typing import Any
 
 from coordinator.errors import RequestError
 from coordinator.gateway.responses import ChatShape
+from coordinator.spec.grammar import Constraint, json_constraint
 
 TOOL_CALL_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
@@ -29,6 +32,21 @@ def check_template_takes_tools(tokenizer: Any, model: str) -> None:
         raise RequestError(400, f"The model `{model}` has a chat template without tool support, so `tools` would be "
                                 "ignored; send the request without tools, or serve a model whose template has them.",
                            param="tools", code="tools_not_supported")
+
+
+def forced_call_constraint(tokenizer: Any, tools: Sequence[dict[str, Any]], forced: str) -> Constraint:
+    """tool_choice "required" (a call to any of `tools`) or a function's name: the reply is
+    constrained to one call, as the template's model writes calls (Hermes tags when the
+    template has them, else a bare JSON call), its arguments to the function's schema."""
+    options = [{"type": "object", "properties": {"name": {"const": f["name"]},
+                                                 "arguments": f.get("parameters") or {"type": "object"}},
+                "required": ["name", "arguments"], "additionalProperties": False}
+               for f in (t["function"] for t in tools) if forced == "required" or f["name"] == forced]
+    schema = options[0] if len(options) == 1 else {"anyOf": options}
+    template = tokenizer.chat_template
+    hermes = any("<tool_call>" in source for source in (template.values() if isinstance(template, dict) else [template or ""]))
+    return json_constraint(tokenizer, schema, wrap=("<tool_call>", "</tool_call>") if hermes else ("", ""),
+                           param="tool_choice")
 
 
 def _call(obj: object) -> dict[str, Any] | None:

@@ -42,21 +42,28 @@ class Constraint:
 _tokenizers: dict[int, Any] = {}  # id(hf tokenizer) -> LLTokenizer (built once; vocabularies are big)
 
 
-def json_constraint(hf_tokenizer: Any, schema: dict[str, Any]) -> Constraint:
-    """The Constraint for output matching `schema` (a JSON Schema), or SamplingParamError
-    naming what llguidance refused in it."""
+def json_constraint(hf_tokenizer: Any, schema: dict[str, Any], *, wrap: tuple[str, str] = ("", ""),
+                    param: str = "response_format") -> Constraint:
+    """The Constraint for output matching `schema` (a JSON Schema), between the literal
+    texts `wrap` (a tool-call format's tags), or SamplingParamError naming what llguidance
+    refused in it (as `param`)."""
     lltok = _tokenizers.get(id(hf_tokenizer))
     if lltok is None:
         lltok = _tokenizers[id(hf_tokenizer)] = llguidance.hf.from_tokenizer(hf_tokenizer)
-    text = json.dumps(schema, sort_keys=True, separators=(",", ":"))
+    # Compact JSON: a flexible-whitespace grammar lets a weak model pad forever.
+    compact = {**schema, "x-guidance": {"whitespace_flexible": False}}
+    text = json.dumps(compact, sort_keys=True, separators=(",", ":"))
     try:
-        # Compact JSON: a flexible-whitespace grammar lets a weak model pad forever.
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(text, defaults={"whitespace_flexible": False})
+        if wrap == ("", ""):
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(text)
+        else:
+            grammar = llguidance.LLMatcher.grammar_from_lark(
+                f"start: {json.dumps(wrap[0])} body {json.dumps(wrap[1])}\nbody: %json {text}")
     except ValueError as exc:
-        raise SamplingParamError("response_format", schema, f"is not a usable JSON schema: {exc}") from exc
+        raise SamplingParamError(param, schema, f"is not a usable JSON schema: {exc}") from exc
     problem = llguidance.LLMatcher.validate_grammar(grammar, lltok)
     if problem:
-        raise SamplingParamError("response_format", schema, f"is not a usable JSON schema: {problem}")
+        raise SamplingParamError(param, schema, f"is not a usable JSON schema: {problem}")
     return Constraint(grammar, text, lltok)
 
 
