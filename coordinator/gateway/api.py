@@ -51,8 +51,9 @@ class ApiConfig:
     port: int = 8000
     max_concurrent_jobs: int = option(8, "requests beyond this get 429")  # instead of queueing
     # Keys and the operator's surface (coordinator.gateway.auth, .operator).
-    api_keys: KeyBook | None = option(None, "file of API keys, one a line; requests then need `Authorization: "
-                                      "Bearer KEY` (default: none, the API is open)", parse=KeyBook.from_file)
+    api_keys: KeyBook | None = option(None, "file of API keys, one a line (or a key's sha256:<hex> digest); requests "
+                                      "then need `Authorization: Bearer KEY` (default: none, the API is open)",
+                                      parse=KeyBook.from_file)
     key_max_concurrent_jobs: int = option(0, "generations one API key may run at once, more get 429 (default: 0, no limit)")
     key_tokens_per_minute: int = option(0, "prompt and generated tokens one API key may use a minute, past it 429 "
                                         "with Retry-After (default: 0, no limit)")
