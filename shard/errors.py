@@ -9,6 +9,14 @@ class ShardError(Exception):
     """Root of every error raised by the shard package."""
 
 
+class DeviceError(ShardError):
+    """The torch device a node was told to use is not on this machine. Fields: device."""
+
+    def __init__(self, device: str, reason: str) -> None:
+        self.device = device
+        super().__init__(f"--device {device}: {reason}")
+
+
 class StoreError(ShardError):
     """A model store cannot be built, opened or read (missing file, digest mismatch...)."""
 

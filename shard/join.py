@@ -7,8 +7,12 @@ cancelled. Knows nothing of what the node does once it serves.
 
 from __future__ import annotations
 
+import multiaddr
 import torch
 import trio
+from libp2p.peer.peerinfo import InvalidAddrError, info_from_p2p_addr
+
+from shard.errors import DeviceError, DialError
 
 from shard.identity import claim_key_path, identity_signing_key, load_or_create_identity
 from shard.node import Node, NodeConfig
@@ -16,15 +20,39 @@ from shard.store import cache_root, open_or_prepare
 from shard.transport import open_host
 
 
+def check_device(device: str) -> None:
+    """DeviceError unless torch can use `device` here (a CUDA device needs CUDA)."""
+    try:
+        dev = torch.device(device)
+    except RuntimeError as exc:
+        raise DeviceError(device, f"not a torch device ({exc}); use cpu, cuda or cuda:N") from exc
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise DeviceError(device, "this machine has no CUDA device torch can use; use --device cpu")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise DeviceError(device, f"this machine has {torch.cuda.device_count()} CUDA devices")
+
+
+def coordinator_peer_id(addr: str) -> str:
+    """The coordinator's peer id from its multiaddr, or DialError saying what to pass."""
+    try:
+        return info_from_p2p_addr(multiaddr.Multiaddr(addr)).peer_id.to_base58()
+    except (InvalidAddrError, ValueError) as exc:
+        raise DialError(addr, "not a coordinator address: pass the /ip4/<host>/tcp/<port>/p2p/<peer id> "
+                              "line shard-coord serve prints") from exc
+
+
 async def run_node(config: NodeConfig, task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Prepare (or verify) the model store, start the host and serve until cancelled.
     Resource handling: the default key's claim (a lock file descriptor) is held until
     this returns, when the process' exit releases it."""
+    check_device(config.device)
+    coordinator_id = coordinator_peer_id(config.coordinator)  # a malformed address fails before the model loads
     if config.torch_threads:
         torch.set_num_threads(config.torch_threads)
     store = await trio.to_thread.run_sync(lambda: open_or_prepare(config.model, config.store_dir))
     key_path, _claim = (config.key_path, None) if config.key_path else claim_key_path(cache_root(), "node")
     keypair = load_or_create_identity(key_path)
     async with open_host(keypair, config.listen) as host:
+        print(f"node {host.peer_id} joining coordinator {coordinator_id} at {config.coordinator}", flush=True)
         node = Node(config, host, store, signing_seed=identity_signing_key(keypair))
         await node.serve(task_status=task_status)

@@ -31,6 +31,8 @@ def test_local_nodes_form_one_stage_each_and_the_banner_means_ready(tiny_llama_s
         if m is None:
             pytest.fail(f"no banner: {seen}")
         model, base = m.groups()
+        # Each local node says who it is and whom it joins (issue 23: join printed neither).
+        assert len(re.findall(r"node 12D3Koo\w+ joining coordinator 12D3Koo\w+ at /ip4/127\.0\.0\.1/tcp/\d+/p2p/", seen)) == 2, seen
         r = httpx.post(f"{base}/v1/completions", json={"model": model, "prompt": "abc",
                                                        "max_tokens": 4, "temperature": 0}, timeout=60)
         ring = httpx.get(f"{base}/v1/ring", timeout=10).json()
