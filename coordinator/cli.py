@@ -60,12 +60,16 @@ def main(argv: list[str] | None = None) -> int:
 
     async def run() -> None:
         async with trio.open_nursery() as nursery:
-            http_port, addr, model_id, key_hex = await nursery.start(serve_coordinator, config)
+            http_port, addr, model_id, key_hex, wait_ring = await nursery.start(serve_coordinator, config)
+            join_line = f"Volunteers join with: shard-node join --coordinator {addr}\n"
+            if not config.local_nodes:  # "serving" only once a request can be served: a ring exists
+                print(f"Waiting for {config.first_ring_nodes} node(s) to form a ring. {join_line}", flush=True)
+                await wait_ring()
             print(banner(http_port, config.http.rsplit(":", 1)[0], model_id, keys=config.api.api_keys is not None), flush=True)
             if key_hex is not None:
                 print(f"Receipts are signed by coordinator key {key_hex} (GET /v1/receipts/key); check a bundle "
                       f"with: shard-receipts verify BUNDLE --coordinator-key {key_hex}", flush=True)
-            print(f"Volunteers join with: shard-node join --coordinator {addr}\n", flush=True)
+            print(join_line, flush=True)
 
     try:
         trio.run(run)

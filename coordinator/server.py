@@ -28,8 +28,8 @@ log = logging.getLogger("shard.coordinator")
 
 async def serve_coordinator(config: CoordConfig, task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Run until cancelled. task_status.started((http_port, multiaddr, model id, the
-    coordinator's receipt-signing public key as hex or None with receipts off)), once the
-    local ring is ready when there is one."""
+    coordinator's receipt-signing public key as hex or None with receipts off, an async
+    function returning once a ring is formed)), once the local ring is ready when there is one."""
     from transformers import AutoTokenizer
 
     store = await trio.to_thread.run_sync(lambda: open_or_prepare(config.model, config.store_dir))
@@ -50,7 +50,7 @@ async def serve_coordinator(config: CoordConfig, task_status=trio.TASK_STATUS_IG
             log.info("waiting for %d local nodes to load their slices and form the ring", config.local_nodes)
             await coordinator.swarm.wait_ring()
         key = coordinator.receipts.key.public_bytes().hex() if coordinator.receipts is not None else None
-        task_status.started((http_port, coordinator.addr, coordinator.engine.model_id, key))
+        task_status.started((http_port, coordinator.addr, coordinator.engine.model_id, key, coordinator.swarm.wait_ring))
         await trio.sleep_forever()
 
 

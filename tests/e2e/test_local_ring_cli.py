@@ -31,14 +31,21 @@ def test_local_nodes_form_one_stage_each_and_the_banner_means_ready(tiny_llama_s
         if m is None:
             pytest.fail(f"no banner: {seen}")
         model, base = m.groups()
+        while "Receipts are signed" not in seen and proc.poll() is None:
+            seen += proc.stdout.readline()
+        key = re.search(r"Receipts are signed by coordinator key ([0-9a-f]{64}) \(GET /v1/receipts/key\); check a "
+                        r"bundle with: shard-receipts verify BUNDLE --coordinator-key ([0-9a-f]{64})", seen)
+        assert key and key.group(1) == key.group(2), seen
         # Each local node says who it is and whom it joins (issue 23: join printed neither).
         assert len(re.findall(r"node 12D3Koo\w+ joining coordinator 12D3Koo\w+ at /ip4/127\.0\.0\.1/tcp/\d+/p2p/", seen)) == 2, seen
         r = httpx.post(f"{base}/v1/completions", json={"model": model, "prompt": "abc",
                                                        "max_tokens": 4, "temperature": 0}, timeout=60)
         ring = httpx.get(f"{base}/v1/ring", timeout=10).json()
+        served_key = httpx.get(f"{base}/v1/receipts/key", timeout=10).json()["coordinator_public_key"]
     finally:
         proc.terminate()
         proc.wait(30)
     assert r.status_code == 200, r.text
+    assert served_key == key.group(1)  # the key printed is the key served
     stages = [m["layers"] for m in ring["members"] if m["role"] == "stage"]
     assert sorted(stages) in ([[0, 3], [3, 5]], [[0, 2], [2, 5]]), ring["members"]
