@@ -11,8 +11,8 @@ is not applied, a sliding layer gets the windowed mask and its own rotary table.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from dataclasses import replace
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -62,6 +62,37 @@ def window_mask(ctx_len: int, tree_parents: torch.Tensor | None, positions: torc
     return near if mask is None else mask & near
 
 
+@dataclass(frozen=True)
+class StageFrame:
+    """One job's frame for Stage.forward_batch (the arguments of Stage.forward)."""
+
+    job: JobCache
+    x: torch.Tensor  # token ids (T,) on the head stage, else hidden states (T, H)
+    ctx_len: int
+    positions: torch.Tensor  # (T,)
+    tree_parents: torch.Tensor | None = None
+    commit_src: tuple[int, ...] = ()
+    commit_dst: int = 0
+    capture: tuple[int, ...] = ()
+
+
+@dataclass
+class _Plan:
+    """A checked frame ready to run: its rows of the batch and its attention structure."""
+
+    index: int  # in the batch as given
+    job: JobCache
+    ctx_len: int
+    h: torch.Tensor  # (T, H) input rows
+    rope: tuple[torch.Tensor, torch.Tensor]  # cos, sin (T, D)
+    local_rope: tuple[torch.Tensor, torch.Tensor]
+    causal: bool
+    mask: torch.Tensor | None
+    local_mask: torch.Tensor | None
+    capture: set[int]
+    rows: slice = field(default_factory=lambda: slice(0))  # set by forward_batch: this frame's rows of (T_total, H)
+
+
 class Stage:
     """Layers `layers` of a model, computing frames for many jobs (each with its JobCache)."""
 
@@ -96,7 +127,6 @@ class Stage:
     def is_head(self) -> bool:
         return self.embedding is not None
 
-    @torch.inference_mode()
     def forward(
         self,
         job: JobCache,
@@ -105,37 +135,85 @@ class Stage:
         ctx_len: int,
         positions: torch.Tensor,
         tree_parents: torch.Tensor | None = None,
-        commit_src: list[int] | tuple[int, ...] = (),
+        commit_src: Sequence[int] = (),
         commit_dst: int = 0,
         capture: Iterable[int] = (),
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        """Run this stage on one frame of T tokens.
+        """Run this stage on one frame of T tokens: forward_batch of one, its error raised.
 
         x: token ids (T,) on the head stage, else hidden states (T, H). The commit (slots
         gathered to [commit_dst, ...)) is applied first; the frame's K/V then go to slots
         [ctx_len, ctx_len + T). Returns (hidden (T, H), {layer: output (T, H)} for the
         absolute layer indices in `capture` that this stage owns).
         """
-        cfg = self.cfg
+        [out] = self.forward_batch([StageFrame(job, x, ctx_len, positions, tree_parents, tuple(commit_src),
+                                               commit_dst, tuple(capture))])
+        if isinstance(out, ShardError):
+            raise out
+        return out
+
+    @torch.inference_mode()
+    def forward_batch(self, frames: Sequence[StageFrame]) -> list[tuple[torch.Tensor, dict[int, torch.Tensor]] | ShardError]:
+        """Run frames of distinct jobs in one forward: per frame, what forward returns, or
+        the ShardError that frame alone raised (the others run as if it were not there).
+
+        The weight-heavy parts (projections, MLP) see all frames' rows as one (T_total, H)
+        matmul, reading the weights once; attention runs per job against its own cache,
+        with its own positions and mask, so a job's rows never see another's.
+        """
+        if len({id(f.job) for f in frames}) != len(frames):
+            raise ValueError("a batch holds at most one frame per job (a job's frames depend on each other)")
+        outputs: list = [None] * len(frames)
+        plans: list[_Plan] = []
+        for i, frame in enumerate(frames):
+            try:
+                plans.append(self._plan(i, frame))
+            except ShardError as exc:
+                outputs[i] = exc
+        if plans:
+            start = 0
+            for p in plans:
+                p.rows, start = slice(start, start + p.h.shape[0]), start + p.h.shape[0]
+            h = _cat([p.h for p in plans])  # (T_total, H)
+            rope = tuple(_cat([p.rope[j] for p in plans]) for j in (0, 1))  # cos, sin: (T_total, D) each
+            local_rope = tuple(_cat([p.local_rope[j] for p in plans]) for j in (0, 1))
+            captured: list[dict[int, torch.Tensor]] = [{} for _ in plans]
+            for local, (layer, w) in enumerate(zip(self.layers, self.blocks)):
+                a = self._attention(plans, local, self._norm(h, w.attn_norm), w, local_rope if w.sliding else rope)
+                h = h + self._norm(a, w.attn_out_norm)
+                h = h + self._norm(w.mlp(self._norm(h, w.mlp_norm)), w.mlp_out_norm)
+                for p, caught in zip(plans, captured):
+                    if layer in p.capture:
+                        caught[layer] = h[p.rows]
+            for p, caught in zip(plans, captured):
+                outputs[p.index] = (h[p.rows] if len(plans) > 1 else h, caught)
+        return outputs
+
+    def _plan(self, index: int, frame: StageFrame) -> _Plan:
+        """Check one frame, apply its commit, grow its cache and build its input rows,
+        rotary rows and masks. Raises ShardError (StageInputError, CacheError,
+        PositionError) before anything of the batch has run."""
+        cfg, x, ctx_len, positions, tree_parents = self.cfg, frame.x, frame.ctx_len, frame.positions, frame.tree_parents
         t = x.shape[0]
         if positions.shape != (t,):
             raise StageInputError("positions shape", (t,), tuple(positions.shape))
-        if commit_src and commit_dst + len(commit_src) > ctx_len:
-            raise StageInputError("committed slots end past ctx_len", ctx_len, commit_dst + len(commit_src))
-        job.ensure(ctx_len + t)
-        job.commit(list(commit_src), commit_dst)
+        if frame.commit_src and frame.commit_dst + len(frame.commit_src) > ctx_len:
+            raise StageInputError("committed slots end past ctx_len", ctx_len, frame.commit_dst + len(frame.commit_src))
         if self.is_head:
             if x.dim() != 1:
                 raise StageInputError("head stage input rank (token ids)", 1, x.dim())
             if t and (int(x.min()) < 0 or int(x.max()) >= cfg.vocab_size):
                 raise StageInputError("token id", cfg.vocab_size - 1, int(x.max()) if int(x.min()) >= 0 else int(x.min()))
-            h = F.embedding(x.to(self.device, torch.long), self.embedding) * self.embedding_scale  # (T, H)
-        else:
-            if x.shape != (t, cfg.hidden_size):
-                raise StageInputError("hidden shape", (t, cfg.hidden_size), tuple(x.shape))
-            h = x.to(self.device, self.dtype)
+        elif x.shape != (t, cfg.hidden_size):
+            raise StageInputError("hidden shape", (t, cfg.hidden_size), tuple(x.shape))
         rope = self.rotary.lookup(positions)  # cos, sin: (T, D) each
         local_rope = self.local_rotary.lookup(positions)
+        frame.job.ensure(ctx_len + t)
+        frame.job.commit(list(frame.commit_src), frame.commit_dst)
+        if self.is_head:
+            h = F.embedding(x.to(self.device, torch.long), self.embedding) * self.embedding_scale  # (T, H)
+        else:
+            h = x.to(self.device, self.dtype)
         # A fresh causal chain (prefill from slot 0) can use SDPA's own causal kernel; every
         # other frame shape gets an explicit mask. Sliding layers need the window cut only
         # once some query is `window` positions past slot 0.
@@ -143,44 +221,48 @@ class Stage:
         mask = None if causal else attention_mask(ctx_len, tree_parents, t, self.device)
         windowed = cfg.sliding_window is not None and t and int(positions.max()) >= cfg.sliding_window
         local_mask = window_mask(ctx_len, tree_parents, positions.to(self.device), cfg.sliding_window) if windowed else mask
-        wanted = set(capture)
-        captured: dict[int, torch.Tensor] = {}
-        for local, (layer, w) in enumerate(zip(self.layers, self.blocks)):
-            attn_rope, attn_mask = (local_rope, local_mask) if w.sliding else (rope, mask)
-            a = self._attention(job, local, self._norm(h, w.attn_norm), w, ctx_len, attn_rope, attn_mask,
-                                causal and attn_mask is None)
-            h = h + self._norm(a, w.attn_out_norm)
-            h = h + self._norm(w.mlp(self._norm(h, w.mlp_norm)), w.mlp_out_norm)
-            if layer in wanted:
-                captured[layer] = h
-        return h, captured
+        return _Plan(index, frame.job, ctx_len, h, rope, local_rope, causal, mask, local_mask, set(frame.capture))
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
         return x if weight is None else rms_norm(x, weight, self.cfg.rms_norm_eps)
 
-    def _attention(self, job, local, x, w: LayerWeights, ctx_len, rope, mask, causal) -> torch.Tensor:
+    def _attention(self, plans: list[_Plan], local: int, x, w: LayerWeights, rope) -> torch.Tensor:
         cfg = self.cfg
         t, d, hq, hkv = x.shape[0], cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
         cos, sin = rope
-        qkv = w.qkv(x)  # (T, (Hq + 2 Hkv) D)
+        qkv = w.qkv(x)  # (T_total, (Hq + 2 Hkv) D): every job's rows in one matmul
         q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
-        q = apply_rotary(self._norm(q.view(t, hq, d), w.q_norm).transpose(0, 1), cos, sin)  # (Hq, T, D)
-        k = apply_rotary(self._norm(k.view(t, hkv, d), w.k_norm).transpose(0, 1), cos, sin)  # (Hkv, T, D)
-        v = v.view(t, hkv, d).transpose(0, 1)  # (Hkv, T, D)
+        q = apply_rotary(self._norm(q.view(t, hq, d), w.q_norm).transpose(0, 1), cos, sin)  # (Hq, T_total, D)
+        k = apply_rotary(self._norm(k.view(t, hkv, d), w.k_norm).transpose(0, 1), cos, sin)  # (Hkv, T_total, D)
+        v = v.view(t, hkv, d).transpose(0, 1)  # (Hkv, T_total, D)
+        outs = []
+        for p in plans:  # attention per job, against its own cache and mask
+            mask = p.local_mask if w.sliding else p.mask
+            outs.append(self._attend(p.job, local, p.ctx_len, q[:, p.rows], k[:, p.rows], v[:, p.rows], mask,
+                                     p.causal and mask is None))
+        out = _cat(outs, dim=1)  # (Hq, T_total, D)
+        return w.o(out.transpose(0, 1).reshape(t, hq * d))  # (T_total, H)
+
+    def _attend(self, job: JobCache, local: int, ctx_len: int, q, k, v, mask, causal) -> torch.Tensor:
+        """One job's attention core: q (Hq, T, D), k and v (Hkv, T, D) -> (Hq, T, D)."""
+        cfg = self.cfg
+        t, d, hq, hkv = q.shape[1], cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
         keys, values = job.write(local, ctx_len, k, v)  # (Hkv, S, D) with S = ctx_len + T
         if t == 1 and hq != hkv:
             # Decode: fold each KV head's G query heads into query rows, (Hkv, G, D): the
             # same maths as repeating K/V per query head, without the copy, and SDPA stays
             # on its fused kernel (with the GQA flag CPU SDPA takes its slow reference path).
             g = hq // hkv
-            out = F.scaled_dot_product_attention(q.reshape(hkv, g, d), keys, values, attn_mask=mask,
-                                                 scale=cfg.attention_scale).view(hq, 1, d)  # (Hq, 1, D)
-        else:
-            # A batch dimension of 1: CPU SDPA's fused kernels want 4-D inputs (without it,
-            # GQA and masked frames fall back to the slow reference path).
-            out = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=mask, is_causal=causal,
-                                                 scale=cfg.attention_scale, enable_gqa=hq != hkv)[0]  # (Hq, T, D)
-        return w.o(out.transpose(0, 1).reshape(t, hq * d))  # (T, H)
+            return F.scaled_dot_product_attention(q.reshape(hkv, g, d), keys, values, attn_mask=mask,
+                                                  scale=cfg.attention_scale).view(hq, 1, d)  # (Hq, 1, D)
+        # A batch dimension of 1: CPU SDPA's fused kernels want 4-D inputs (without it,
+        # GQA and masked frames fall back to the slow reference path).
+        return F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=mask, is_causal=causal,
+                                              scale=cfg.attention_scale, enable_gqa=hq != hkv)[0]  # (Hq, T, D)
+
+
+def _cat(parts: list[torch.Tensor], dim: int = 0) -> torch.Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
 
 
 class OutputHead:
