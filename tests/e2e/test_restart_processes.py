@@ -14,7 +14,7 @@ import re
 import socket
 import time
 
-from tests.e2e.procring import (BANNER, JOIN, ProcRing, complete, coordinator_args, node_args, wait_ring)
+from tests.e2e.procring import JOIN, ProcRing, complete, coordinator_args, node_args, wait_ring
 from tests.e2e.ringkit import memory_for_stages
 
 PROMPT = [1, 50, 60, 70, 80, 90]
@@ -35,12 +35,12 @@ def test_kill_9_of_the_coordinator_and_a_restart_serve_the_same_text_on_the_warm
                                                                                          tmp_path):
     store, model = tiny_llama_store, str(tiny_llama.path)
     ring = ProcRing(tmp_path)
+    base = f"http://127.0.0.1:{free_loopback_port()}"
     coord = coordinator_args(model, str(store.root), f"/ip4/127.0.0.1/tcp/{free_loopback_port()}",
-                             str(tmp_path / "coord.key"), min_nodes=2)
+                             str(tmp_path / "coord.key"), min_nodes=2, http=base.removeprefix("http://"))
     try:
         first = ring.spawn("coord", coord)
         addr = first.wait_for(JOIN, 120).group(1)
-        base = first.wait_for(BANNER, 5).group(1)
         # No --key-path: each node claims its own default key.
         nodes = [ring.spawn("node", node_args(addr, model, str(store.root), memory_for_stages(store, 2)))
                  for _ in range(2)]
@@ -51,7 +51,6 @@ def test_kill_9_of_the_coordinator_and_a_restart_serve_the_same_text_on_the_warm
         first.kill9()
         t0 = time.monotonic()
         second = ring.spawn("coord", coord)
-        base = second.wait_for(BANNER, 60).group(1)
         served = None
         while served is None and time.monotonic() - t0 < 60:
             try:
@@ -75,13 +74,13 @@ def test_a_second_node_with_the_same_key_and_a_node_with_another_model_are_refus
         tiny_llama, tiny_llama_store, tiny_qwen2, tiny_qwen2_store, tmp_path):
     store = tiny_llama_store
     ring = ProcRing(tmp_path)
+    base = f"http://127.0.0.1:{free_loopback_port()}"
     coord = coordinator_args(str(tiny_llama.path), str(store.root), "/ip4/127.0.0.1/tcp/0", str(tmp_path / "c.key"),
-                             min_nodes=1)
+                             min_nodes=1, http=base.removeprefix("http://"))
     key = ["--key-path", str(tmp_path / "shared.key")]
     try:
         c = ring.spawn("coord", coord)
         addr = c.wait_for(JOIN, 120).group(1)
-        base = c.wait_for(BANNER, 5).group(1)
         ring.spawn("node", node_args(addr, str(tiny_llama.path), str(store.root), 1 << 30, key))
         wait_ring(base, 1, 120)
         twin = ring.spawn("node", node_args(addr, str(tiny_llama.path), str(store.root), 1 << 30, key))
