@@ -20,9 +20,9 @@ from dataclasses import dataclass
 import torch
 
 from shard.activations import from_wire, to_wire
-from shard.errors import CacheError
+from shard.errors import CacheError, ShardError
 from shard.kvcache import KVCache
-from shard.stage import Stage, StageInputError
+from shard.stage import Stage, StageFrame, StageInputError
 from shard.wire.codec import encode_body, encode_trailer
 from shard.wire.messages import Forward, Result
 
@@ -86,26 +86,66 @@ class StageWorker:
         they arrived (shard.wire.codec.decode_frame).
         Raises ShardError subclasses (CacheFullError, StageInputError, WireError...) for
         frames this stage cannot serve; the caller turns them into a JobError."""
+        [out] = self.process_frames([(fwd, received)])
+        if isinstance(out, ShardError):
+            raise out
+        return out
+
+    def process_frames(self, frames: list[tuple[Forward, bytes | memoryview]]
+                       ) -> list[tuple[Forward | Result, bytes] | ShardError]:
+        """process_frame for frames of distinct jobs in one stage forward (Stage.forward_batch):
+        per frame, its (message, wire body) or the ShardError it alone raised. Each output
+        is encoded and signed on its own, over its own frame's bytes."""
+        outs = self.compute([fwd for fwd, _ in frames])
+        for i, ((fwd, received), out) in enumerate(zip(frames, outs)):
+            if isinstance(out, ShardError):
+                continue
+            try:
+                body = encode_body(out)  # checked: we never send what the successor must refuse
+            except ShardError as exc:
+                outs[i] = exc
+                continue
+            if self.signer is not None:
+                receipt = self.signer(fwd, received, body)
+                out = dataclasses.replace(out, receipts=(*fwd.receipts, receipt))
+            outs[i] = (out, body + encode_trailer(out))
+        return outs
+
+    def process(self, fwd: Forward) -> Forward | Result:
+        """Run one frame: the output message, unsigned and not encoded (audit replays use
+        this directly). Raises as process_frame does."""
+        [out] = self.compute([fwd])
+        if isinstance(out, ShardError):
+            raise out
+        return out
+
+    def compute(self, fwds: list[Forward]) -> list[Forward | Result | ShardError]:
+        """Run frames of distinct jobs in one forward: per frame, its output message
+        (unsigned, not encoded) or the ShardError it alone raised."""
+        outs: list = [None] * len(fwds)
+        frames, ready = [], []
+        for i, fwd in enumerate(fwds):
+            try:
+                frames.append(self._stage_frame(fwd))
+                ready.append(i)
+            except ShardError as exc:
+                outs[i] = exc
+        started = time.perf_counter()
+        results = self.stage.forward_batch(frames) if frames else []
+        compute_s = time.perf_counter() - started  # the batch's forward, charged to each of its frames
+        for i, result in zip(ready, results):
+            outs[i] = result if isinstance(result, ShardError) else self._message(fwds[i], *result, compute_s)
+        return outs
+
+    def _stage_frame(self, fwd: Forward) -> StageFrame:
+        """fwd's job cache (opened on its first frame) and input, checked."""
         if fwd.job_id not in self.cache.jobs and fwd.job_id in self.evicted:
             if fwd.ctx_len > 0:
                 raise CacheError(f"KV cache of job {fwd.job_id!r} was freed after {self.evicted[fwd.job_id]:.0f} s "
                                  f"idle; a frame at ctx_len {fwd.ctx_len} needs it (re-prefill from 0)")
             del self.evicted[fwd.job_id]
         self.last_used_s[fwd.job_id] = self.clock()
-        out = self.process(fwd)
-        body = encode_body(out)  # checked: we never send what the successor must refuse
-        if self.signer is not None:
-            receipt = self.signer(fwd, received, body)
-            out = dataclasses.replace(out, receipts=(*fwd.receipts, receipt))
-        return out, body + encode_trailer(out)
-
-    def process(self, fwd: Forward) -> Forward | Result:
-        """Run one frame: the output message, unsigned and not encoded (audit replays use
-        this directly). Raises as process_frame does."""
         stage = self.stage
-        job = self.cache.jobs.get(fwd.job_id)
-        if job is None:
-            job = self.cache.open(fwd.job_id, self.config.max_context_tokens + DRAFT_SLACK_SLOTS)
         if stage.is_head:
             if fwd.tokens is None:
                 raise StageInputError("head stage input", "token ids", "hidden states")
@@ -114,32 +154,34 @@ class StageWorker:
             if fwd.hidden is None:
                 raise StageInputError("stage input", "hidden states", "token ids")
             x = from_wire(fwd.hidden, fwd.hidden_scale, stage.dtype)
-        started = time.perf_counter()
-        wanted = [layer for layer in fwd.want_aux_layers if layer in stage.layers]
-        h, captured = stage.forward(
-            job, x, ctx_len=fwd.ctx_len, positions=fwd.positions, tree_parents=fwd.tree_parents,
-            commit_src=list(fwd.commit_src), commit_dst=fwd.commit_dst, capture=wanted,
-        )
+        job = self.cache.jobs.get(fwd.job_id)
+        if job is None:
+            job = self.cache.open(fwd.job_id, self.config.max_context_tokens + DRAFT_SLACK_SLOTS)
+        wanted = tuple(layer for layer in fwd.want_aux_layers if layer in stage.layers)
+        return StageFrame(job, x, fwd.ctx_len, fwd.positions, fwd.tree_parents, tuple(fwd.commit_src), fwd.commit_dst,
+                          wanted)
+
+    def _message(self, fwd: Forward, h: torch.Tensor, captured: dict[int, torch.Tensor],
+                 forward_s: float) -> Forward | Result:
+        """The message this stage sends for fwd, given its hidden states and captured layers."""
         aux, aux_scale = self._aux(fwd, captured)
         if self.config.is_tail and fwd.phase == "prefill":
             # The coordinator samples from the last prompt row only; aux features (which the
             # drafter needs for every prompt token) keep all rows.
             h = h[-1:]
         hidden, hidden_scale = to_wire(h, self.config.wire_dtype)
-        compute_s = (*fwd.compute_s, time.perf_counter() - started)
+        compute_s = (*fwd.compute_s, forward_s)
         if self.config.is_tail:
-            out: Forward | Result = Result(
+            return Result(
                 job_id=fwd.job_id, epoch=fwd.epoch, round=fwd.round, hidden=hidden, hidden_scale=hidden_scale,
                 aux=aux, aux_scale=aux_scale, receipts=fwd.receipts, compute_s=compute_s,
             )
-        else:
-            out = Forward(
-                job_id=fwd.job_id, epoch=fwd.epoch, round=fwd.round, nonce=fwd.nonce, phase=fwd.phase,
-                ctx_len=fwd.ctx_len, positions=fwd.positions, commit_src=fwd.commit_src, commit_dst=fwd.commit_dst,
-                tree_parents=fwd.tree_parents, hidden=hidden, hidden_scale=hidden_scale, aux=aux, aux_scale=aux_scale,
-                want_aux_layers=fwd.want_aux_layers, receipts=fwd.receipts, compute_s=compute_s,
-            )
-        return out
+        return Forward(
+            job_id=fwd.job_id, epoch=fwd.epoch, round=fwd.round, nonce=fwd.nonce, phase=fwd.phase,
+            ctx_len=fwd.ctx_len, positions=fwd.positions, commit_src=fwd.commit_src, commit_dst=fwd.commit_dst,
+            tree_parents=fwd.tree_parents, hidden=hidden, hidden_scale=hidden_scale, aux=aux, aux_scale=aux_scale,
+            want_aux_layers=fwd.want_aux_layers, receipts=fwd.receipts, compute_s=compute_s,
+        )
 
     def _aux(self, fwd: Forward, captured: dict[int, torch.Tensor]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Append this stage's captured layers to the aux features riding the frame,
