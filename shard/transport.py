@@ -259,8 +259,7 @@ class Host:
         peer_id = info.peer_id.to_base58()
         if info.addrs:
             self._known_addrs[peer_id] = info.addrs[0]
-        # Our callers pace their own retries: py-libp2p's 60 s block of a peer that failed
-        # would keep a node from a coordinator restarted seconds later.
+        # Callers pace retries: py-libp2p's 60 s block would bar a coordinator restarted at once.
         self._host.get_network().unblock_peer(info.peer_id)
         with trio.move_on_after(self._config.dial_timeout_s) as scope:
             try:
