@@ -174,6 +174,10 @@ def sample(logits: torch.Tensor, params: SamplingParams, seed: int, position: in
     (coordinator.spec.target.accept_round)."""
     if params.rules.active:
         logits = apply_rules(logits, params.rules, generated)
+    if allowed is not None and not bool(allowed.any()):
+        # Only a row below a draft token the grammar forbids allows nothing; acceptance never
+        # reaches it (the row above could not choose that token), so any answer will do.
+        return greedy_token(logits)
     if allowed is not None:
         logits = logits.float().masked_fill(~allowed, float("-inf"))
     if params.greedy:

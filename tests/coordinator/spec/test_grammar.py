@@ -37,3 +37,22 @@ def test_a_bad_schema_is_refused_by_name(tiny_tokenizer):
     with pytest.raises(SamplingParamError) as info:
         json_constraint(tiny_tokenizer, {"type": "frob"})
     assert info.value.param == "response_format" and "frob" in info.value.reason
+
+
+def test_a_verify_row_below_a_forbidden_draft_token_is_answered_without_nans(tiny_tokenizer):
+    # Bug guarded: TargetChoices computes the first-child path's rows eagerly, so a row below
+    # a draft token the grammar forbids is sampled with every logit masked (softmax of all
+    # -inf is NaN). Sound: such a row allows nothing; it must still give a token id, at any
+    # temperature, and the walk above it never accepts the forbidden token.
+    from coordinator.spec.draft_tree import DraftTree
+    from coordinator.spec.sampling import SamplingParams
+    from coordinator.spec.target import accept_round
+
+    x, brace = ids(tiny_tokenizer, "x")[0], ids(tiny_tokenizer, "{")[0]
+    tree = DraftTree.from_branches([[x, brace]], 8)  # a chain: "x" (forbidden), then "{"
+    logits = torch.zeros(3, 260)
+    logits[:, x] = 5.0  # the model would like "x" everywhere
+    for temperature in (0.0, 1.0):
+        acc, _ = accept_round(tree, lambda rows: logits[rows], SamplingParams(temperature=temperature), 7, 4, [],
+                              json_constraint(tiny_tokenizer, SCHEMA).start())
+        assert acc.nodes == () and acc.tokens == (brace,)
