@@ -24,6 +24,7 @@ from coordinator.jobs.ring_engine import RingEngine
 from coordinator.swarm.swarm import REPORT_BUFFER, Swarm
 from coordinator.trust.audit import Auditor
 from coordinator.trust.receipt_check import ReceiptChecker
+from shard.addresses import refuse_if_in_use
 from shard.identity import identity_signing_key
 from shard.node import CONTROL_PROTOCOL, RING_PROTOCOL
 from shard.ring_observer import NO_OBSERVER, RingObserver
@@ -68,7 +69,8 @@ async def open_coordinator(config: CoordConfig, store: ModelStore, tokenizer: An
     ends. With receipts checked (config.receipts.enabled) finished jobs go to an auditor;
     `audit_rng` picks what it audits (None: unpredictable, as stages must find it).
 
-    Error handling: TransportError if the host cannot listen; NotReadyError if the config's
+    Error handling: TransportError if the host cannot listen (or another process already
+    listens on its fixed port); NotReadyError if the config's
     drafter needs an EAGLE head there is none of. Resource handling: the host closes and every
     serve task (those started in `nursery` too) is cancelled when the block ends, however
     it ends.
@@ -86,6 +88,7 @@ async def open_coordinator(config: CoordConfig, store: ModelStore, tokenizer: An
     checker = ReceiptChecker(store, seed, config.receipts, finished=finished_in) if checked else None
     auditor = (Auditor(swarm, store, seed, config.audit, audit_rng, finished=finished, audit_replies=audit_replies)
                if checked else None)
+    refuse_if_in_use(config.listen)
     async with open_host(keypair, config.listen) as host:
         engine = RingEngine(swarm, host, tokenizer, config.engine, receipts=checker, job_errors=job_errors,
                             ring_changes=ring_changes, observer=observer)

@@ -7,16 +7,21 @@ routable ones first and loopback last, and observed addresses identify confirmed
 through. `dialable_from_elsewhere` is what the coordinator hands a node's peers: a node
 whose control connection did not come over loopback lives on another machine, so its
 loopback addresses (and any unspecified one) are dropped there.
+`refuse_if_in_use` keeps a second coordinator off a port the first listens on.
 Pure apart from reading the interface table; knows nothing of rings or registration.
 """
 
 from __future__ import annotations
 
+import errno
 import ipaddress
+import socket
 from collections.abc import Iterable
 
 import multiaddr
 from libp2p.utils.address_validation import expand_wildcard_address
+
+from shard.errors import TransportError
 
 _IP_PROTOCOLS = ("ip4", "ip6")
 
@@ -61,3 +66,23 @@ def dialable_from_elsewhere(addrs: Iterable[str], observed_ip: str | None) -> tu
             continue
         out.append(addr)
     return tuple(out)
+
+
+def refuse_if_in_use(listen: str) -> None:
+    """Raise TransportError if a TCP listen address with a fixed port is already taken.
+    py-libp2p listens with SO_REUSEPORT (for hole punching), so a second process on the
+    same port would silently share it and the kernel would split connections between the
+    two; a plain bind, without that option, still fails while the first one listens."""
+    ma = multiaddr.Multiaddr(listen)
+    ip, port = ip_of(ma), int(ma.value_for_protocol("tcp"))
+    if ip is None or port == 0:
+        return
+    with socket.socket(socket.AF_INET6 if ip.version == 6 else socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # past TIME_WAIT; never past a listener
+        try:
+            probe.bind((str(ip), port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise TransportError(f"{listen} is in use (another shard-coord, or another program): stop it, or "
+                                     "pass --listen with another port") from None
+            raise

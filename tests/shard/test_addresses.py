@@ -33,3 +33,26 @@ def test_peers_elsewhere_are_never_told_loopback_or_unspecified_addresses():
     assert dialable_from_elsewhere(addrs, "10.0.0.9") == (f"/ip4/10.0.0.2/tcp/1/p2p/{PEER}",)
     # A node on the coordinator's own machine keeps its loopback address (all of a local ring).
     assert dialable_from_elsewhere(addrs, "127.0.0.1") == tuple(addrs[:2])
+
+
+def test_a_fixed_port_another_process_listens_on_is_refused_and_port_0_never_is():
+    # Bug guarded: py-libp2p listens with SO_REUSEPORT, so a second coordinator on the
+    # default port 4001 started silently and the kernel split joining nodes between the two.
+    import socket
+
+    import pytest
+
+    from shard.addresses import refuse_if_in_use
+    from shard.errors import TransportError
+
+    with socket.socket() as taken:
+        taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)  # as py-libp2p's listener does
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(TransportError) as caught:
+            refuse_if_in_use(f"/ip4/127.0.0.1/tcp/{port}")
+        refuse_if_in_use("/ip4/127.0.0.1/tcp/0")
+    assert str(caught.value) == (f"/ip4/127.0.0.1/tcp/{port} is in use (another shard-coord, or another program): "
+                                 "stop it, or pass --listen with another port")
+    refuse_if_in_use(f"/ip4/127.0.0.1/tcp/{port}")  # free again once it closed
