@@ -195,3 +195,11 @@ def test_the_readme_module_map_names_every_runtime_module_once():
     assert sorted(modules - set(rows)) == [], "modules missing from the README module map"
     assert sorted(set(rows) - modules) == [], "README module map rows naming no module"
     assert len(rows) == len(set(rows)), "a module has two rows"
+
+
+def test_test_modules_have_unique_basenames():
+    # Bug guarded: two test files with one basename in different folders (tests/ has no
+    # __init__ files, so pytest imports them by basename) stop the whole collection; each
+    # passed when run alone. Sound: lists every test module under tests/.
+    names = [p.name for p in (ROOT / "tests").rglob("test_*.py")]
+    assert sorted({n for n in names if names.count(n) > 1}) == []
