@@ -3,7 +3,7 @@ three Nodes (libp2p on loopback, each with its own host and key) over the tiny l
 
 Guards issue 6's promises end to end: an honest ring's requests verify round by round and
 its bundles verify offline (`shard-receipts verify`); a stage that does not sign fails the
-request closed; cheating stages (injected here by wrapping the stage forward, which runs
+request closed; cheating stages (injected here by wrapping the stage's batched forward, which runs
 before the stage signs, so each cheater signs its own garbage: no production flag) are
 caught by audits, evidence is signed, and the next ring leaves the cheater out; honest
 rings on bf16 and fp8 wires raise no false alarm.
@@ -57,39 +57,46 @@ def _tokenizer():
     return make_tiny_tokenizer()
 
 
-def skip_layers(stage: Stage, forward):
-    def cheat(job, x, **kw):
-        h, captured = forward(job, x, **kw)
+# A cheat rewrites one frame's honest output: cheat(x, h) -> what the stage sends instead.
+def skip_layers(stage: Stage):
+    def cheat(x, h):
         if x.dim() == 1:  # the head: embed, then none of its layers
-            return stage.embedding[x.long()], captured
-        return x.to(h.dtype), captured  # forwards its input: none of its layers ran
+            return stage.embedding[x.long()]
+        return x.to(h.dtype)  # forwards its input: none of its layers ran
     return cheat
 
 
-def add_noise(stage: Stage, forward):
+def add_noise(stage: Stage):
     gen = torch.Generator().manual_seed(0)
 
-    def cheat(job, x, **kw):
-        h, captured = forward(job, x, **kw)
-        return h + 0.05 * h.std() * torch.randn(h.shape, generator=gen), captured
+    def cheat(x, h):
+        return h + 0.05 * h.std() * torch.randn(h.shape, generator=gen)
     return cheat
 
 
-def replay_old_output(stage: Stage, forward):
+def replay_old_output(stage: Stage):
     seen: list[torch.Tensor] = []
 
-    def cheat(job, x, **kw):
-        h, captured = forward(job, x, **kw)
+    def cheat(x, h):
         if h.shape[0] == 1:  # from its 2nd decode frame on: the previous decode output again
             if seen:
-                return seen[-1], captured
+                return seen[-1]
             seen.append(h)
-        return h, captured
+        return h
     return cheat
+
+
+def cheating_batches(forward_batch, cheat):
+    """Stage.forward_batch with `cheat` applied to each frame's output (the worker runs
+    every frame, alone or batched, through forward_batch)."""
+    def run(frames):
+        outs = forward_batch(frames)
+        return [out if isinstance(out, Exception) else (cheat(f.x, out[0]), out[1]) for f, out in zip(frames, outs)]
+    return run
 
 
 class CheatingNode(Node):
-    """A node whose stage forward is wrapped by `cheat(stage, forward)`; `other_stage`,
+    """A node whose stage's outputs are rewritten by `cheat(stage)`; `other_stage`,
     if set, replaces its weights with another model's (it still claims the honest ones)."""
 
     cheat = None
@@ -109,7 +116,7 @@ class CheatingNode(Node):
             worker.stage = Stage(s.cfg, r, self.other_store.load_layers(r), dtype=s.dtype, device=s.device,
                                  embedding=s.embedding)
         if self.cheat is not None:
-            worker.stage.forward = self.cheat(worker.stage, worker.stage.forward)
+            worker.stage.forward_batch = cheating_batches(worker.stage.forward_batch, self.cheat(worker.stage))
 
 
 async def run_ring(store, *, wire_dtype="f32", rate=1.0, requests=2, tokens=8, cheat=None, other_store=None,
