@@ -13,15 +13,20 @@ import httpx
 import pytest
 
 
-def test_local_nodes_form_one_stage_each_and_the_banner_means_ready(tiny_llama_store, tmp_path):
+# The default listen address is the wildcard (0.0.0.0:4001); port 0 here, as tests must.
+@pytest.mark.parametrize("listen", ["/ip4/127.0.0.1/tcp/0", "/ip4/0.0.0.0/tcp/0"])
+def test_local_nodes_form_one_stage_each_and_the_banner_means_ready(tiny_llama_store, tmp_path, listen):
     # Bug guarded: "a local 3-node ring" was one stage holding every layer plus idle nodes
     # (the selector prefers fewer hops on loopback), and the banner said "serving" while
-    # requests got 503. Sound: the first request is sent the moment the banner is read,
-    # and /v1/ring lists the stages the coordinator actually formed.
+    # requests got 503. And on the wildcard listen address local nodes dialled the
+    # coordinator's interface address, so it withheld their loopback addresses from each
+    # other: every hop failed and the ring shrank to one stage. Sound: the first request
+    # is sent the moment the banner is read, and /v1/ring lists the stages the coordinator
+    # has after serving it.
     env = {**os.environ, "SHARD_HOME": str(tmp_path), "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "coordinator.cli", "serve", "--model", str(tiny_llama_store.root),
                              "--store-dir", str(tiny_llama_store.root), "--local-nodes", "2", "--http", "127.0.0.1:0",
-                             "--listen", "/ip4/127.0.0.1/tcp/0", "--log-level", "WARNING"],
+                             "--listen", listen, "--log-level", "WARNING"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
         deadline, seen, m = time.monotonic() + 180, "", None
