@@ -212,12 +212,25 @@ class KeyGate:
             self.on_refused(f"rate_{err.type}")
             await _refuse(send, err, [(b"retry-after", str(err.retry_after_s).encode())])
             return
-        paying = _paying.set(account)
+        paying, held = _paying.set(account), [True]
+
+        def release() -> None:  # once, whichever comes first: the last bytes or the end
+            if held:
+                held.clear()
+                account.running -= 1
+
+        async def send_then_release(message) -> None:
+            # The slot is free once the response's last bytes leave, before the job's own
+            # clean-up: a client that reads the end of one response may send the next at once.
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                release()
+            await send(message)
+
         try:
-            await self.app(scope, receive, send)
+            await self.app(scope, receive, send_then_release)
         finally:
             _paying.reset(paying)
-            account.running -= 1
+            release()
 
 
 def _unauthorized(presented: bool) -> RequestError:
