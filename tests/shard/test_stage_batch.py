@@ -36,8 +36,8 @@ def llama_stages(tmp_path_factory):
 
 def family_stages(family):
     def build(tmp_path_factory):
-        model, per_layer, saved = families.make_model(family, tmp_path_factory)
-        ring = families.Ring(model, per_layer, saved, 2)
+        model, saved = families.make_model(family, tmp_path_factory)
+        ring = families.Ring(model, saved, 2)
         return ring.cfg, ring.stages
     return build
 

@@ -49,9 +49,11 @@ def make_model(family: str, seed: int = 0):
 class Ring:
     """Stages built straight from a transformers state dict (the store has its own tests)."""
 
-    def __init__(self, model, parts: int) -> None:
+    def __init__(self, model, parts: int, checkpoint: dict[str, torch.Tensor] | None = None) -> None:
+        """`checkpoint`: the tensors as saved on disk, when their names differ from the
+        in-memory state dict's (transformers fuses MoE experts in memory)."""
         self.cfg = ModelConfig.from_hf(model.config.to_dict())
-        sd = model.state_dict()
+        sd = model.state_dict() if checkpoint is None else checkpoint
         per_layer: dict[int, dict[str, torch.Tensor]] = {}
         for name, t in sd.items():
             if name.startswith("model.layers."):

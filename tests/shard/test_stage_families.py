@@ -19,10 +19,8 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
-from shard.arch import ModelConfig
-from shard.kvcache import KVCache
-from shard.layers import LayerRange
-from shard.stage import OutputHead, Stage
+from tests.shard import test_stage_exact as exact
+from tests.shard.test_stage_exact import reference_logits
 
 TOL = 1e-4
 VOCAB = 256
@@ -53,7 +51,7 @@ FAMILIES = {
 
 
 def make_model(family: str, tmp_path_factory, seed: int = 0):
-    """(transformers model, {layer: {short name: tensor}}, the rest of the checkpoint) as saved on disk."""
+    """(transformers model, its checkpoint as saved on disk)."""
     cfg_cls, extra = FAMILIES[family]
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cfg_cls(**SMALL, **extra), dtype=torch.float32).eval()
@@ -70,39 +68,12 @@ def make_model(family: str, tmp_path_factory, seed: int = 0):
                 p.copy_(0.3 * torch.randn_like(p))
     path = tmp_path_factory.mktemp(family)
     model.save_pretrained(path)
-    saved = load_file(str(path / "model.safetensors"))
-    per_layer: dict[int, dict[str, torch.Tensor]] = {}
-    for name, t in saved.items():
-        if name.startswith("model.layers."):
-            idx, short = name[len("model.layers."):].split(".", 1)
-            per_layer.setdefault(int(idx), {})[short] = t
-    return model, per_layer, saved
+    return model, load_file(str(path / "model.safetensors"))
 
 
-class Ring:
-    def __init__(self, model, per_layer, saved, parts: int) -> None:
-        self.cfg = ModelConfig.from_hf(model.config.to_dict())
-        ranges = LayerRange.split(self.cfg.num_layers, parts)
-        emb = saved["model.embed_tokens.weight"]
-        self.stages = [Stage(self.cfg, r, per_layer, embedding=emb if r.start == 0 else None) for r in ranges]
-        self.head = OutputHead(self.cfg, saved["model.norm.weight"], saved.get("lm_head.weight", emb))
-        self.caches = [KVCache(len(r), self.cfg.num_kv_heads, self.cfg.head_dim, torch.float32, 1 << 26) for r in ranges]
-        self.jobs = [c.open("job", 200) for c in self.caches]
-
-    def run(self, tokens, *, ctx_len, positions=None, parents=None, commit_src=(), commit_dst=0):
-        tokens = torch.as_tensor(tokens)
-        if positions is None:
-            positions = torch.arange(ctx_len, ctx_len + len(tokens))
-        x = tokens
-        for stage, job in zip(self.stages, self.jobs):
-            x, _ = stage.forward(job, x, ctx_len=ctx_len, positions=positions, tree_parents=parents,
-                                 commit_src=commit_src, commit_dst=commit_dst)
-        return self.head.logits(x)
-
-
-def reference_logits(model, ids) -> torch.Tensor:
-    with torch.no_grad():
-        return model(torch.tensor([list(ids)])).logits[0].float()
+def Ring(model, saved, parts: int) -> exact.Ring:
+    """Stages built from the checkpoint as saved, over `parts` stages."""
+    return exact.Ring(model, parts, saved)
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -177,9 +148,9 @@ def test_longrope_past_the_original_context(tmp_path_factory):
     # frame. transformers picks short or long factors per forward, by the frame's last
     # position against original_max_position_embeddings (64 here); a 70-token prefill
     # therefore runs entirely on the long factors, and so must the stage.
-    model, per_layer, saved = make_model("phi3-longrope", tmp_path_factory)
+    model, saved = make_model("phi3-longrope", tmp_path_factory)
     ids = torch.randint(3, VOCAB, (70,), generator=torch.Generator().manual_seed(4)).tolist()
-    ring = Ring(model, per_layer, saved, 2)
+    ring = Ring(model, saved, 2)
     assert (ring.run(ids, ctx_len=0) - reference_logits(model, ids)).abs().max() <= TOL
 
 
@@ -189,9 +160,9 @@ def test_aux_capture_equals_the_reference_hidden_states(family):
     # block's output is added). Sound: every layer but the last (whose transformers
     # hidden state is after the final norm) is captured across two stages and compared
     # with transformers' output_hidden_states for the same prompt.
-    model, per_layer, saved = family
+    model, saved = family
     ids = torch.randint(3, VOCAB, (12,), generator=torch.Generator().manual_seed(5))
-    ring = Ring(model, per_layer, saved, 2)
+    ring = Ring(model, saved, 2)
     n = ring.cfg.num_layers
     captured: dict[int, torch.Tensor] = {}
     x = ids
