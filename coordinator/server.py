@@ -44,7 +44,7 @@ async def serve_coordinator(config: CoordConfig, task_status=trio.TASK_STATUS_IG
                                  trust=lambda: trust_report(coordinator.receipts, coordinator.auditor))
         http_port = await nursery.start(serve_http, gateway, api.host, api.port)
         for i in range(config.local_nodes):
-            nursery.start_soon(run_local_node, config, store.root, over_loopback(coordinator.addr, config.listen), i)
+            nursery.start_soon(run_local_node, config, store.root, coordinator.addr, i)
         log.info("coordinator %s listening; HTTP on %s:%d", coordinator.addr, api.host, http_port)
         if config.local_nodes:
             log.info("waiting for %d local nodes to load their slices and form the ring", config.local_nodes)
@@ -52,19 +52,6 @@ async def serve_coordinator(config: CoordConfig, task_status=trio.TASK_STATUS_IG
         key = coordinator.receipts.key.public_bytes().hex() if coordinator.receipts is not None else None
         task_status.started((http_port, coordinator.addr, coordinator.engine.model_id, key, coordinator.swarm.wait_ring))
         await trio.sleep_forever()
-
-
-def over_loopback(addr: str, listen: str) -> str:
-    """The coordinator's multiaddr with its IPv4 address made 127.0.0.1 when it listens
-    there too (`listen` on 0.0.0.0, the default, or on loopback). Local nodes dial this, so
-    the coordinator sees them connect over loopback and hands their loopback addresses to
-    each other; dialled at the interface address they looked remote, their loopback
-    addresses were withheld as undialable, and every hop between them failed."""
-    parts, heard = addr.split("/"), listen.split("/")
-    on_loopback = len(heard) > 2 and heard[1] == "ip4" and (heard[2] == "0.0.0.0" or heard[2].startswith("127."))
-    if on_loopback and len(parts) > 2 and parts[1] == "ip4":
-        parts[2] = "127.0.0.1"
-    return "/".join(parts)
 
 
 async def run_local_node(config: CoordConfig, store_dir, coordinator_addr: str, index: int) -> None:

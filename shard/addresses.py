@@ -5,8 +5,9 @@ to a peer makes it dial its own machine. `advertised` is the host's libp2p Addrs
 wildcards become each interface's address (py-libp2p's `expand_wildcard_address`),
 routable ones first and loopback last, and observed addresses identify confirmed pass
 through. `dialable_from_elsewhere` is what the coordinator hands a node's peers: a node
-whose control connection did not come over loopback lives on another machine, so its
-loopback addresses (and any unspecified one) are dropped there.
+whose control connection came neither over loopback nor from one of this machine's own
+addresses lives on another machine, so its loopback addresses (and any unspecified one)
+are dropped there.
 `refuse_if_in_use` keeps a second coordinator off a port the first listens on.
 Pure apart from reading the interface table; knows nothing of rings or registration.
 """
@@ -16,7 +17,7 @@ from __future__ import annotations
 import errno
 import ipaddress
 import socket
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 
 import multiaddr
 from libp2p.utils.address_validation import expand_wildcard_address
@@ -54,11 +55,28 @@ def advertised(candidates: Iterable[multiaddr.Multiaddr]) -> list[multiaddr.Mult
     return sorted(usable, key=lambda a: bool((ip := ip_of(a)) is not None and ip.is_loopback))
 
 
-def dialable_from_elsewhere(addrs: Iterable[str], observed_ip: str | None) -> tuple[str, ...]:
+def this_machines_ips() -> frozenset[ipaddress.IPv4Address | ipaddress.IPv6Address]:
+    """The IPs of this machine's interfaces: what a wildcard listen address covers."""
+    ips = set()
+    # A placeholder port: py-libp2p hands a port-0 wildcard back unexpanded.
+    for wildcard in ("/ip4/0.0.0.0/tcp/1", "/ip6/::/tcp/1"):
+        for addr in expand_wildcard_address(multiaddr.Multiaddr(wildcard)):
+            if (ip := ip_of(addr)) is not None and not ip.is_unspecified:
+                ips.add(ip)
+    return frozenset(ips)
+
+
+def dialable_from_elsewhere(addrs: Iterable[str], observed_ip: str | None,
+                            own_ips: Collection[ipaddress.IPv4Address | ipaddress.IPv6Address] | None = None
+                            ) -> tuple[str, ...]:
     """What peers are told to dial for a node whose connection came from `observed_ip`
     (None: unknown, e.g. an in-memory stream): never an unspecified address, and loopback
-    ones only when the node itself connected over loopback (or from where is unknown)."""
-    local = observed_ip is None or ipaddress.ip_address(observed_ip).is_loopback
+    ones only when the node is on this machine: it connected over loopback, or from one of
+    this machine's own addresses (`own_ips`, default this_machines_ips()), or from where
+    is unknown."""
+    observed = None if observed_ip is None else ipaddress.ip_address(observed_ip)
+    local = observed is None or observed.is_loopback or observed in (
+        this_machines_ips() if own_ips is None else own_ips)
     out = []
     for addr in addrs:
         ip = ip_of(addr)

@@ -18,9 +18,9 @@ import pytest
 def test_local_nodes_form_one_stage_each_and_the_banner_means_ready(tiny_llama_store, tmp_path, listen):
     # Bug guarded: "a local 3-node ring" was one stage holding every layer plus idle nodes
     # (the selector prefers fewer hops on loopback), and the banner said "serving" while
-    # requests got 503. And on the wildcard listen address local nodes dialled the
-    # coordinator's interface address, so it withheld their loopback addresses from each
-    # other: every hop failed and the ring shrank to one stage. Sound: the first request
+    # requests got 503. And on the wildcard listen address local nodes dial the
+    # coordinator's interface address; it took them for remote nodes and withheld their
+    # loopback addresses from each other: every hop failed and the ring shrank to one stage. Sound: the first request
     # is sent the moment the banner is read, and /v1/ring lists the stages the coordinator
     # has after serving it.
     env = {**os.environ, "SHARD_HOME": str(tmp_path), "OMP_NUM_THREADS": "1"}
@@ -42,7 +42,7 @@ def test_local_nodes_form_one_stage_each_and_the_banner_means_ready(tiny_llama_s
                         r"bundle with: shard-receipts verify BUNDLE --coordinator-key ([0-9a-f]{64})", seen)
         assert key and key.group(1) == key.group(2), seen
         # Each local node says who it is and whom it joins (issue 23: join printed neither).
-        assert len(re.findall(r"node 12D3Koo\w+ joining coordinator 12D3Koo\w+ at /ip4/127\.0\.0\.1/tcp/\d+/p2p/", seen)) == 2, seen
+        assert len(re.findall(r"node 12D3Koo\w+ joining coordinator 12D3Koo\w+ at /ip4/[\d.]+/tcp/\d+/p2p/", seen)) == 2, seen
         r = httpx.post(f"{base}/v1/completions", json={"model": model, "prompt": "abc",
                                                        "max_tokens": 4, "temperature": 0}, timeout=60)
         ring = httpx.get(f"{base}/v1/ring", timeout=10).json()

@@ -8,6 +8,8 @@ peer dial its own machine; nodes on other hosts were handed 127.0.0.1 addresses.
 
 from __future__ import annotations
 
+import ipaddress
+
 import multiaddr
 
 from shard.addresses import advertised, dialable_from_elsewhere, ip_of
@@ -31,8 +33,14 @@ def test_a_concrete_listen_address_is_advertised_as_it_is():
 def test_peers_elsewhere_are_never_told_loopback_or_unspecified_addresses():
     addrs = [f"/ip4/127.0.0.1/tcp/1/p2p/{PEER}", f"/ip4/10.0.0.2/tcp/1/p2p/{PEER}", f"/ip4/0.0.0.0/tcp/1/p2p/{PEER}"]
     assert dialable_from_elsewhere(addrs, "10.0.0.9") == (f"/ip4/10.0.0.2/tcp/1/p2p/{PEER}",)
-    # A node on the coordinator's own machine keeps its loopback address (all of a local ring).
+    assert dialable_from_elsewhere(addrs, "10.0.0.9", own_ips=()) == (f"/ip4/10.0.0.2/tcp/1/p2p/{PEER}",)
+    # A node on the coordinator's own machine keeps its loopback address (all of a local
+    # ring), whether it dialled loopback or one of the machine's own interface addresses
+    # (a coordinator on 0.0.0.0 prints its interface address; withholding loopback there
+    # made every hop of the demo's local ring fail).
     assert dialable_from_elsewhere(addrs, "127.0.0.1") == tuple(addrs[:2])
+    own = ipaddress.ip_address("10.0.0.9")
+    assert dialable_from_elsewhere(addrs, "10.0.0.9", own_ips={own}) == tuple(addrs[:2])
 
 
 def test_a_fixed_port_another_process_listens_on_is_refused_and_port_0_never_is():
