@@ -148,11 +148,8 @@ def test_a_role_that_holds_no_layers_is_taken_not_fatal(tiny_llama_store):
     store = tiny_llama_store
 
     async def script(ctx):
-        node_id = ctx["node"].host.peer_id
-        a = Assignment(epoch=2, peer_id=node_id, role="weight_seeder", layer_start=0, layer_end=0,
-                       predecessor=None, successor=None, model="tiny", manifest_digest=store.digest, wire_dtype="f32")
-        signed = dataclasses.replace(a, signature=Ed25519PrivateKey.from_private_bytes(ctx["coord_seed"]).sign(a.signing_bytes()))
-        await ctx["control"].send_frame(encode(signed))
+        seeder = signed_assignment(ctx, epoch=2, role="weight_seeder", layer_start=0, layer_end=0)
+        await ctx["control"].send_frame(encode(seeder))
         ready = await ctx["results"].receive()
         assert isinstance(ready, Ready) and ready.epoch == 2
         assert ctx["node"].state is None  # off the ring: no stage serves frames this epoch
