@@ -15,7 +15,6 @@ It does not choose rings, schedule requests or look inside activations.
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -27,13 +26,12 @@ from shard.frame_log import FrameLog
 from shard.layers import LayerRange
 from shard.linkprobe import PROBE_PROTOCOL
 from shard.node_links import NodeLinks
-from shard.options import option
-from shard.quant import NONE, SCHEMES, QuantScheme, mean_layer_bytes, quantise_stage, scheme
+from shard.node_config import NodeConfig, measure_compute  # noqa: F401 (NodeConfig re-exported)
+from shard.quant import mean_layer_bytes, quantise_stage, scheme
 from shard.receipt_signer import make_signer
 from shard.reconnect import ReconnectPolicy, RegistrationRefused, serve_reconnecting
 from shard.ring_inbox import InboxConfig, RingInbox
 from shard.ring_observer import NO_OBSERVER, RingObserver
-from shard.sources import DEFAULT_MODEL
 from shard.stage import Stage
 from shard.stage_worker import StageWorker, WorkerConfig
 from shard.store import ModelStore
@@ -53,59 +51,6 @@ RING_PROTOCOL = "/shard/ring/1.0.0"
 # stage for each chunk's serialisation); this bound is the backpressure that keeps a slow
 # uplink from piling up outputs in memory.
 OUTBOX_FRAMES = 4
-
-
-@dataclass(frozen=True)
-class NodeConfig:
-    """Everything `shard-node join` takes; the CLI is derived from these fields."""
-
-    coordinator: str = option(help="the coordinator's multiaddr, ending in /p2p/<its peer id>")
-    model: str = option(DEFAULT_MODEL, "model alias, HF dir or GGUF file (prepared into the store once)")
-    store_dir: str | None = option(None, "model store dir (default: the shard cache)")
-    key_path: str | None = option(None, "identity key file (default: the first of <cache>/node.key, node-1.key, ... "
-                                        "no running node holds)")
-    listen: str = option("/ip4/127.0.0.1/tcp/0", "libp2p listen multiaddr")
-    device: str = option("cpu", "torch device for this node's layers")
-    dtype: str = option("float32", "compute dtype of this node's layers", choices=tuple(COMPUTE_DTYPES))
-    quant: str = option("none", "weight-only quantisation of this node's layers (shard.quant)", choices=tuple(SCHEMES))
-    max_memory_bytes: int = option(4 << 30, "weights + KV cache this node may use")
-    torch_threads: int = option(0, "torch threads (0 = torch's default)")
-    link_latency_ms: float = option(0.0, "emulated one-way latency on this node's outgoing ring edge")
-    link_upload_mbps: float = option(0.0, "emulated uplink in Mbit/s (0 = unlimited)")
-    link_jitter_ms: float = option(0.0, "emulated jitter on this node's outgoing ring edge")
-    probe_bytes: int = option(256 << 10, "payload timing upload and download to the coordinator")
-    probe_timeout_s: float = option(30.0, "one link probe; a peer that does not answer is left unmeasured")
-    # Sign a receipt per frame and log frames for audits. Off only to measure their cost:
-    # a coordinator that checks receipts fails every job through a node that does not sign.
-    receipts: bool = option(True, "sign a receipt per frame and log frames for audits (off only to measure "
-                                  "their cost)")
-    job_idle_timeout_s: float = option(WorkerConfig.job_idle_timeout_s,
-                                       "free the KV of a job that ran no frame for this long")
-
-
-def measure_compute(store: ModelStore, dtype: torch.dtype, device: str, quant: QuantScheme = NONE) -> tuple[float, float]:
-    """(decode seconds per layer per token, prefill seconds per layer per token), measured
-    on layer 0 of this model under `quant`: a short self-benchmark run once at start-up."""
-    from shard.kvcache import KVCache
-
-    cfg = store.config
-    r = LayerRange(0, 1)
-    stage = quantise_stage(Stage(cfg, r, store.load_layers(r, dtype, device), dtype=dtype, device=device), quant)
-    cache = KVCache(1, cfg.num_kv_heads, cfg.head_dim, dtype, 1 << 30, device)
-    job = cache.open("bench", 512)
-    x = torch.randn(128, cfg.hidden_size, dtype=dtype)
-
-    def timed(t: int) -> float:
-        t0 = time.perf_counter()
-        stage.forward(job, x[:t], ctx_len=0 if t > 1 else 128, positions=torch.arange(t) + (0 if t > 1 else 128))
-        return time.perf_counter() - t0
-
-    timed(128)
-    # The minimum, not the median: other processes only ever add time, so the fastest run
-    # is the best estimate of what this node can do.
-    prefill = min(timed(128) for _ in range(3)) / 128
-    decode = min(timed(1) for _ in range(8))
-    return decode, prefill
 
 
 @dataclass
