@@ -11,6 +11,7 @@ import dataclasses
 import logging
 import os
 import sys
+from functools import partial
 
 import trio
 
@@ -42,7 +43,8 @@ async def serve_coordinator(config: CoordConfig, task_status=trio.TASK_STATUS_IG
         nursery = coordinator.nursery
         gateway = create_gateway(coordinator.engine, api, metrics=metrics,
                                  trust=lambda: trust_report(coordinator.receipts, coordinator.auditor))
-        http_port = await nursery.start(serve_http, gateway, api.host, api.port)
+        http_port = await nursery.start(partial(serve_http, gateway, api.host, api.port,
+                                                header_timeout_s=api.header_timeout_s))
         for i in range(config.local_nodes):
             nursery.start_soon(run_local_node, config, store.root, coordinator.addr, i)
         log.info("coordinator %s listening; HTTP on %s:%d", coordinator.addr, api.host, http_port)

@@ -4,8 +4,13 @@ Routes: GET /v1/models, GET /v1/models/{id}, POST /v1/chat/completions, POST /v1
 (streaming as server-sent events, or whole; bodies in coordinator.gateway.responses), GET /health,
 GET /v1/ring, GET /v1/receipts/{response or job id}, GET /v1/receipts/key. Errors use OpenAI's
 JSON shape with the status a client expects (400 bad request, 404 unknown model or route,
-413 prompt longer than the context, 429 too many concurrent jobs, 503 no ring). Every
-response carries a `shard` object with the job's stats.
+408 a body not sent within its deadline, 413 a body over its limit or a prompt longer than
+the context, 429 too many concurrent jobs, 503 no ring). Every response carries a `shard`
+object with the job's stats.
+
+Request bodies are bounded where they enter (coordinator.gateway.body_limit: refused by
+Content-Length before a byte is read, cut off at the limit while streamed, 408 past a
+deadline); headers have hypercorn's deadline (serve_http).
 
 It runs on trio (hypercorn's trio worker): connection lifetimes use trio cancel scopes.
 This module does not know how tokens are made (the Engine does), nor the stopping rules
@@ -27,6 +32,7 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
+from starlette.middleware import Middleware
 from starlette.routing import Route
 
 from coordinator.jobs.engine import Engine, Generation, completion_budget, encode_chat, encode_prompt, open_generation
@@ -34,10 +40,12 @@ from coordinator.gateway.responses import ChatShape, CompletionShape, Generation
 from coordinator.gateway.tools import ToolChatShape, check_template_takes_tools, forced_call_constraint
 from coordinator.spec.grammar import json_constraint
 from coordinator.spec.sampling import SamplingParams, choice_params
-from coordinator.gateway.openai_schema import ChatRequest, CompletionRequest, parse_chat_request, parse_completion_request, parse_json_object
+from coordinator.gateway.openai_schema import (MAX_BODY_BYTES, ChatRequest, CompletionRequest, parse_chat_request,
+                                               parse_completion_request, parse_json_object)
 from coordinator.errors import (CoordinatorError, EmptyPromptError, JobFailedError, NotReadyError, PromptFormatError, PromptTooLongError,
                                 RequestError, SamplingParamError)
 from coordinator.gateway.auth import KeyBook
+from coordinator.gateway.body_limit import BodyLimit
 from shard.options import option
 
 log = logging.getLogger(__name__)
@@ -61,6 +69,14 @@ class ApiConfig:
     public_status: bool = option(False, "with --api-keys, serve the status page's data (/v1/ring, /v1/status) "
                                  "without a key (the page itself asks for one otherwise)")
     public_metrics: bool = option(False, "with --api-keys, serve /metrics without a key")
+    # Hostile clients (coordinator.gateway.body_limit): 4 MiB holds the JSON of any prompt
+    # the context admits many times over; the deadlines end a client that announces more
+    # than it sends, or sends its headers a byte at a time.
+    max_body_bytes: int = option(MAX_BODY_BYTES, "request bodies over this many bytes get 413, refused by their "
+                                 "Content-Length before they are read, or cut off at the limit while streamed")
+    body_timeout_s: float = option(30.0, "a request body not received whole within this many seconds gets 408")
+    header_timeout_s: float = option(10.0, "a connection whose request headers are not complete this many seconds "
+                                     "after it opened (or after its previous response) is closed")
 
 
 def error_response(err: RequestError) -> JSONResponse:
@@ -252,11 +268,18 @@ def create_app(engine: Engine, config: ApiConfig = ApiConfig()) -> Starlette:
         Route("/v1/receipts/key", _openai_errors(receipts_key), methods=["GET"]),
         Route("/v1/receipts/{job_id}", _openai_errors(receipts), methods=["GET"]),
     ]
-    return Starlette(routes=routes, exception_handlers={HTTPException: http_error, Exception: server_error})
+    return Starlette(routes=routes, exception_handlers={HTTPException: http_error, Exception: server_error},
+                     middleware=[Middleware(BodyLimit, max_body_bytes=config.max_body_bytes,
+                                            body_timeout_s=config.body_timeout_s)])
 
 
-async def serve_http(app: Any, host: str, port: int, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
+async def serve_http(app: Any, host: str, port: int, *, header_timeout_s: float = ApiConfig.header_timeout_s,
+                     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
     """Serve `app` on host:port until cancelled; reports the bound port (port 0 picks one).
+    A connection idle for `header_timeout_s` (from accept, or after a response, to its next
+    request's complete headers) is closed: hypercorn's keep-alive timer is the header deadline.
+    hypercorn's read_timeout stays off: it would end a long streamed answer whose client
+    sends nothing while it reads.
 
     Error handling: a port in use raises OSError from nursery.start. Resource handling:
     cancelling the caller's scope closes the listener and in-flight connections.
@@ -265,6 +288,7 @@ async def serve_http(app: Any, host: str, port: int, *, task_status: trio.TaskSt
     config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
     config.accesslog = None
     config.graceful_timeout = 1.0
+    config.keep_alive_timeout = header_timeout_s
     async with trio.open_nursery() as nursery:
         binds = await nursery.start(partial(hypercorn_serve, app, config))
         task_status.started(int(binds[0].rsplit(":", 1)[1]))
