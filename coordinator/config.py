@@ -11,13 +11,14 @@ coordinator link latency, the swarm's first-ring size) are derived at assembly
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from coordinator.gateway.api import ApiConfig
 from coordinator.jobs.engine_config import EngineConfig
 from coordinator.swarm.formation import SwarmConfig
 from coordinator.trust.audit import AuditConfig
 from coordinator.trust.receipt_check import ReceiptConfig
+from shard.node_config import NodeConfig
 from shard.options import option
 from shard.sources import DEFAULT_MODEL
 
@@ -25,6 +26,8 @@ from shard.sources import DEFAULT_MODEL
 # Where nodes join: stable by default, so a volunteer's join command survives a restart.
 DEFAULT_LISTEN = "/ip4/0.0.0.0/tcp/4001"
 LOOPBACK_ANY_PORT = "/ip4/127.0.0.1/tcp/0"  # in-process rings and tests: never a fixed port
+# `shard-node join --quant`, whose default and choices the local nodes' flag takes as they are.
+_NODE_QUANT = next(f for f in fields(NodeConfig) if f.name == "quant")
 
 
 @dataclass(frozen=True)
@@ -48,6 +51,8 @@ class CoordConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     api: ApiConfig = field(default_factory=ApiConfig)
     node_threads: int = option(1, "torch threads per local node")
+    node_quant: str = option(_NODE_QUANT.default, "weight-only quantisation of each local node's layers "
+                                                  "(shard-node join --quant)", choices=_NODE_QUANT.metadata["choices"])
     receipts: ReceiptConfig = field(default_factory=ReceiptConfig)
     audit: AuditConfig = field(default_factory=AuditConfig)
 

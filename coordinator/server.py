@@ -59,12 +59,18 @@ async def serve_coordinator(config: CoordConfig, task_status=trio.TASK_STATUS_IG
 async def run_local_node(config: CoordConfig, store_dir, coordinator_addr: str, index: int) -> None:
     """One `shard-node join` subprocess on loopback, on the coordinator's emulated links;
     killed when the coordinator stops."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(config.node_threads)}
+    await trio.run_process(local_node_command(config, store_dir, coordinator_addr, index), env=env, check=False)
+    log.warning("local node %d exited", index)
+
+
+def local_node_command(config: CoordConfig, store_dir, coordinator_addr: str, index: int) -> list[str]:
+    """The `shard-node join` command line of local node `index`: the coordinator's model,
+    store, emulated links and node options (threads, quantisation)."""
     key = cache_root() / "local-nodes" / f"node{index}.key"
     link = config.engine
-    cmd = [sys.executable, "-m", "shard.cli", "join", "--coordinator", coordinator_addr, "--model", config.model,
-           "--store-dir", str(store_dir), "--key-path", str(key), "--torch-threads", str(config.node_threads),
-           "--link-latency-ms", str(link.link_latency_ms), "--link-upload-mbps", str(link.link_upload_mbps),
-           "--link-jitter-ms", str(link.link_jitter_ms)]
-    env = {**os.environ, "OMP_NUM_THREADS": str(config.node_threads)}
-    await trio.run_process(cmd, env=env, check=False)
-    log.warning("local node %d exited", index)
+    return [sys.executable, "-m", "shard.cli", "join", "--coordinator", coordinator_addr, "--model", config.model,
+            "--store-dir", str(store_dir), "--key-path", str(key), "--torch-threads", str(config.node_threads),
+            "--quant", config.node_quant,
+            "--link-latency-ms", str(link.link_latency_ms), "--link-upload-mbps", str(link.link_upload_mbps),
+            "--link-jitter-ms", str(link.link_jitter_ms)]
