@@ -15,7 +15,8 @@ It does not choose rings, schedule requests or look inside activations.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+import time
+from dataclasses import dataclass, field, replace
 
 import torch
 import trio
@@ -246,6 +247,7 @@ class Node:
             log.warning("refused a frame from %s: not the predecessor of epoch %s",
                         remote, state.assignment.epoch if state else "-")
             return False
+        received_at_s = time.time()  # wall clock: where the hop from the predecessor ends (Forward.clock_s)
         try:
             msg, canonical_len = decode_frame(body, self.limits)
         except WireError as exc:
@@ -253,6 +255,8 @@ class Node:
             if exc.job is not None:
                 await self._job_error(exc.job, "malformed_frame", str(exc))
             return True
+        if isinstance(msg, Forward):
+            msg = replace(msg, clock_s=(*msg.clock_s, received_at_s))
         await self._handle(state, msg, memoryview(body)[:canonical_len])
         return True
 

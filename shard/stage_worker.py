@@ -108,6 +108,7 @@ class StageWorker:
             if self.signer is not None:
                 receipt = self.signer(fwd, received, body)
                 out = dataclasses.replace(out, receipts=(*fwd.receipts, receipt))
+            out = dataclasses.replace(out, clock_s=(*out.clock_s, time.time()))  # handed on now (wall clock)
             outs[i] = (out, body + encode_trailer(out))
         return outs
 
@@ -174,13 +175,14 @@ class StageWorker:
         if self.config.is_tail:
             return Result(
                 job_id=fwd.job_id, epoch=fwd.epoch, round=fwd.round, hidden=hidden, hidden_scale=hidden_scale,
-                aux=aux, aux_scale=aux_scale, receipts=fwd.receipts, compute_s=compute_s,
+                aux=aux, aux_scale=aux_scale, receipts=fwd.receipts, compute_s=compute_s, clock_s=fwd.clock_s,
             )
         return Forward(
             job_id=fwd.job_id, epoch=fwd.epoch, round=fwd.round, nonce=fwd.nonce, phase=fwd.phase,
             ctx_len=fwd.ctx_len, positions=fwd.positions, commit_src=fwd.commit_src, commit_dst=fwd.commit_dst,
             tree_parents=fwd.tree_parents, hidden=hidden, hidden_scale=hidden_scale, aux=aux, aux_scale=aux_scale,
             want_aux_layers=fwd.want_aux_layers, receipts=fwd.receipts, compute_s=compute_s,
+            clock_s=fwd.clock_s,
         )
 
     def _aux(self, fwd: Forward, captured: dict[int, torch.Tensor]) -> tuple[torch.Tensor | None, torch.Tensor | None]:

@@ -43,13 +43,15 @@ EPOCH = Int()
 ROUND = Int()
 RECEIPTS = ListOf(Bytes(MAX_RECEIPT_BYTES), max_items=MAX_RECEIPTS)
 COMPUTE_TIMES = ListOf(Float(), max_items=MAX_RECEIPTS)  # one per stage, like receipts
+CLOCK_TIMES = ListOf(Float(), max_items=2 * MAX_RECEIPTS)  # two per stage
 FLOATS = frozenset(FLOAT_NAMES)
 INTS = frozenset({"i32", "i64"})
 F32 = frozenset({"f32"})
-# Fields each stage appends to as a frame travels (its receipt, its compute time). The
+# Fields each stage appends to as a frame travels (its receipt, its compute time, its
+# clock on arrival and on sending). The
 # codec writes them in a trailer after the tensor bytes, outside the canonical bytes that
 # receipts hash (codec.encode_body), so appending never changes what was signed.
-TRAILER_FIELDS = ("receipts", "compute_s")
+TRAILER_FIELDS = ("receipts", "compute_s", "clock_s")
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -80,6 +82,11 @@ class Forward:
     # Seconds each stage so far spent computing this frame (one entry per stage, in ring
     # order): lets the coordinator split a traversal into transport and compute.
     compute_s: tuple[float, ...] = spec(COMPUTE_TIMES, default=())
+    # Wall-clock (Unix) seconds each stage so far took this frame off its stream and handed
+    # its output on, two per stage in ring order: the coordinator splits the traversal into
+    # each hop's transfer (coordinator.gateway.hop_times). Clocks of different machines
+    # differ: a hop's figure carries the offset between its two ends, their sum none.
+    clock_s: tuple[float, ...] = spec(CLOCK_TIMES, default=())
 
     def check(self, limits: Limits) -> None:
         n = check_tokens_dim("positions", self.positions, limits)
@@ -119,6 +126,7 @@ class Result:
     aux_scale: torch.Tensor | None = spec(Tensor(F32, optional=True), default=None)  # (T,)
     receipts: tuple[bytes, ...] = spec(RECEIPTS, default=())
     compute_s: tuple[float, ...] = spec(COMPUTE_TIMES, default=())  # as in Forward
+    clock_s: tuple[float, ...] = spec(CLOCK_TIMES, default=())  # as in Forward
 
     def check(self, limits: Limits) -> None:
         n = check_tokens_dim("hidden", self.hidden, limits)

@@ -23,8 +23,8 @@ from shard.wire import codec
 from shard.wire.codec import decode, encode
 from shard.wire.dtypes import BY_NAME, FLOAT_NAMES, FP8_NAMES
 from shard.wire.fp8 import encode_fp8
-from shard.wire.limits import FRAME_PREFIX, Limits
-from shard.wire.messages import (REGISTRY, Assignment, AuditRequest, EndJob, Forward, JobError, LinkReport, Ping, Pong, ProbePeers, Ready,
+from shard.wire.limits import FRAME_PREFIX, MAX_RECEIPTS, Limits
+from shard.wire.messages import (REGISTRY, Assignment, AuditRequest, EndJob, Forward, HopPath, JobError, LinkReport, Ping, Pong, ProbePeers, Ready,
                                  Refused, Register, Result)
 
 H = 8
@@ -71,6 +71,7 @@ SMALL = {
     "probe_peers": ProbePeers(peers={"12D3KooWB": ("/ip4/127.0.0.1/tcp/4002",), "12D3KooWC": ()}, bandwidth_bytes=65536),
     "audit_request": AuditRequest(job_id="j", epoch=1, round=2, side="output"),
     "link_report": LinkReport(peer_id="12D3KooWA", rtt_ms={"12D3KooWB": 41.0}, upload_bytes_per_s=2.5e6),
+    "hop_path": HopPath(peer_id="12D3KooWA", successor="12D3KooWB", path="relayed"),
 }
 
 
@@ -337,11 +338,31 @@ def test_trailer_errors_pinned():
     f = _forward(2)
     assert str(_refuse(codec.encode_body(f))).startswith("trailer msgpack (limit None, got ")  # cut before the trailer
     assert str(_refuse(_with_trailer(f, {"receipts": []}))) == "trailer field 'compute_s' missing"
-    assert str(_refuse(_with_trailer(f, {"receipts": [], "compute_s": [], "x": 1}))) == (
-        "unknown trailer field for 'forward' (limit ['receipts', 'compute_s'], got x)")
-    assert str(_refuse(_with_trailer(f, {"receipts": [1], "compute_s": []}))) == "field 'receipts'[0] type (limit bytes, got int)"
+    assert str(_refuse(_with_trailer(f, {"receipts": [], "compute_s": []}))) == "trailer field 'clock_s' missing"
+    assert str(_refuse(_with_trailer(f, {"receipts": [], "compute_s": [], "clock_s": [], "x": 1}))) == (
+        "unknown trailer field for 'forward' (limit ['receipts', 'compute_s', 'clock_s'], got x)")
+    assert str(_refuse(_with_trailer(f, {"receipts": [1], "compute_s": [], "clock_s": []}))) == (
+        "field 'receipts'[0] type (limit bytes, got int)")
     assert str(_refuse(_with_trailer(f, [1]))) == "trailer type (limit map, got list)"
-    assert str(_refuse(_with_trailer(f, {"receipts": [[[[[[[[[]]]]]]]]], "compute_s": []}))) == "trailer nesting depth (limit 8, got 9)"
+    assert str(_refuse(_with_trailer(f, {"receipts": [[[[[[[[[]]]]]]]]], "compute_s": [], "clock_s": []}))) == (
+        "trailer nesting depth (limit 8, got 9)")
+
+
+def test_clock_times_ride_the_trailer_bounded():
+    # Bug guarded: per-hop transfer times built from stage clocks a peer can make unbounded
+    # (a list the size of the frame) or non-finite (NaN medians on the status page). Two
+    # stamps per stage, at most 2 * MAX_RECEIPTS, finite and >= 0, outside the signed bytes.
+    f = _forward(2)
+    stamped = dataclasses.replace(f, clock_s=(1.7e9, 1.7e9 + 0.25))
+    assert codec.encode_body(stamped) == codec.encode_body(f)
+    assert codec.decode_frame(encode(stamped), LIMITS)[0].clock_s == (1.7e9, 1.7e9 + 0.25)
+    cap = 2 * MAX_RECEIPTS
+    assert str(_refuse(_with_trailer(f, {"receipts": [], "compute_s": [], "clock_s": [1.0] * (cap + 1)}))) == (
+        f"field 'clock_s' length (limit {cap}, got {cap + 1})")
+    assert str(_refuse(_with_trailer(f, {"receipts": [], "compute_s": [], "clock_s": [float("nan")]}))) == (
+        "field 'clock_s'[0] range (limit finite >= 0.0, got nan)")
+    assert str(_refuse(_with_trailer(f, {"receipts": [], "compute_s": [], "clock_s": [-1.0]}))) == (
+        "field 'clock_s'[0] range (limit finite >= 0.0, got -1.0)")
 
 
 def test_huge_nesting_and_long_lists_are_refused_by_the_parser():
