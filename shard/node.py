@@ -5,8 +5,9 @@ round trip, upload and download to the coordinator; later the round trips to the
 the coordinator names), registers, loads only the slice its signed assignment names,
 accepts ring frames only from the peer that the current epoch names as its predecessor
 (identity from the Noise handshake; `shard.ring_inbox` bounds what each stream may hold),
-runs each frame in a worker thread so the network never waits on a forward, and ships the
-output to its successor (or straight back to the coordinator when it is the tail). No
+queues the frames of every job that wait for it (`shard.stage_scheduler`), runs what waits
+as one forward in a worker thread so the network never waits on a forward, and ships each
+frame's output to its job's successor (or straight back to the coordinator when it is the tail). No
 frame ends the process: whatever goes wrong with one ends its job with a JobError. Every stream it sends on crosses the node's one
 emulated uplink, and its probes measure those same links (`shard.node_links`).
 It does not choose rings, schedule requests or look inside activations.
@@ -34,6 +35,7 @@ from shard.reconnect import ReconnectPolicy, RegistrationRefused, serve_reconnec
 from shard.ring_inbox import InboxConfig, RingInbox
 from shard.ring_observer import NO_OBSERVER, RingObserver
 from shard.stage import Stage
+from shard.stage_scheduler import SchedulerConfig, StageScheduler, Waiting
 from shard.stage_worker import StageWorker, WorkerConfig
 from shard.store import ModelStore
 from shard.transport import FramedStream, Host, TransportError
@@ -47,11 +49,11 @@ log = logging.getLogger("shard.node")
 
 CONTROL_PROTOCOL = "/shard/control/1.0.0"
 RING_PROTOCOL = "/shard/ring/1.0.0"
-# Frames computed and waiting for the uplink. Sending runs in its own task so a stage
-# computes frame r+1 while frame r uploads (a chunked prefill would otherwise idle every
+# Batches computed and waiting for the uplink. Sending runs in its own task so a stage
+# computes batch r+1 while batch r uploads (a chunked prefill would otherwise idle every
 # stage for each chunk's serialisation); this bound is the backpressure that keeps a slow
-# uplink from piling up outputs in memory.
-OUTBOX_FRAMES = 4
+# uplink from piling up outputs in memory (a batch's outputs are at most its token budget's rows).
+OUTBOX_BATCHES = 4
 
 
 @dataclass
@@ -89,6 +91,8 @@ class Node:
         cfg = self.config
         self.links = NodeLinks(self.host, self._send_control, cfg.link_latency_ms, cfg.link_upload_mbps,
                                cfg.link_jitter_ms, cfg.probe_timeout_s)
+        self.scheduler = StageScheduler(lambda: self.state, self._run_batch,
+                                        SchedulerConfig(token_budget=cfg.batch_token_budget))
 
     async def serve(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Register and serve until cancelled. Error handling: a bad frame, failed job or
@@ -123,8 +127,9 @@ class Node:
         async with trio.open_nursery() as self._tasks:  # control reader, ring sender, probes, emulated-link pumps
             self.links.nursery = self._tasks
             self.control = await self.links.emulate(control)
-            self._outbox, outbox = trio.open_memory_channel(OUTBOX_FRAMES)
+            self._outbox, outbox = trio.open_memory_channel(OUTBOX_BATCHES)
             self._tasks.start_soon(self._send_ring_loop, outbox)
+            self._tasks.start_soon(self.scheduler.serve)
             self._tasks.start_soon(self._serve_control)
             self._tasks.start_soon(self._sweep_idle_jobs)
             rtt_s, upload, download = await self.links.probe_coordinator(cfg.probe_bytes)
@@ -279,49 +284,70 @@ class Node:
         return evicted
 
     async def _handle(self, state: EpochState, msg, received: memoryview) -> None:
-        """`received`: msg's canonical bytes as they arrived (what its receipt hashes)."""
-        if isinstance(msg, EndJob):
-            state.worker.end_job(msg.job_id)
-            self.frame_log.end_job(msg.job_id)
-            if state.assignment.successor is not None:
-                await self._outbox.send((state, encode(msg), None))
-            return
-        if not isinstance(msg, Forward):
-            log.warning("ignoring %s on a ring stream", type(msg).__name__)
-            return
-        if msg.epoch != state.assignment.epoch:
+        """`received`: msg's canonical bytes as they arrived (what its receipt hashes).
+        Queues a job's frame or its end for the scheduler, behind the job's earlier frames."""
+        if isinstance(msg, Forward) and msg.epoch != state.assignment.epoch:
             await self._job_error(msg, "stale_epoch", f"frame for epoch {msg.epoch}, serving {state.assignment.epoch}")
             return
-        self.observer.stage_received(self.host.peer_id, msg)
-        try:
-            _, out = await trio.to_thread.run_sync(state.worker.process_frame, msg, received, limiter=self.compute_limiter)
-        except ShardError as exc:  # the frame's fault: the stage cannot serve it
-            log.warning("job %s round %d failed: %s", msg.job_id, msg.round, exc)
-            await self._job_error(msg, type(exc).__name__, str(exc))
+        if isinstance(msg, Forward):
+            self.observer.stage_received(self.host.peer_id, msg)
+            rows = msg.positions.shape[0]
+        elif isinstance(msg, EndJob):
+            rows = 0
+        else:
+            log.warning("ignoring %s on a ring stream", type(msg).__name__)
             return
-        except Exception as exc:  # ours (or a check we missed): still this job's end, never the node's
-            log.exception("job %s round %d raised", msg.job_id, msg.round)
-            await self._job_error(msg, "internal_error", f"{type(exc).__name__}: {exc}")
-            return
-        self.observer.stage_computed(self.host.peer_id, msg)
-        await self._outbox.send((state, out, msg))  # returns at once unless OUTBOX_FRAMES wait
+        await self.scheduler.submit(Waiting(state, msg, received, msg.job_id, rows, len(received.obj)))  # .obj: the whole body
+
+    async def _run_batch(self, state: EpochState, batch: list[Waiting]) -> None:
+        """Run a batch's frames in one forward; each output goes on to its own job's
+        successor, each failure ends its own job alone (StageScheduler.run_batch)."""
+        frames = [w for w in batch if isinstance(w.msg, Forward)]
+        outs: list = []
+        if frames:
+            try:
+                outs = await trio.to_thread.run_sync(state.worker.process_frames, [(w.msg, w.received) for w in frames],
+                                                     limiter=self.compute_limiter)
+            except Exception as exc:  # ours (or a check we missed): those jobs' end, never the node's
+                log.exception("a batch of %d frames raised", len(frames))
+                outs = [exc] * len(frames)
+        sends = []
+        for w, out in zip(frames, outs):
+            msg = w.msg
+            if isinstance(out, ShardError):  # the frame's fault: the stage cannot serve it
+                log.warning("job %s round %d failed: %s", msg.job_id, msg.round, out)
+                await self._job_error(msg, type(out).__name__, str(out))
+            elif isinstance(out, Exception):
+                await self._job_error(msg, "internal_error", f"{type(out).__name__}: {out}")
+            else:
+                self.observer.stage_computed(self.host.peer_id, msg)
+                sends.append((out[1], msg))
+        for w in batch:
+            if isinstance(w.msg, EndJob):
+                state.worker.end_job(w.job_id)
+                self.frame_log.end_job(w.job_id)
+                if state.assignment.successor is not None:
+                    sends.append((encode(w.msg), None))
+        if sends:
+            await self._outbox.send((state, sends))  # returns at once unless OUTBOX_BATCHES wait
 
     async def _send_ring_loop(self, outbox: trio.MemoryReceiveChannel) -> None:
         """Send computed frames to the successor in the order they were computed. A frame
         of an epoch this node no longer serves is dropped (the coordinator ignores its
         result and resumes the job on the new ring). Error handling: a send failure fails
         that frame's job (JobError to the coordinator) and the next frame re-dials."""
-        async for state, body, answers in outbox:
-            if state is not self.state:
-                continue
-            try:
-                await self._send_ring(state, body)
-            except TransportError as exc:
-                self._out_streams.pop(state.successor, None)
-                if answers is not None:
-                    await self._job_error(answers, "successor_unreachable", str(exc))
-                else:
-                    log.info("could not forward an end of job to %s: %s", state.successor, exc)
+        async for state, sends in outbox:
+            for body, answers in sends:
+                if state is not self.state:
+                    break
+                try:
+                    await self._send_ring(state, body)
+                except TransportError as exc:
+                    self._out_streams.pop(state.successor, None)
+                    if answers is not None:
+                        await self._job_error(answers, "successor_unreachable", str(exc))
+                    else:
+                        log.info("could not forward an end of job to %s: %s", state.successor, exc)
 
     async def _job_error(self, msg: Forward | JobRef, code: str, text: str) -> None:
         if self.state is not None:

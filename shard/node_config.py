@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from shard.batch_plan import DEFAULT_TOKEN_BUDGET
 from shard.layers import LayerRange
 from shard.options import option
 from shard.quant import NONE, SCHEMES, QuantScheme, quantise_stage
@@ -44,6 +45,8 @@ class NodeConfig:
                                   "their cost)")
     job_idle_timeout_s: float = option(WorkerConfig.job_idle_timeout_s,
                                        "free the KV of a job that ran no frame for this long")
+    batch_token_budget: int = option(DEFAULT_TOKEN_BUDGET, "rows one forward may carry across the jobs waiting at "
+                                     "this stage (prefill chunks and decode rows share it); 1 = one frame per forward")
 
 
 def measure_compute(store: ModelStore, dtype: torch.dtype, device: str, quant: QuantScheme = NONE) -> tuple[float, float]:

@@ -6,8 +6,9 @@ buffered (its stream is reset unread). A frame's body must follow its prefix wit
 `BodyDeadline`, so a trickling sender cannot hold a stream and its half-read frame. A
 peer holds at most `max_streams_per_peer` ring streams: a newer one closes its oldest (a
 predecessor moves to a new stream each epoch; one that opens streams in a loop only churns
-its own). Frames read are handed, in order, to `serve_frame`, at most INBOX_FRAMES ahead.
-Does not decode frames, know jobs or compute anything.
+its own). Frames read are handed, in order, to `serve_frame` (the node decodes them and
+queues them for its scheduler, which batches the frames of every stream), at most
+INBOX_FRAMES ahead. Does not decode frames, know jobs or compute anything.
 """
 
 from __future__ import annotations
