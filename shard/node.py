@@ -79,8 +79,9 @@ class Node:
     signing_seed: bytes | None = None  # the identity's Ed25519 seed; None = do not sign receipts
     frame_log: FrameLog = field(default_factory=FrameLog)
     _out_streams: dict[str, object] = field(default_factory=dict)
-    _outbox: trio.MemorySendChannel | None = None  # (state, body, frame it answers) for _send_ring_loop
+    _outbox: trio.MemorySendChannel | None = None  # (state, [(body, frame it answers)]) for _send_ring_loop
     links: NodeLinks | None = None  # set in __post_init__: emulation and probes
+    scheduler: StageScheduler | None = None  # set in __post_init__: the frames waiting for a forward
     _tasks: trio.Nursery | None = None
     _warm: Stage | None = None  # a slice kept loaded for an off-ring role (e.g. hot standby)
     observer: RingObserver = NO_OBSERVER  # what a benchmark watches of this node's frames
