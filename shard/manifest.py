@@ -37,6 +37,12 @@ def layer_file(layer: int) -> str:
     return f"layers/{layer:05d}.safetensors"
 
 
+def slice_files(r: LayerRange) -> tuple[str, ...]:
+    """The weight files a stage serving layers `r` loads: its layers' files, and the
+    embedding when it is the head (layer 0; shard.node loads it there)."""
+    return tuple(layer_file(i) for i in r) + ((EMBED_FILE,) if r.start == 0 else ())
+
+
 def layer_prefix(layer: int) -> str:
     return f"model.layers.{layer}."
 

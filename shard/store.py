@@ -26,7 +26,7 @@ from shard.errors import DigestMismatchError, StoreError, UnsupportedModelError
 from shard.layers import LayerRange
 from shard.manifest import (
     EMBED_FILE, EMBED_TENSOR, HEAD_FILE, LM_HEAD_TENSOR, MANIFEST_NAME, NORM_TENSOR, TOKENIZER_DIR,
-    FileEntry, Manifest, TensorEntry, embed_tensor_shapes, head_tensor_shapes, layer_file, layer_prefix,
+    FileEntry, Manifest, TensorEntry, embed_tensor_shapes, head_tensor_shapes, is_weight_file, layer_file, layer_prefix,
     layer_tensor_shapes,
 )
 
@@ -73,6 +73,26 @@ def verify_file(path: pathlib.Path, entry: FileEntry, relpath: str) -> None:
     if actual != entry.sha256:
         raise DigestMismatchError(relpath, entry.sha256, actual)
     _verified[str(path)] = (key, actual)
+
+
+def mark_verified(path: pathlib.Path, sha256: str) -> None:
+    """Record that `path` (as it is now) hashed to `sha256`: a fetcher hashed its bytes
+    while writing them, so loading it need not read it twice."""
+    st = path.stat()
+    _verified[str(path)] = ((st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino), sha256)
+
+
+def stored_weight_files(root: pathlib.Path, manifest: Manifest) -> tuple[str, ...]:
+    """The manifest's weight files present under `root` at their full size (one stat each,
+    no hashing: a file is verified when it is loaded or first served)."""
+    out = []
+    for rel, entry in manifest.files.items():
+        try:
+            if is_weight_file(rel) and (root / rel).stat().st_size == entry.bytes:
+                out.append(rel)
+        except OSError:
+            continue
+    return tuple(out)
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from shard.wire.limits import MAX_PAYLOAD_BYTES, MAX_RECEIPT_BYTES, MAX_RECEIPTS
 from shard.wire.shapes import (check_activations, check_context, check_nonnegative, check_tokens_dim, check_vector,
                               fail_shape)
 from shard.wire.roles import ROLE_STAGE
+from shard.wire.weight_messages import WEIGHT_MESSAGES
 
 # 2: per-stage trailer fields (receipts, compute_s) left the header for a trailer after
 # the tensor bytes, so a frame's canonical bytes are a prefix of its wire bytes.
@@ -190,6 +191,9 @@ class Register:
     # then holds in memory: the selector seats layers by it, the auditor replays under it.
     quant: str = spec(Str(16, choices=tuple(SCHEMES)), default="none")
     bytes_per_layer: int = spec(Int(0), default=0)  # 0: the store's own bytes per layer
+    # Weight files of the manifest this node holds on disk (present at their full size), which
+    # it serves to fetching peers (shard.weight_server) once it has verified them.
+    stored_files: tuple[str, ...] = spec(ListOf(Str(128), max_items=4096), default=())
 
     def check(self, limits: Limits) -> None:
         pass
@@ -355,6 +359,7 @@ Message = Union[Forward, Result, EndJob, JobError, Register, Refused, Assignment
 REGISTRY: dict[str, type] = {c.KIND: c for c in (Forward, Result, EndJob, JobError, Register, Refused, Assignment, Ready,
                                                  Ping, Pong, ProbePeers, LinkReport, AuditRequest, AuditReply)}
 
+REGISTRY.update({c.KIND: c for c in WEIGHT_MESSAGES})  # weights from peers (shard.wire.weight_messages)
 for _cls in REGISTRY.values():
     _clash = {f.name for f in dataclasses.fields(_cls)} & RESERVED_KEYS
     if _clash:
