@@ -1,8 +1,9 @@
 """What a ring job and the engine that runs it exchange, and nothing else.
 
 A job asks its engine through a `JobPort`: send a frame body to the ring's head, wait for
-a ring or for the ring to change, read the current ring, record a traversal it measured,
-hand back what its planner learned, close its inbox. Into that inbox the engine delivers
+a ring or for the ring to change, read the current ring, ask how long a round may take
+and report one that took longer, record a traversal it measured, hand back what its
+planner learned, close its inbox. Into that inbox the engine delivers
 `Arrived` results, the stages' `JobError`s and `RingLost`. The engine builds one port
 per job; a test builds a fake one. This module does not know streams, the swarm's
 bookkeeping, or how a job turns results into tokens.
@@ -47,6 +48,16 @@ class JobPort(Protocol):
 
     async def send_body(self, ring: RingState, body: bytes) -> None:
         """Send one encoded frame body to `ring`'s head. Raises TransportError."""
+        ...
+
+    def round_deadline_s(self, ring: RingState, shape: Traversal) -> float:
+        """Seconds a round of `shape` (its traversal_s and compute_s unused) may take on
+        `ring` before it is missed (coordinator.jobs.deadline)."""
+        ...
+
+    def round_missed(self, ring: RingState, round: int) -> None:
+        """Round `round` missed its deadline on `ring`: a stage of it sits out (the ring
+        re-forms without it; the job resumes). Never blocks."""
         ...
 
     def record_traversal(self, t: Traversal) -> None:

@@ -30,8 +30,12 @@ from coordinator.jobs.port import Arrived
 from coordinator.jobs.ring_job import RingJob
 from coordinator.errors import RingLost
 from coordinator.spec.sampling import SamplingParams
+from coordinator.jobs.deadline import DeadlinePolicy, round_deadline_s
+from coordinator.swarm import topology
 from coordinator.swarm.swarm import RingState, Swarm
 from coordinator.swarm.topology import Traversal
+from coordinator.swarm.unreachable import stall_suspect
+from ring import PeerId, RingError
 from shard.errors import DialError, WireError
 from shard.stage import OutputHead
 from shard.transport import FramedStream, Host, TransportError
@@ -76,6 +80,12 @@ class RingEngine:
         # which a 50-token request would otherwise spend most of its rounds unlearning.
         self.learned_adapt: tuple[int, adapt.AdaptState] = (-1, adapt.AdaptState())
         self._job_errors, self._ring_changes = job_errors, ring_changes
+        # Liveness (coordinator.jobs.deadline, coordinator.swarm.unreachable.stall_suspect):
+        # rounds each peer served as a stage, and missed rounds it was part of.
+        self.deadline = DeadlinePolicy(max_s=config.frame_timeout_s)
+        self.served: dict[PeerId, int] = {}
+        self.missed: dict[PeerId, int] = {}
+        self._blamed_epoch = -1  # one stage sits out per ring that misses, however many jobs missed
 
     def make_drafters(self) -> list[Drafter]:
         """Fresh drafters for one job; several means the router picks per round (hybrid),
@@ -202,12 +212,43 @@ class RingEngine:
                     continue
                 if isinstance(msg, Result):
                     self.observer.result_arrived(msg)
+                    if msg.epoch == ring.epoch:
+                        for peer, _ in ring.stages:
+                            self.served[peer] = self.served.get(peer, 0) + 1
                     digest = sha256_digest(memoryview(body)[:canonical_len]) if self.receipts is not None else b""
                     self._deliver(Arrived(msg, digest))
         except (TransportError, WireError) as exc:
             log.info("ring stream from %s ended: %s", remote, exc)
         finally:
             await stream.aclose()
+
+    # -- liveness --------------------------------------------------------------------------
+    def round_deadline_s(self, ring: RingState, shape: Traversal) -> float:
+        """The cost model's time for a round of `shape` on `ring` (its measured links, its
+        stages' compute), scaled by how this ring's rounds measured against it."""
+        swarm, predicted = self.swarm, None
+        if swarm.plan is not None and swarm.network is not None and swarm.ring is not None and swarm.ring.epoch == ring.epoch:
+            try:
+                predicted = topology.predict(swarm.plan, swarm.network, swarm.model, swarm.config.topology, shape).traversal_s
+            except RingError:
+                pass
+        ratios = [t.traversal_s / p.traversal_s for t, p in swarm.traversals.samples
+                  if t.epoch == ring.epoch and t.prefill == shape.prefill and p.traversal_s > 0]
+        return round_deadline_s(predicted, ratios, shape.frames, self.deadline)
+
+    def round_missed(self, ring: RingState, round: int) -> None:
+        """A round on `ring` missed its deadline: unless the ring changed meanwhile (its
+        stages were told to stop), one stage sits out and the ring re-forms."""
+        current = self.swarm.ring
+        if current is None or current.epoch != ring.epoch or ring.epoch <= self._blamed_epoch:
+            return
+        self._blamed_epoch = ring.epoch
+        stages = [p for p, _ in ring.stages]
+        for peer in stages:
+            self.missed[peer] = self.missed.get(peer, 0) + 1
+        suspect = stall_suspect(stages, self.served, self.missed)
+        self.swarm.report_unreachable(suspect, f"round {round} on ring epoch {ring.epoch} missed its deadline "
+                                      f"({len(stages)} stages; it served {self.served.get(suspect, 0)} rounds)", "stalled")
 
     def _deliver(self, msg: Arrived | JobError) -> None:
         channel = self._jobs.get(msg.result.job_id if isinstance(msg, Arrived) else msg.job_id)
@@ -249,6 +290,12 @@ class EnginePort:
 
     async def send_body(self, ring: RingState, body: bytes) -> None:
         await self.engine.send_body(ring, body)
+
+    def round_deadline_s(self, ring: RingState, shape: Traversal) -> float:
+        return self.engine.round_deadline_s(ring, shape)
+
+    def round_missed(self, ring: RingState, round: int) -> None:
+        self.engine.round_missed(ring, round)
 
     def record_traversal(self, t: Traversal) -> None:
         self.engine.swarm.record_traversal(t)

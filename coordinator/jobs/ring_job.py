@@ -234,6 +234,8 @@ class RingJob:
                 # Whatever happened, the ring may no longer hold this job's K/V: start over
                 # from the committed tokens on whichever ring is current next time round.
                 log.warning("job %s: round failed on ring epoch %d (%s); resuming", self.job_id, ring.epoch, exc)
+                if isinstance(exc, trio.TooSlowError):  # a stage holds it: the port blames one, the ring re-forms
+                    self.port.round_missed(ring, self.round)
                 self.ring_epoch, self.ring_ctx, self.pending_commit = -1, 0, ((), 0)
                 self._discard_ahead()
                 if not isinstance(exc, RingLost):
@@ -251,10 +253,7 @@ class RingJob:
         """Feed the committed tokens the ring lacks as pipelined chunks (the last chunk ends
         with the root when there is no draft), then the root and the draft as one verify
         frame. The previous round's commit rides in the first frame sent."""
-        t0 = time.monotonic()
-        start_ctx = self.ring_ctx
-        root = len(self.committed) - 1
-        config = self.config
+        t0, start_ctx, root, config = time.monotonic(), self.ring_ctx, len(self.committed) - 1, self.config
         prefix_end = root if tree.num_nodes else root + 1
         commit = self.pending_commit  # rides in the first frame only
         rounds: list[int] = []
@@ -273,9 +272,10 @@ class RingJob:
                 aux_layers=self.aux_layers)))
             await self._send_ahead(ring, tree, root, limit, time.monotonic())
         self.pending_commit = ((), 0)
-        last = None
-        fed, tree_aux = [], None  # aux rows of committed chunks; of the verify frame
-        with trio.fail_after(config.frame_timeout_s * len(rounds)):
+        last, fed, tree_aux = None, [], None  # the last result; aux rows of committed chunks, of the verify frame
+        shape = Traversal(ring.epoch, prefill=prefix_end - start_ctx > 1, frames=len(rounds), traversal_s=0.0, compute_s=(),
+                          tokens=max(0, prefix_end - start_ctx) + (tree.num_nodes + 1 if tree.num_nodes else 0))
+        with trio.fail_after(self.port.round_deadline_s(ring, shape)):  # coordinator.jobs.deadline
             for expected in rounds:
                 last = await self._receive(ring, expected)  # receipts checked (fail closed)
                 if self.aux_layers and last.aux is not None:
@@ -285,10 +285,7 @@ class RingJob:
                     else:
                         tree_aux = aux
         traversal_s = time.monotonic() - t0
-        self.port.record_traversal(Traversal(
-            ring.epoch, prefill=prefix_end - start_ctx > 1, frames=len(rounds),
-            tokens=max(0, prefix_end - start_ctx) + (tree.num_nodes + 1 if tree.num_nodes else 0),
-            traversal_s=traversal_s, compute_s=tuple(last.compute_s)))
+        self.port.record_traversal(dataclasses.replace(shape, traversal_s=traversal_s, compute_s=tuple(last.compute_s)))
         return hidden_rows(last, tree.num_nodes + 1), traversal_s, fed, tree_aux
 
     async def _send_ahead(self, ring: RingState, base: DraftTree, base_root: int, limit: int, base_sent_s: float) -> None:
@@ -333,10 +330,13 @@ class RingJob:
             return None
         try:
             await self._send_ahead(ring, ahead.tree, ahead.root, limit, ahead.sent_s)
-            with trio.fail_after(self.config.frame_timeout_s):
+            with trio.fail_after(self.port.round_deadline_s(ring, Traversal(
+                    ring.epoch, prefill=False, frames=1, tokens=ahead.tree.num_nodes + 1, traversal_s=0.0, compute_s=()))):
                 result = await self._receive(ring, ahead.round)
         except ROUND_FAILURES as exc:
             log.warning("job %s: pipelined round failed (%s); resuming", self.job_id, exc)
+            if isinstance(exc, trio.TooSlowError):  # as in _verify
+                self.port.round_missed(ring, ahead.round)
             self.ring_epoch, self.ring_ctx, self.pending_commit = -1, 0, ((), 0)
             self._discard_ahead(ahead)
             return None

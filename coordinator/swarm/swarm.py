@@ -202,9 +202,9 @@ class Swarm:
         self.unreachable.readmit(msg.rtt_ms)  # a peer measured a round trip to them: dialable after all
         self._notify()
 
-    def report_unreachable(self, peer: PeerId, reason: str) -> None:
-        """`peer` could not be reached by its ring predecessor: it sits out, the ring re-forms."""
-        if self.unreachable.strike(peer, reason):
+    def report_unreachable(self, peer: PeerId, reason: str, kind: str = "unreachable") -> None:
+        """`peer` could not be reached by its ring predecessor (or `kind` "stalled"): it sits out, the ring re-forms."""
+        if self.unreachable.strike(peer, reason, kind):
             self._notify()
 
     def _on_ready(self, peer: PeerId, msg: Ready) -> None:

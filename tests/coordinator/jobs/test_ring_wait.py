@@ -36,6 +36,8 @@ class EchoPort:
         self.ring: RingState | None = None
         self.inbox = inbox
         self.ring_formed = trio.Event()
+        self.stalled_epochs: set[int] = set()  # rings whose stages accept frames and answer nothing
+        self.missed: list[tuple[int, int]] = []  # (epoch, round) reported missed
 
     def form(self, epoch: int) -> None:
         self.ring = RingState(epoch=epoch, stages=(), assignments=())
@@ -49,12 +51,21 @@ class EchoPort:
         await trio.lowlevel.checkpoint()
 
     async def send_body(self, ring: RingState, body: bytes) -> None:
+        if ring.epoch in self.stalled_epochs:
+            return
         fwd, _ = decode_frame(body, Limits())
         self.inbox.send_nowait(Arrived(Result(job_id=fwd.job_id, epoch=ring.epoch, round=fwd.round,
                                               hidden=torch.zeros(1, HIDDEN), compute_s=(0.0,)), b""))
 
     def record_traversal(self, t) -> None:
         pass
+
+    def round_deadline_s(self, ring: RingState, shape) -> float:
+        return 4.0 * shape.frames
+
+    def round_missed(self, ring: RingState, round: int) -> None:
+        self.missed.append((ring.epoch, round))
+        self.form(ring.epoch + 1)  # the swarm re-forms without the stage it blamed
 
 
 def job_on(config: EngineConfig) -> tuple[RingJob, EchoPort]:
@@ -125,3 +136,21 @@ def test_a_ring_lost_after_the_round_started_still_ends_the_round():
             await job._receive(RingState(epoch=4, stages=(), assignments=()), 1)
 
     trio.run(main)
+
+
+def test_a_round_past_its_deadline_is_reported_once_and_the_job_resumes_on_the_next_ring():
+    # Bug guarded (issue 20): a stage that accepts frames and never answers held a request
+    # for 120 s per frame, four times over, and nobody was told. Sound: on the mock clock
+    # the round ends exactly at the port's deadline, the port hears of that round on that
+    # ring once, and the result comes from the ring formed after it.
+    async def main():
+        job, port = job_on(EngineConfig())
+        port.stalled_epochs.add(4)
+        port.form(epoch=4)
+        t0 = trio.current_time()
+        rows, _, _, _ = await job._verify(DraftTree.empty(), 64)
+        return job, port, rows, trio.current_time() - t0
+
+    job, port, rows, took_s = trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert port.missed == [(4, 1)] and took_s == pytest.approx(4.0)
+    assert rows.shape == (1, HIDDEN) and job.ring_epoch == 5

@@ -77,3 +77,51 @@ def test_the_swarm_excludes_an_unreachable_node_until_a_peer_measures_it(tiny_ll
     excluded, readmitted, strikes = trio.run(main)
     assert excluded == {A, C}
     assert readmitted == {A, B, C} and strikes == 1
+
+
+# -- stalls (issue 20) --------------------------------------------------------------------
+
+def test_a_stall_strike_sits_out_is_not_readmitted_by_a_round_trip_and_excludes_on_the_third():
+    # Bug guarded: a stage that answers pings but not frames readmitted by the next link
+    # report, or seated again forever. Sound: exact times under a stated policy.
+    policy = unreachable.StallPolicy(first_s=10.0, exclude_after=3, excluded_s=3600.0)
+    table = unreachable.strike({}, B, 0.0, "missed", policy, "stalled")
+    assert table == {B: Strike(1, 10.0, "missed", "stalled")}
+    assert unreachable.readmit(table, [B], 3.0) == table
+    assert unreachable.sitting_out(table, 3.0) == {B: "stalled: missed"}
+    table = unreachable.strike(table, B, 10.0, "missed", policy, "stalled")
+    assert table[B].until_s == 30.0
+    table = unreachable.strike(table, B, 30.0, "missed", policy, "stalled")
+    assert table[B] == Strike(3, 3630.0, "missed", "stalled")
+
+
+def test_the_stall_suspect_is_the_newcomer_then_the_one_in_most_missed_rounds():
+    # Bug guarded: blaming a stage with a long clean history for a newcomer's stall.
+    # Sound: each rule decides one case with the others tied.
+    stages = [A, B, C]
+    assert unreachable.stall_suspect(stages, {A: 50, B: 0, C: 50}, {}) == B
+    assert unreachable.stall_suspect(stages, {}, {A: 1, B: 3, C: 2}) == B
+    assert unreachable.stall_suspect(stages, {}, {}) == C  # all tied: the latest in ring order
+
+
+def test_a_staller_in_a_fresh_swarm_is_found_within_as_many_misses_as_stages():
+    # Bug guarded: blame cycling among honest stages while the staller stays seated.
+    # Sound: simulate every seating order of 4 new nodes, one stalling: each missed ring
+    # blames one stage, which sits out (the others stay); the staller must be blamed
+    # before every honest node has been blamed.
+    import itertools
+
+    peers = [PeerId(f"p{i}") for i in range(4)]
+    for order in itertools.permutations(peers):
+        for staller in peers:
+            missed: dict[PeerId, int] = {}
+            seated, blamed = list(order), []
+            while True:
+                for p in seated:
+                    missed[p] = missed.get(p, 0) + 1
+                suspect = unreachable.stall_suspect(seated, {}, missed)
+                blamed.append(suspect)
+                if suspect == staller:
+                    break
+                seated.remove(suspect)
+            assert len(blamed) <= len(peers)
