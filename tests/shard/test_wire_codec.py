@@ -26,6 +26,8 @@ from shard.wire.fp8 import encode_fp8
 from shard.wire.limits import FRAME_PREFIX, MAX_RECEIPTS, Limits
 from shard.wire.messages import (REGISTRY, Assignment, AuditRequest, EndJob, Forward, JobError, LinkReport, Ping, Pong, ProbePeers, Ready,
                                  Refused, Register, Result)
+from shard.wire.weight_messages import (FetchReport, ManifestRequest, SignedManifest, Sources, SourcesRequest, WeightsChunk,
+                                        WeightsRefused, WeightsRequest)
 
 H = 8
 LIMITS = Limits(hidden_size=H, max_tokens_per_frame=32)
@@ -72,6 +74,19 @@ SMALL = {
     "audit_request": AuditRequest(job_id="j", epoch=1, round=2, side="output"),
     "link_report": LinkReport(peer_id="12D3KooWA", rtt_ms={"12D3KooWB": 41.0}, upload_bytes_per_s=2.5e6),
 }
+SMALL.update({  # weights from peers (shard.wire.weight_messages)
+    "manifest_request": ManifestRequest(peer_id="12D3KooWA"),
+    "signed_manifest": SignedManifest(manifest=b'{"format": 1}', signature=b"s" * 64),
+    "sources_request": SourcesRequest(manifest_digest="ab" * 32, layer_start=0, layer_end=2,
+                                      files=("layers/00000.safetensors", "embed.safetensors")),
+    "sources": Sources(holders={"layers/00000.safetensors": ("12D3KooWB",)}, addrs={"12D3KooWB": ("/ip4/1.2.3.4/tcp/1",)},
+                       upload_bytes_per_s={"12D3KooWB": 1e6}),
+    "fetch_report": FetchReport(peer_id="12D3KooWA", layer_start=0, layer_end=2, files=3, bytes=10, seconds=0.5,
+                                by_source={"12D3KooWB": 10}, excluded={"12D3KooWC": "bad sha256"}),
+    "weights_request": WeightsRequest(manifest_digest="ab" * 32, file="layers/00000.safetensors", offset=0, length=9),
+    "weights_chunk": WeightsChunk(offset=7, data=b"\x00\xff" * 100),
+    "weights_refused": WeightsRefused(code="busy", reason="serving 8 fetchers"),
+})
 
 
 def _same(a, b) -> bool:
