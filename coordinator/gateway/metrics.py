@@ -6,10 +6,10 @@ route and status, refusals by keys included), the job watcher (coordinator.gatew
 TTFT, inter-token latency, tokens, traversals per drafter, receipt failures), and a
 RingObserver handed to open_coordinator (each round's traversal from send to the tail's
 Result, each stage's compute from the Result's per-stage times, the rest of the traversal
-as transport: frames carry no per-hop timestamps, so measured transfer time is the ring's
-whole, while the per-hop gauges are the links the plan measured by probes). The ring's
-state and the audit counts are read at scrape time from `engine.info()` and a trust
-report. Does not decide anything, and knows no engine internals beyond those dicts.
+as transport, and each hop's transfer from the stages' clock stamps: hop_times.py). The
+ring's state, each hop's path and the audit counts are read at scrape time from
+`engine.info()` and a trust report. Does not decide anything, and knows no engine
+internals beyond those dicts.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -27,6 +27,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from coordinator.gateway.hop_times import HopWindow, hop_transfers_s, with_measured_hops
 from coordinator.gateway.metering import JobRecord
 from shard.ring_observer import RingObserver
 from shard.wire.messages import Forward, Result
@@ -86,11 +87,16 @@ class GatewayMetrics(RingObserver):
                                      "every hop's transfer together", buckets=LATENCY_BUCKETS_S, registry=r)
         self.stage_compute_s = Histogram("shard_stage_compute_seconds", "a stage's compute for one frame, by its "
                                          "index in the ring", ["stage"], buckets=LATENCY_BUCKETS_S, registry=r)
+        self.hop_transfer_s = Histogram("shard_hop_transfer_seconds", "a frame's transfer over one hop of the ring "
+                                        "(0: coordinator to head, last: tail to coordinator), sender's hand-off to "
+                                        "receiver's take-in by their wall clocks, clamped at 0", ["hop", "phase"],
+                                        buckets=LATENCY_BUCKETS_S, registry=r)
         self.lm_head_s = Histogram("shard_lm_head_seconds", "the coordinator's final norm and LM head over a batch",
                                    buckets=LATENCY_BUCKETS_S, registry=r)
         self.receipt_failures = Counter("shard_receipt_failures", "jobs failed closed by a receipt check, by check",
                                         ["check"], registry=r)
-        self._sent: OrderedDict[tuple[str, int], tuple[float, str]] = OrderedDict()
+        self._sent: OrderedDict[tuple[str, int], tuple[float, str, float]] = OrderedDict()  # monotonic, phase, wall
+        self.hops = HopWindow()
         self._ring_info: Callable[[], dict[str, Any]] = dict
         self._trust: Callable[[], dict[str, Any]] = dict
         r.register(_ScrapeCollector(self))
@@ -98,6 +104,10 @@ class GatewayMetrics(RingObserver):
     def set_sources(self, ring_info: Callable[[], dict[str, Any]], trust: Callable[[], dict[str, Any]]) -> None:
         """What a scrape reads: the engine's info() and the trust report."""
         self._ring_info, self._trust = ring_info, trust
+
+    def ring_info(self) -> dict[str, Any]:
+        """The engine's info with each plan hop's measured transfer (GET /v1/ring)."""
+        return with_measured_hops(self._ring_info() or {}, self.hops)
 
     # -- JobWatcher -----------------------------------------------------------------------------
     def job_opened(self) -> None:
@@ -128,7 +138,7 @@ class GatewayMetrics(RingObserver):
 
     # -- RingObserver (trio thread; logits_computed: a worker thread) ---------------------------
     def round_sent(self, fwd: Forward) -> None:
-        self._sent[(fwd.job_id, fwd.round)] = (time.monotonic(), fwd.phase)
+        self._sent[(fwd.job_id, fwd.round)] = (time.monotonic(), fwd.phase, time.time())
         while len(self._sent) > MAX_ROUNDS_IN_FLIGHT:
             self._sent.popitem(last=False)
 
@@ -141,6 +151,11 @@ class GatewayMetrics(RingObserver):
         traversal_s = time.monotonic() - sent[0]
         self.traversal_s.labels(sent[1]).observe(traversal_s)
         self.transport_s.observe(max(0.0, traversal_s - sum(result.compute_s)))
+        hops = hop_transfers_s(sent[2], result.clock_s, time.time(), len(result.compute_s))
+        if hops is not None:
+            self.hops.add(result.epoch, sent[1], hops)
+            for i, hop_s in enumerate(hops):
+                self.hop_transfer_s.labels(str(i), sent[1]).observe(max(0.0, hop_s))
 
     def logits_computed(self, seconds: float) -> None:
         self.lm_head_s.observe(seconds)
@@ -174,6 +189,7 @@ class _ScrapeCollector(Collector):
             hop_send.add_metric([str(i)], hop.get("round_send_s") or 0.0)
         yield hop_latency
         yield hop_send
+        yield hop_paths(plan.get("hops") or ())
         trust = self.metrics._trust() or {}
         audits = trust.get("audits") or {}
         yield _counter("shard_audits", "stage audits done (replayed and compared)", audits.get("audits", 0))
@@ -184,6 +200,17 @@ class _ScrapeCollector(Collector):
         yield skipped
         yield _counter("shard_audit_evidence", "signed evidence records against stages", audits.get("evidence", 0))
         yield _gauge("shard_faulty_nodes", "nodes excluded from rings by audits", len(trust.get("faulty") or ()))
+
+
+def hop_paths(hops: Iterable[dict[str, Any]]) -> GaugeMetricFamily:
+    """1 per hop, labelled by the path its sender's connection crosses ("direct",
+    "hole_punched", "relayed"); a hop whose path is not known yet has no sample."""
+    family = GaugeMetricFamily("shard_hop_path", "each hop of the ring by the path its sender's connection crosses "
+                               "(1: the current path)", labels=["hop", "path"])
+    for i, hop in enumerate(hops):
+        if hop.get("path"):
+            family.add_metric([str(i), str(hop["path"])], 1)
+    return family
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

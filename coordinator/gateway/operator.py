@@ -50,7 +50,8 @@ def create_gateway(engine: Engine, config: ApiConfig = ApiConfig(), *, metrics: 
     recent = RecentRequests()
     metrics.set_sources(engine.info, trust)
     api = create_app(MeteredEngine(engine, [metrics, recent]), config)
-    routes = [*status_routes(recent, trust), Route("/metrics", metrics.endpoint, methods=["GET"]), Mount("", app=api)]
+    routes = [*status_routes(recent, trust, metrics.ring_info), Route("/metrics", metrics.endpoint, methods=["GET"]),
+              Mount("", app=api)]
     app = Starlette(routes=routes)
     gate = KeyGate(app, config.api_keys, KeyLimits(config.key_max_concurrent_jobs, config.key_tokens_per_minute),
                    public=public_paths(config), public_prefixes=PAGE_PREFIXES,

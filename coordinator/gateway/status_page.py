@@ -1,7 +1,8 @@
 """The live status page: GET / serves static/status.html and its script (plain files, no
-build step), which polls GET /v1/ring (the engine's info: ring, hops, nodes, roles) and
-GET /v1/status, served here: the last minutes of requests (tokens/s, TTFT, tokens per
-traversal, per drafter), recent errors, and the receipt and audit results.
+build step), which polls GET /v1/ring (the engine's info: ring, hops with their measured
+transfer and path, nodes, roles) and GET /v1/status, both served here: the last minutes of
+requests (tokens/s, TTFT, tokens per traversal, per drafter), recent errors, and the
+receipt and audit results.
 
 `RecentRequests` keeps the window (fed as a job watcher and by the HTTP tap's errors);
 `window_summary` is the pure arithmetic over it. A job counts in the bucket it ended in.
@@ -135,8 +136,10 @@ class RecentRequests:
                 "errors": [asdict(e) for e in reversed(self.errors)]}
 
 
-def status_routes(recent: RecentRequests, trust: Callable[[], dict[str, Any]]) -> list[BaseRoute]:
-    """GET / (the page), /static/* (its script and style), /v1/status (its JSON)."""
+def status_routes(recent: RecentRequests, trust: Callable[[], dict[str, Any]],
+                  ring_info: Callable[[], dict[str, Any]]) -> list[BaseRoute]:
+    """GET / (the page), /static/* (its script and style), /v1/status and /v1/ring (its
+    JSON; `ring_info`: the engine's info with the hops' measured transfer)."""
 
     async def page(request: Request) -> Response:
         return FileResponse(STATIC_DIR / "status.html", media_type="text/html")
@@ -144,5 +147,9 @@ def status_routes(recent: RecentRequests, trust: Callable[[], dict[str, Any]]) -
     async def status(request: Request) -> Response:
         return JSONResponse({**recent.status(), "trust": trust()})
 
+    async def ring(request: Request) -> Response:
+        return JSONResponse(ring_info())
+
     return [Route("/", page, methods=["GET"]), Route("/v1/status", status, methods=["GET"]),
+            Route("/v1/ring", ring, methods=["GET"]),
             Mount("/static", app=StaticFiles(directory=STATIC_DIR), name="static")]

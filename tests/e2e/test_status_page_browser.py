@@ -145,7 +145,16 @@ def test_status_page_shows_the_ring_as_v1_ring_reports_it(chromium, tiny_llama_s
     assert stages == [(m["peer_id"], f"{m['layers'][0]}-{m['layers'][1]}") for m in ring["members"]]
     assert len(stages) == STAGES and stages[0][1].startswith("0-") and stages[-1][1].endswith(f"-{store.num_layers}")
     hops = [(a["data-src"], a["data-dst"]) for a in page.with_class("hop")]
-    assert hops == [(h["src"], h["dst"]) for h in ring["topology"]["plan"]["hops"]] and len(hops) == STAGES + 1
+    ring_hops = ring["topology"]["plan"]["hops"]
+    assert hops == [(h["src"], h["dst"]) for h in ring_hops] and len(hops) == STAGES + 1
+    # Each hop's path as /v1/ring has it ("" where it reports none yet: the page invents
+    # none), and its measured transfer, the medians /v1/ring holds (ms, as the page rounds).
+    drawn = page.with_class("hop")
+    assert [a["data-path"] for a in drawn] == [h.get("path") or "" for h in ring_hops]
+    for a, h in zip(drawn, ring_hops):
+        for kind in ("decode", "prefill"):
+            assert h["measured"]["transfer_s"][kind] > 0, h  # one machine: one clock, no offsets
+            assert float(a[f"data-transfer-{kind}-ms"]) == pytest.approx(h["measured"]["transfer_s"][kind] * 1e3, abs=1e-3)
     nodes = {a["data-peer"]: a["data-role"] for a in page.with_class("node")}
     assert set(nodes) == set(ring["topology"]["nodes"]) and len(nodes) == NODES
     assert all(nodes[m["peer_id"]] for m in ring["members"])  # every stage shows its role
@@ -172,6 +181,11 @@ def test_status_page_shows_the_ring_as_v1_ring_reports_it(chromium, tiny_llama_s
                     if name == "shard_stage_compute_seconds_count"}
     assert sorted(stage_counts) == [str(i) for i in range(STAGES)] and min(stage_counts.values()) > 0
     assert len([k for k in samples if k[0] == "shard_hop_latency_seconds"]) == STAGES + 1
+    hop_frames = {dict(labels)["hop"]: v for (name, labels), v in samples.items()
+                  if name == "shard_hop_transfer_seconds_count" and dict(labels)["phase"] != "prefill"}
+    assert sorted(hop_frames) == [str(i) for i in range(STAGES + 1)] and min(hop_frames.values()) > 0
+    paths = {dict(labels)["hop"]: dict(labels)["path"] for (name, labels), v in samples.items() if name == "shard_hop_path"}
+    assert paths == {str(i): h["path"] for i, h in enumerate(ring_hops) if h.get("path")}
     assert sum(v for k, v in samples.items() if k[0] == "shard_ring_traversal_seconds_count") > 0
     by_drafter = {dict(labels)["drafter"]: v for (name, labels), v in samples.items()
                   if name == "shard_traversal_seconds_total"}

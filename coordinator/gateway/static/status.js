@@ -28,9 +28,9 @@ function drawRing(info) {
   const nodes = (info.topology || {}).nodes || {};
   const hops = plan.hops || [];
   if (!members.length) { $("diagram").innerHTML = '<span class="mute">no ring formed yet</span>'; return; }
-  const W = 190, H = 84, GAP = 120, X0 = 20, Y0 = 34;
+  const W = 190, H = 84, GAP = 180, X0 = 20, Y0 = 34;
   const n = members.length + 1;  // the coordinator is box 0
-  const width = X0 * 2 + n * W + (n - 1) * GAP, height = Y0 + H + 80;
+  const width = X0 * 2 + n * W + (n - 1) * GAP, height = Y0 + H + 96;
   const x = (i) => X0 + i * (W + GAP);
   let svg = `<svg viewBox="0 0 ${width} ${height}" xmlns="http://www.w3.org/2000/svg" role="img" aria-label="ring">
     <defs><marker id="arrow" viewBox="0 0 10 10" refX="9" refY="5" markerWidth="7" markerHeight="7" orient="auto-start-reverse">
@@ -52,9 +52,14 @@ function drawRing(info) {
   hops.forEach((h, i) => {
     const last = i === hops.length - 1;
     const src = nodes[h.src] || {};
-    const label = `${ms(h.latency_s)} ms${h.latency_estimated ? " (est.)" : ""} · ${mbit(src.upload_bytes_per_s)} Mbit/s` +
-      (h.relayed === true ? " · relayed" : h.relayed === false ? " · direct" : "");
-    const cls = "edge" + (h.latency_estimated ? " est" : "");
+    // Above the arrow, the links as probed; below it, what frames took (medians over this
+    // ring's recent frames, decode and prefill apart), then the path the sender's connection
+    // crosses (absent until /v1/ring reports one) and the plan's send time.
+    const label = `${ms(h.latency_s)} ms${h.latency_estimated ? " (est.)" : ""} · ${mbit(src.upload_bytes_per_s)} Mbit/s`;
+    const t = (h.measured || {}).transfer_s || {};
+    const measured = h.measured ? `took ${ms(t.decode, 2)} ms (prefill ${ms(t.prefill, 1)})` : "not measured yet";
+    const planned = (h.path ? String(h.path).replace("_", " ") + " · " : "") + `send ${ms(h.round_send_s, 2)} ms/round`;
+    const cls = "edge" + (h.latency_estimated ? " est" : "") + (h.path === "relayed" ? " relayed" : "");
     let path, lx, ly;
     if (!last) {
       const x1 = x(i) + W, x2 = x(i + 1), y = Y0 + H / 2;
@@ -63,10 +68,13 @@ function drawRing(info) {
       const x1 = x(hops.length - 1) + W / 2, x2 = x(0) + W / 2, yb = Y0 + H, yl = yb + 46;
       path = `M${x1},${yb} C${x1},${yl} ${x2},${yl} ${x2},${yb + 2}`; lx = (x1 + x2) / 2; ly = yl + 4;
     }
-    svg += `<g class="hop" data-src="${esc(h.src)}" data-dst="${esc(h.dst)}" data-latency-ms="${ms(h.latency_s, 3)}">
+    svg += `<g class="hop" data-src="${esc(h.src)}" data-dst="${esc(h.dst)}" data-latency-ms="${ms(h.latency_s, 3)}"
+      data-path="${esc(h.path ?? "")}" data-transfer-decode-ms="${t.decode == null ? "" : ms(t.decode, 3)}"
+      data-transfer-prefill-ms="${t.prefill == null ? "" : ms(t.prefill, 3)}">
       <path class="${cls}" d="${path}"/>
       <text class="hoplabel" x="${lx}" y="${ly}" text-anchor="middle">${esc(label)}</text>
-      <text class="hoplabel small" x="${lx}" y="${ly + (last ? 14 : 30)}" text-anchor="middle">send ${ms(h.round_send_s, 2)} ms/round</text></g>`;
+      <text class="hoplabel measured" x="${lx}" y="${ly + (last ? 14 : 24)}" text-anchor="middle">${esc(measured)}</text>
+      <text class="hoplabel small" x="${lx}" y="${ly + (last ? 28 : 38)}" text-anchor="middle">${esc(planned)}</text></g>`;
   });
   $("diagram").innerHTML = svg + "</svg>";
 }

@@ -27,6 +27,7 @@ EXPECTED = {
     "shard_ring_traversal_seconds", "shard_ring_transport_seconds", "shard_stage_compute_seconds",
     "shard_hop_latency_seconds", "shard_hop_round_send_seconds", "shard_receipt_failures_total",
     "shard_audits_total", "shard_audit_evidence_total", "shard_api_key_refusals_total", "shard_ring_ready",
+    "shard_hop_transfer_seconds", "shard_hop_path",
 }
 
 
@@ -55,7 +56,8 @@ def test_metric_names_are_present_and_move_after_a_request(scripted):
     engine = scripted([" one", " two", " three"])
     engine.info = lambda: {"ready": True, "members": [{"layers": [0, 2]}, {"layers": [2, 5]}], "epoch": 3,
                            "topology": {"plan": {"hops": [{"latency_s": 0.01, "latency_estimated": False,
-                                                           "round_send_s": 0.001}] * 3}}}
+                                                           "round_send_s": 0.001, "path": p}
+                                                          for p in ("direct", "relayed", None)]}}}
     metrics = GatewayMetrics()
     app = create_gateway(engine, ApiConfig(), metrics=metrics,
                          trust=lambda: {"audits": {"audits": 4, "evidence": 1, "frames_compared": 9}})
@@ -88,6 +90,9 @@ def test_metric_names_are_present_and_move_after_a_request(scripted):
     assert after["shard_ring_stages"] == 2 and after["shard_ring_epoch"] == 3
     assert after['shard_hop_latency_seconds{estimated="0",hop="2"}'] == 0.01
     assert after["shard_audits_total"] == 4 and after["shard_audit_evidence_total"] == 1
+    # Each hop's path as /v1/ring reports it; a hop with no path yet has no series.
+    assert after['shard_hop_path{hop="0",path="direct"}'] == 1 and after['shard_hop_path{hop="1",path="relayed"}'] == 1
+    assert not [k for k in after if k.startswith("shard_hop_path{") and 'hop="2"' in k]
 
 
 def scrape_text(response) -> dict[str, float]:
@@ -123,6 +128,32 @@ def test_ring_observer_times_each_round_and_each_stage():
     assert _count(m, "shard_ring_transport_seconds", {}) == 2
 
 
+def test_ring_observer_splits_each_frame_into_its_hops():
+    # Bug guarded: transfer attributed to the wrong hop, or a frame whose stamps do not fit
+    # its ring (a stage that does not stamp) producing figures. Sound: stamps are made up
+    # with known gaps per hop and the histogram's sums are those gaps; the clamp at 0 shows
+    # on a hop whose receiver's clock runs behind.
+    m = GatewayMetrics()
+    m.round_sent(_forward("job", 1, "decode"))
+    sent_at = m._sent[("job", 1)][2]
+    # coordinator -> s0 5 ms, s0 computes 2 ms, s0 -> s1 30 ms, s1 computes 1 ms, s1 -> coordinator.
+    clock = (sent_at + 0.005, sent_at + 0.007, sent_at + 0.037, sent_at + 0.038)
+    m.result_arrived(_result("job", 1, (0.002, 0.001), clock))
+    sums = [m.registry.get_sample_value("shard_hop_transfer_seconds_sum", {"hop": str(i), "phase": "decode"})
+            for i in range(3)]
+    # Unix-time stamps hold ~0.2 µs: compared to 1 µs.
+    assert sums[0] == pytest.approx(0.005, abs=1e-6) and sums[1] == pytest.approx(0.030, abs=1e-6) and 0 <= sums[2] < 1.0
+    assert m.hops.summary()[1] == {"transfer_s": {"decode": pytest.approx(0.030, abs=1e-6), "prefill": None},
+                                   "frames": {"decode": 1, "prefill": 0}}
+    m.round_sent(_forward("job", 2, "decode"))
+    m.result_arrived(_result("job", 2, (0.002, 0.001), clock[:3]))  # one stamp short: no hop figures
+    m.round_sent(_forward("job", 3, "prefill"))
+    m.result_arrived(_result("job", 3, (0.002, 0.001), (clock[0] - 10, *clock[1:])))  # s0's clock 10 s behind
+    assert _count(m, "shard_hop_transfer_seconds", {"hop": "0", "phase": "decode"}) == 1
+    assert m.registry.get_sample_value("shard_hop_transfer_seconds_sum", {"hop": "0", "phase": "prefill"}) == 0.0
+    assert m.hops.summary()[0]["transfer_s"]["prefill"] < -9  # /v1/ring reports it as measured
+
+
 def _count(m, name, labels):
     return m.registry.get_sample_value(name + "_count", labels)
 
@@ -134,10 +165,10 @@ def _forward(job, rnd, phase):
                    positions=torch.zeros(1, dtype=torch.int64), tokens=torch.zeros(1, dtype=torch.int64))
 
 
-def _result(job, rnd, compute):
+def _result(job, rnd, compute, clock=()):
     import torch
 
-    return Result(job_id=job, epoch=1, round=rnd, hidden=torch.zeros(1, 4), compute_s=compute)
+    return Result(job_id=job, epoch=1, round=rnd, hidden=torch.zeros(1, 4), compute_s=compute, clock_s=clock)
 
 
 def test_route_labels_are_bounded():

@@ -1,0 +1,87 @@
+"""Per-hop transfer times on a real ring whose senders each add a different, known one-way
+latency (shard.linkemu): the coordinator 12 ms, the three nodes 4, 24 and 44 ms.
+
+Guards that each hop's figure (coordinator.gateway.hop_times, from the stages' clock stamps
+in Forward.clock_s) is that hop's own: the emulation delays what a sender sends, so hop i
+must read its sender's latency plus loopback and framing, never a neighbour's and never a
+stage's compute. Sound because the latencies differ by 20 ms from hop to hop while the
+tolerance is 15 ms, so a figure shifted by one hop or missing its latency fails; all the
+processes share one clock, so the stamps carry no clock offset.
+"""
+
+from __future__ import annotations
+
+import os
+
+import trio
+from transformers import AutoTokenizer
+
+from coordinator.assembly import open_coordinator
+from coordinator.config import LOOPBACK_ANY_PORT, CoordConfig
+from coordinator.gateway.metrics import GatewayMetrics
+from coordinator.jobs.engine_config import EngineConfig
+from coordinator.trust.receipt_check import ReceiptConfig
+from shard.identity import keypair_from_seed
+from shard.node import Node, NodeConfig
+from shard.transport import open_host
+from tests.e2e.ringkit import generate_greedy, memory_for_stages
+
+COORDINATOR_MS = 12.0
+NODE_MS = (4.0, 24.0, 44.0)
+# Loopback, framing, decode and the receiver's inbox on top of the emulated latency, on a
+# machine whose two cores run other tests too (observed: 1-4 ms).
+SLACK_MS = 15.0
+
+
+async def _node(store, coordinator_addr: str, latency_ms: float, peers: dict, task_status=trio.TASK_STATUS_IGNORED):
+    async with open_host(keypair_from_seed(os.urandom(32)), "/ip4/127.0.0.1/tcp/0") as host:
+        peers[host.peer_id] = latency_ms
+        node = Node(NodeConfig(coordinator=coordinator_addr, model=store.manifest.name, link_latency_ms=latency_ms,
+                               max_memory_bytes=memory_for_stages(store, len(NODE_MS))), host, store)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(node.serve)
+            task_status.started()
+
+
+def test_each_hop_reads_its_own_senders_latency(tiny_llama_store):
+    store = tiny_llama_store
+    tokenizer = AutoTokenizer.from_pretrained(str(store.tokenizer_dir))
+    config = CoordConfig(listen=LOOPBACK_ANY_PORT, min_nodes=len(NODE_MS), receipts=ReceiptConfig(enabled=False),
+                         engine=EngineConfig(draft="none", link_latency_ms=COORDINATOR_MS))
+
+    async def main():
+        metrics, peers = GatewayMetrics(), {}
+        with trio.fail_after(180):
+            async with open_coordinator(config, store, tokenizer, keypair_from_seed(os.urandom(32)),
+                                        observer=metrics) as coordinator:
+                for latency_ms in NODE_MS:
+                    await coordinator.nursery.start(_node, store, coordinator.addr, latency_ms, peers)
+                while coordinator.swarm.ring is None or len(coordinator.swarm.ring.stages) < len(NODE_MS):
+                    await coordinator.swarm.wait_ring()
+                    await trio.sleep(0.01)
+                metrics.set_sources(coordinator.engine.info, dict)
+                prompt = tokenizer("the ring of stages", add_special_tokens=False)["input_ids"]
+                await generate_greedy(coordinator.engine, prompt, 12)
+                return metrics.ring_info(), peers, metrics
+
+    info, peers, metrics = trio.run(main)
+    hops = info["topology"]["plan"]["hops"]
+    senders = [m["peer_id"] for m in info["members"]]
+    assert [h["dst"] for h in hops[:-1]] == senders and len(hops) == len(NODE_MS) + 1
+    expected_ms = [COORDINATOR_MS] + [peers[p] for p in senders]  # hop i: its sender's emulated latency
+    decode_ms = [h["measured"]["transfer_s"]["decode"] * 1e3 for h in hops]
+    prefill_ms = [h["measured"]["transfer_s"]["prefill"] * 1e3 for h in hops]
+    assert all(w <= g < w + SLACK_MS for g, w in zip(decode_ms, expected_ms)), (decode_ms, expected_ms)
+    # One prefill frame, the epoch's first: it may also carry the opening of each stream.
+    assert all(w <= g for g, w in zip(prefill_ms, expected_ms)), (prefill_ms, expected_ms)
+    assert all(h["measured"]["frames"]["decode"] >= 10 for h in hops)
+    # The histogram moved for every hop, and what it holds is the same measurement.
+    for i, want in enumerate(expected_ms):
+        count = metrics.registry.get_sample_value("shard_hop_transfer_seconds_count", {"hop": str(i), "phase": "decode"})
+        total = metrics.registry.get_sample_value("shard_hop_transfer_seconds_sum", {"hop": str(i), "phase": "decode"})
+        assert count >= 10 and want <= total / count * 1e3 < want + SLACK_MS, (i, count, total)
+    # The hops exclude every stage's own time: with the stages' compute they stay within
+    # the traversal the engine measured (which also holds queueing and the coordinator's
+    # own encode and decode).
+    decode = info["topology"]["measured"]["decode"]
+    assert sum(decode_ms) + sum(s * 1e3 for s in decode["measured_stage_compute_s"]) < decode["measured_traversal_s"] * 1e3
