@@ -21,6 +21,7 @@ from libp2p.crypto.keys import KeyPair
 
 from coordinator.config import CoordConfig
 from coordinator.jobs.ring_engine import RingEngine
+from coordinator.swarm.seeding import Seeding
 from coordinator.swarm.swarm import REPORT_BUFFER, Swarm
 from coordinator.trust.audit import Auditor
 from coordinator.trust.receipt_check import ReceiptChecker
@@ -30,6 +31,8 @@ from shard.node import CONTROL_PROTOCOL, RING_PROTOCOL
 from shard.ring_observer import NO_OBSERVER, RingObserver
 from shard.store import ModelStore
 from shard.transport import Host, open_host
+from shard.weight_fetch import SOURCES_PROTOCOL
+from shard.weight_server import WEIGHTS_PROTOCOL
 
 
 @dataclass(frozen=True)
@@ -94,6 +97,9 @@ async def open_coordinator(config: CoordConfig, store: ModelStore, tokenizer: An
                             ring_changes=ring_changes, observer=observer)
         host.set_handler(CONTROL_PROTOCOL, swarm.handle_control)
         host.set_handler(RING_PROTOCOL, engine.handle_ring_stream)
+        seeding = Seeding(swarm, store, seed, config.swarm.churn, swarm.fetches)  # weights from peers
+        host.set_handler(SOURCES_PROTOCOL, seeding.handle)
+        host.set_handler(WEIGHTS_PROTOCOL, seeding.server.serve)
         async with trio.open_nursery() as nursery:
             await nursery.start(swarm.serve_formation)
             await nursery.start(engine.serve)

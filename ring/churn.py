@@ -21,6 +21,7 @@ from ring.roles import assign_roles, missing_layers
 from ring.search import Constraints, select_ring
 from ring.spec import ModelSpec, Workload
 from shard.layers import LayerRange
+from shard.weight_plan import WeightsConfig
 
 
 _PAIR_SHORTLIST = 6  # outsiders considered for two-way splits of a hole: 30 pairs x cut points
@@ -29,13 +30,30 @@ _PAIR_SHORTLIST = 6  # outsiders considered for two-way splits of a hole: 30 pai
 @dataclass(frozen=True)
 class ChurnPolicy:
     amortise_over_requests: float = 20.0  # requests a ring serves before the next change
-    origin_upload_bytes_per_s: float = 12.5e6  # where weights come from when no node holds them
+    # The coordinator serves weights no node holds, at this rate (coordinator.swarm.seeding).
+    origin_upload_bytes_per_s: float = 12.5e6
+    # Holders serve weights at this share of their upload (a token bucket, shard.weight_server).
+    seed_upload_share: float = WeightsConfig.seed_upload_share
     cost_quantum_s: float = 1e-6
+
+
+def fetch_seconds(nbytes: int, files: int, download_bytes_per_s: float, source_uploads_bytes_per_s: Iterable[float],
+                  share: float) -> float:
+    """Seconds to fetch `nbytes` in `files` files (shard.weight_fetch): each file from one
+    source, files from different sources in parallel, each source sending at `share` of its
+    upload, and the receiver's download capping the sum. So at most `files` sources help,
+    the fastest first."""
+    ups = sorted(source_uploads_bytes_per_s, reverse=True)[: max(1, files)]
+    rate = min(download_bytes_per_s, share * sum(ups))
+    if not rate > 0:
+        raise InfeasibleError("no source can send weights (no upload)", len(ups))
+    return nbytes / rate
 
 
 def plan_moves(stages: Iterable[Stage], network: Network, model: ModelSpec,
                policy: ChurnPolicy = ChurnPolicy()) -> tuple[tuple[Move, ...], float]:
-    """Weight fetches each stage needs, and the time until all are done (they run in parallel)."""
+    """Weight fetches each stage needs, and the time until all are done (they run in parallel):
+    from every node holding the stage's whole slice (fetch_seconds), else the coordinator."""
     moves = []
     for stage in stages:
         node = network.node(stage.peer)
@@ -46,8 +64,12 @@ def plan_moves(stages: Iterable[Stage], network: Network, model: ModelSpec,
                    and n.held.start <= stage.layers.start and stage.layers.end <= n.held.end]
         source = max(holders, key=lambda n: (n.upload_bytes_per_s, n.peer), default=None)
         source_peer = source.peer if source else network.coordinator
-        source_upload = source.upload_bytes_per_s if source else policy.origin_upload_bytes_per_s
-        seconds = missing * model.bytes_per_layer / min(node.download_bytes_per_s, source_upload)
+        if holders:
+            seconds = fetch_seconds(missing * model.bytes_per_layer, missing, node.download_bytes_per_s,
+                                    [n.upload_bytes_per_s for n in holders], policy.seed_upload_share)
+        else:
+            seconds = fetch_seconds(missing * model.bytes_per_layer, missing, node.download_bytes_per_s,
+                                    [policy.origin_upload_bytes_per_s], 1.0)
         moves.append(Move(node.peer, stage.layers, missing, missing * model.bytes_per_layer, seconds, source_peer))
     return tuple(moves), max((m.seconds for m in moves), default=0.0)
 

@@ -18,6 +18,7 @@ from shard.identity import claim_key_path, identity_signing_key, load_or_create_
 from shard.node import Node, NodeConfig
 from shard.store import cache_root, open_or_prepare
 from shard.transport import open_host
+from shard.weight_fetch import open_fetched_store
 
 
 def check_device(device: str) -> None:
@@ -49,10 +50,13 @@ async def run_node(config: NodeConfig, task_status=trio.TASK_STATUS_IGNORED) -> 
     coordinator_id = coordinator_peer_id(config.coordinator)  # a malformed address fails before the model loads
     if config.torch_threads:
         torch.set_num_threads(config.torch_threads)
-    store = await trio.to_thread.run_sync(lambda: open_or_prepare(config.model, config.store_dir))
+    store = None if config.weights.fetch_weights else await trio.to_thread.run_sync(
+        lambda: open_or_prepare(config.model, config.store_dir))
     key_path, _claim = (config.key_path, None) if config.key_path else claim_key_path(cache_root(), "node")
     keypair = load_or_create_identity(key_path)
     async with open_host(keypair, config.listen) as host:
+        if store is None:  # joins with no weights: the coordinator's signed manifest, each slice fetched from peers
+            store = await open_fetched_store(host, config.coordinator, config.store_dir)
         print(f"node {host.peer_id} joining coordinator {coordinator_id} at {config.coordinator}", flush=True)
         node = Node(config, host, store, signing_seed=identity_signing_key(keypair))
         await node.serve(task_status=task_status)

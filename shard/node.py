@@ -37,8 +37,10 @@ from shard.ring_observer import NO_OBSERVER, RingObserver
 from shard.stage import Stage
 from shard.stage_scheduler import SchedulerConfig, StageScheduler, Waiting
 from shard.stage_worker import StageWorker, WorkerConfig
-from shard.store import ModelStore
+from shard.store import ModelStore, stored_weight_files
 from shard.transport import FramedStream, Host, TransportError
+from shard.weight_fetch import ensure_slice
+from shard.weight_server import WEIGHTS_PROTOCOL, WeightServer
 from shard.wire.codec import decode, decode_frame, encode
 from shard.wire.dtypes import COMPUTE_DTYPES
 from shard.wire.limits import Limits
@@ -81,6 +83,7 @@ class Node:
     _out_streams: dict[str, object] = field(default_factory=dict)
     _outbox: trio.MemorySendChannel | None = None  # (state, [(body, frame it answers)]) for _send_ring_loop
     links: NodeLinks | None = None  # set in __post_init__: emulation and probes
+    weights: WeightServer | None = None  # set in __post_init__: serves the weight files held here to peers
     scheduler: StageScheduler | None = None  # set in __post_init__: the frames waiting for a forward
     _tasks: trio.Nursery | None = None
     _warm: Stage | None = None  # a slice kept loaded for an off-ring role (e.g. hot standby)
@@ -92,6 +95,7 @@ class Node:
         cfg = self.config
         self.links = NodeLinks(self.host, self._send_control, cfg.link_latency_ms, cfg.link_upload_mbps,
                                cfg.link_jitter_ms, cfg.probe_timeout_s)
+        self.weights = WeightServer(self.store.root, self.store.manifest, cfg.weights, open_link=self.links.open_link)
         self.scheduler = StageScheduler(lambda: self.state, self._run_batch,
                                         SchedulerConfig(token_budget=cfg.batch_token_budget))
 
@@ -109,6 +113,7 @@ class Node:
                           lambda: self.limits.max_frame_bytes, self.inbox_config)
         self.host.set_handler(RING_PROTOCOL, inbox.serve)
         self.host.set_handler(PROBE_PROTOCOL, self.links.on_probe_stream)
+        self.host.set_handler(WEIGHTS_PROTOCOL, self.weights.serve)
 
         async def session(registered) -> None:
             self.coordinator_id = await self.host.connect(cfg.coordinator)
@@ -134,6 +139,7 @@ class Node:
             self._tasks.start_soon(self._serve_control)
             self._tasks.start_soon(self._sweep_idle_jobs)
             rtt_s, upload, download = await self.links.probe_coordinator(cfg.probe_bytes)
+            self.weights.set_upload(upload)  # seeds at a share of what it measured
             await self._send_control(Register(
                 peer_id=self.host.peer_id, model=cfg.model, manifest_digest=self.store.digest, device=cfg.device,
                 memory_bytes=cfg.max_memory_bytes, decode_s_per_layer=decode_s, prefill_s_per_layer_token=prefill_s,
@@ -141,6 +147,7 @@ class Node:
                 listen_addrs=tuple(self.host.addrs), held_epoch=self.held.epoch if self.held is not None else -1,
                 held_start=self._loaded.start if self._loaded else 0, held_end=self._loaded.end if self._loaded else 0,
                 quant=cfg.quant, bytes_per_layer=self._bytes_per_layer(),
+                stored_files=stored_weight_files(self.store.root, self.store.manifest),
             ))
             log.info("registered with %s (decode %.2f ms/layer, prefill %.3f ms/layer/token, rtt %.1f ms, "
                      "up %.1f / down %.1f Mbit/s)", self.coordinator_id, decode_s * 1e3, prefill_s * 1e3, rtt_s * 1e3,
@@ -207,6 +214,7 @@ class Node:
         elif self._warm is not None and self._warm.layers == r:
             stage = self._warm  # kept warm for exactly this (hot standby)
         else:
+            await ensure_slice(self.host, self.coordinator_id, self.store, r, self.config.weights)  # fetch what is missing
             stage = await trio.to_thread.run_sync(self._load_stage, r)
         if a.role != ROLE_STAGE:
             # Off the ring: refuse every ring frame this epoch, keep the named slice warm.

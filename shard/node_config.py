@@ -10,12 +10,14 @@ import torch
 
 from shard.batch_plan import DEFAULT_TOKEN_BUDGET
 from shard.layers import LayerRange
+from shard.manifest import layer_file, layer_tensor_shapes
 from shard.options import option
 from shard.quant import NONE, SCHEMES, QuantScheme, quantise_stage
 from shard.sources import DEFAULT_MODEL
 from shard.stage import Stage
 from shard.stage_worker import WorkerConfig
 from shard.store import ModelStore
+from shard.weight_plan import WeightsConfig
 from shard.wire.dtypes import COMPUTE_DTYPES
 
 
@@ -45,6 +47,7 @@ class NodeConfig:
                                   "their cost)")
     job_idle_timeout_s: float = option(WorkerConfig.job_idle_timeout_s,
                                        "free the KV of a job that ran no frame for this long")
+    weights: WeightsConfig = WeightsConfig()  # fetching and seeding weight files (shard.weight_plan)
     batch_token_budget: int = option(DEFAULT_TOKEN_BUDGET, "rows one forward may carry across the jobs waiting at "
                                      "this stage (prefill chunks and decode rows share it); 1 = one frame per forward")
 
@@ -56,7 +59,11 @@ def measure_compute(store: ModelStore, dtype: torch.dtype, device: str, quant: Q
 
     cfg = store.config
     r = LayerRange(0, 1)
-    stage = quantise_stage(Stage(cfg, r, store.load_layers(r, dtype, device), dtype=dtype, device=device), quant)
+    # A node that joined with no weights times random weights of layer 0's shapes: a forward's
+    # time does not depend on the values.
+    weights = (store.load_layers(r, dtype, device) if (store.root / layer_file(0)).exists() else
+               {0: {n: torch.randn(s, dtype=dtype, device=device) * 0.02 for n, s in layer_tensor_shapes(cfg, 0).items()}})
+    stage = quantise_stage(Stage(cfg, r, weights, dtype=dtype, device=device), quant)
     cache = KVCache(1, cfg.num_kv_heads, cfg.head_dim, dtype, 1 << 30, device)
     job = cache.open("bench", 512)
     x = torch.randn(128, cfg.hidden_size, dtype=dtype)

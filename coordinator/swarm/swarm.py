@@ -25,7 +25,7 @@ import trio
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
-from coordinator.swarm import admission, formation, status, topology, unreachable
+from coordinator.swarm import admission, formation, seeding, status, topology, unreachable
 from coordinator.swarm.formation import Formation, ModelIdentity, NoRing, RingState, Snapshot, SwarmConfig
 from coordinator.swarm.topology import Traversal, TraversalLog
 from ring import Network, PeerId, Plan, RingError
@@ -103,7 +103,7 @@ class Swarm:
         self.held: dict[PeerId, LayerRange] = {}  # layers each node reported Ready with
         self.plan: Plan | None = None
         self.network: Network | None = None  # what `plan` was chosen on
-        self.traversals = TraversalLog()
+        self.traversals, self.fetches = TraversalLog(), seeding.FetchLog()  # measured against predicted
         self._awaiting_reports: set[PeerId] = set()
         self._formed_for: frozenset[PeerId] | None = None  # eligible members at the last formation
 
@@ -371,7 +371,8 @@ class Swarm:
 
     def topology_info(self) -> dict[str, Any]:
         """The plan, its predictions, measured rounds, roles and each node's measured links."""
-        return status.topology_info(self.snapshot(), self.traversals, self.config.topology, self.model)
+        info = status.topology_info(self.snapshot(), self.traversals, self.config.topology, self.model)
+        return {**info, "fetches": self.fetches.summary()}  # weight fetches nodes reported (seeding)
 
     def _set_ring(self, ring: RingState | None) -> None:
         self.ring = ring

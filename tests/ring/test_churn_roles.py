@@ -40,7 +40,8 @@ def test_one_node_leaving_moves_no_survivor(pool):
 
 def test_moves_are_charged_over_the_slower_end():
     # Bug guarded: weight transfer costed at the receiver's download alone. Sound: a node
-    # with a fast downlink fed by a 1 MB/s holder must take bytes / 1 MB/s.
+    # with a fast downlink fed by a 1 MB/s holder, which serves weights at its seeding
+    # share of that uplink (shard.weight_server's token bucket), takes bytes / (share * 1 MB/s).
     network = generate_pool("prosumer", 6, LLAMA_8B, 0)
     holder, receiver = network.nodes[0], network.nodes[1]
     nodes = (dataclasses.replace(holder, held=LayerRange(0, 4), upload_bytes_per_s=1e6),
@@ -48,7 +49,7 @@ def test_moves_are_charged_over_the_slower_end():
     net = Network(network.coordinator, nodes, network.latency)
     moves, seconds = plan_moves([Stage(receiver.peer, LayerRange(0, 4))], net, LLAMA_8B)
     assert moves[0].source == holder.peer and moves[0].missing_layers == 4
-    assert seconds == pytest.approx(4 * LLAMA_8B.bytes_per_layer / 1e6)
+    assert seconds == pytest.approx(4 * LLAMA_8B.bytes_per_layer / (ChurnPolicy().seed_upload_share * 1e6))
 
 
 def test_cheap_moves_allow_a_fresh_ring():
