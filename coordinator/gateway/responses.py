@@ -82,6 +82,10 @@ class ChatShape:
         delta = {"content": text} if text else {}
         return {"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs}
 
+    @staticmethod
+    def delta_choice(index: int, delta: dict[str, Any]) -> dict[str, Any]:
+        return {"index": index, "delta": delta, "finish_reason": None, "logprobs": None}
+
 
 class CompletionShape:
     """text_completion bodies (the same object name streams and whole)."""
@@ -242,11 +246,21 @@ class GenerationResponse(Response):
                 await event(self._envelope(obj, [self.shape.chunk_choice(i, self.prefix_text, None, None)]))
         offsets = [len(self.prefix_text)] * n  # characters sent per choice (completions' text_offset)
         fins: list[Finished] = []
-        buffered, held = getattr(self.shape, "buffered", False), [""] * n  # a shape that reads the whole text
+        # A shape that reads structure out of the text (tool calls) turns each choice's text
+        # into its own deltas as it streams (coordinator.gateway.tool_stream).
+        streamer = getattr(self.shape, "streamer", None)
+        readers = [streamer() for _ in range(n)] if streamer is not None else None
 
         async def on_event(index: int, ev: TextChunk | Finished) -> None:
-            if isinstance(ev, TextChunk) and buffered:
-                held[index] += ev.text
+            if readers is not None:
+                reader = readers[index]
+                deltas = reader.feed(ev.text) if isinstance(ev, TextChunk) else reader.finish()
+                for delta in deltas:
+                    await event(self._envelope(obj, [self.shape.delta_choice(index, delta)]))
+                if isinstance(ev, Finished):
+                    fins.append(ev)
+                    finish = "tool_calls" if reader.called else ev.finish_reason
+                    await event(self._envelope(obj, [self.shape.chunk_choice(index, "", finish, None)], shard=ev.stats))
             elif isinstance(ev, TextChunk):
                 if ev.text or ev.logprobs:
                     logprobs = self._logprobs(index, ev.logprobs, offsets[index])
@@ -254,9 +268,8 @@ class GenerationResponse(Response):
                     offsets[index] += len(ev.text)
             else:
                 fins.append(ev)
-                last = (self.shape.final_chunk_choice(index, held[index], ev) if buffered
-                        else self.shape.chunk_choice(index, "", ev.finish_reason, None))
-                await event(self._envelope(obj, [last], shard=ev.stats))
+                await event(self._envelope(obj, [self.shape.chunk_choice(index, "", ev.finish_reason, None)],
+                                           shard=ev.stats))
 
         try:
             await self._each_event(on_event)

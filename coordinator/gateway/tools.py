@@ -19,6 +19,7 @@ from typing import Any
 
 from coordinator.errors import RequestError
 from coordinator.gateway.responses import ChatShape
+from coordinator.gateway.tool_stream import ToolCallStream
 from coordinator.spec.grammar import Constraint, json_constraint
 
 TOOL_CALL_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
@@ -84,10 +85,10 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
 
 
 class ToolChatShape(ChatShape):
-    """chat.completion bodies whose text is read for tool calls. Streamed, the text is held
-    to the end (a call cannot be told from content until it closes) and sent as one delta."""
+    """chat.completion bodies whose text is read for tool calls; streamed, as OpenAI streams
+    them (coordinator.gateway.tool_stream)."""
 
-    buffered = True
+    streamer = ToolCallStream
 
     @staticmethod
     def whole_choice(index: int, text: str, fin: Any, logprobs: dict[str, Any] | None) -> dict[str, Any]:
@@ -97,12 +98,3 @@ class ToolChatShape(ChatShape):
             message["tool_calls"] = calls
         finish = "tool_calls" if calls else fin.finish_reason
         return {"index": index, "message": message, "finish_reason": finish, "logprobs": logprobs}
-
-    @staticmethod
-    def final_chunk_choice(index: int, text: str, fin: Any) -> dict[str, Any]:
-        content, calls = parse_tool_calls(text)
-        delta: dict[str, Any] = {"content": content} if content else {}
-        if calls:
-            delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(calls)]
-        return {"index": index, "delta": delta, "finish_reason": "tool_calls" if calls else fin.finish_reason,
-                "logprobs": None}

@@ -61,11 +61,49 @@ def test_tool_calls_round_trip_through_the_template(tiny_tokenizer):
     assert call.type == "function" and call.function.name == "get_weather"
     assert json.loads(call.function.arguments) == {"city": "Paris"} and call.id.startswith("call_")
     streamed = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
-    assert [(tc.function.name, json.loads(tc.function.arguments)) for tc in streamed] == [("get_weather", {"city": "Paris"})]
+    assert [tc.function.name for tc in streamed if tc.function.name] == ["get_weather"]
+    assert json.loads("".join(tc.function.arguments or "" for tc in streamed)) == {"city": "Paris"}
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
     assert second.choices[0].message.tool_calls  # the script answers the same; what matters is the prompt:
     prompt = engine.tokenizer.decode(engine.jobs[-1].prompt_ids)
     assert '"name": "get_weather"' in prompt and CALL in prompt and "<s>tool\n18 C and sunny</s>" in prompt
+
+
+def test_streamed_tool_calls_arrive_as_openai_streams_them():
+    # Bug guarded (issue 23): a streamed call sent as one delta at the very end, so an agent
+    # saw nothing until the reply was over, or deltas a client cannot accumulate. Sound: the
+    # official client's stream helper accumulates the deltas by index into the final message
+    # (it raises on deltas it cannot place), and the raw chunks must show OpenAI's order: the
+    # id, type and name first with empty arguments, then the arguments in fragments as the
+    # model writes them (the script writes 7 characters a block).
+    engine = tools_engine()
+    text = "Let me check. " + CALL
+    engine.blocks = [engine.ids(text[i:i + 7]) for i in range(0, len(text), 7)]
+    app = create_app(engine)
+    ask_weather = [{"role": "user", "content": "Weather in Paris?"}]
+
+    def calls(client):
+        with client.chat.completions.stream(model="tools-model", messages=ask_weather, tools=[WEATHER]) as stream:
+            events = [(e.type, getattr(e, "chunk", None)) for e in stream]
+            return events, stream.get_final_completion()
+
+    events, final = ask(app, calls)
+    message = final.choices[0].message
+    assert final.choices[0].finish_reason == "tool_calls" and message.content == "Let me check. "
+    (call,) = message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
+    deltas = [tc for _, chunk in events if chunk is not None and chunk.choices
+              for tc in (chunk.choices[0].delta.tool_calls or [])]
+    assert deltas[0].id == call.id and deltas[0].type == "function" and deltas[0].function.name == "get_weather"
+    assert deltas[0].function.arguments == "" and len(deltas) >= 3  # the arguments came in fragments
+    assert all(d.index == 0 and d.id is None and d.function.name is None for d in deltas[1:])
+    assert "".join(d.function.arguments for d in deltas) == call.function.arguments
+    kinds = [kind for kind, _ in events]
+    assert "tool_calls.function.arguments.delta" in kinds and "tool_calls.function.arguments.done" in kinds
+    # Content first, and never the tag's text: the calls' chunks come after the content's.
+    content_chunks = [i for i, (_, c) in enumerate(events) if c is not None and c.choices and c.choices[0].delta.content]
+    call_chunks = [i for i, (_, c) in enumerate(events) if c is not None and c.choices and c.choices[0].delta.tool_calls]
+    assert max(content_chunks) < min(call_chunks)
 
 
 def test_tools_with_a_template_without_them_is_a_clear_400(scripted):
