@@ -60,3 +60,20 @@ def test_leading_dimensions_pass_through():
         got = packed(x)
         assert got.shape == (*shape[:-1], 12)
         torch.testing.assert_close(got, F.linear(x, w, b), rtol=0, atol=1e-5)
+
+
+def test_a_row_alone_equals_the_same_row_in_any_multi_row_product():
+    # Bug guarded (issue 21): oneDNN multiplies a lone row on another kernel, whose sums
+    # over a long inner dimension (SmolLM2's 1536-wide down projection) differ in the last
+    # bits from the same row's in a 2..32-row product, so a job's logits moved by ~1e-4
+    # depending on whether its decode row shared a forward with other jobs'. Sound: bitwise
+    # equality over every row position and batch size; 576 is a width that never differed.
+    g = torch.Generator().manual_seed(0)
+    for in_features in (576, 1536, 4096):
+        lin = Linear(torch.randn(384, in_features, generator=g), torch.randn(384, generator=g))
+        x = torch.randn(32, in_features, generator=g) * 10
+        for rows in (2, 3, 16, 32):
+            many = lin(x[:rows])
+            for i in range(rows):
+                assert torch.equal(lin(x[i:i + 1])[0], many[i]), (in_features, rows, i)
+        assert torch.equal(lin(x[0]), many[0])  # a 1-D row too
