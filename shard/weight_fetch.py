@@ -34,8 +34,8 @@ from shard.errors import ShardError, StoreError, StreamClosedError, TransportErr
 from shard.layers import LayerRange
 from shard.manifest import MANIFEST_NAME, Manifest, slice_files
 from shard.store import ModelStore, default_store_dir, mark_verified, verify_file
-from shard.weight_plan import (WeightsConfig, check_chunk, choose_file, progress_line, requests, resume_offset,
-                               unservable)
+from shard.weight_plan import (WeightsConfig, check_chunk, choose_file, progress_line, request_deadline_s, requests,
+                               resume_offset, unservable)
 from shard.weight_server import WEIGHTS_PROTOCOL
 from shard.wire.codec import decode, encode
 from shard.wire.weight_messages import (SOURCES_LIMITS, WEIGHTS_LIMITS, FetchReport, ManifestRequest, SignedManifest,
@@ -301,11 +301,16 @@ class _Fetch:
                 await stream.send_frame(encode(WeightsRequest(manifest_digest=self.manifest.digest, file=rel,
                                                               offset=start, length=length)))
                 at, end = start, start + length
+                asked = trio.current_time()
+                deadline = asked + request_deadline_s(length, self.config)
                 while at < end:
-                    with trio.move_on_after(self.config.chunk_timeout_s) as timer:
+                    with trio.move_on_at(min(deadline, trio.current_time() + self.config.chunk_timeout_s)) as timer:
                         body = await stream.recv_frame(WEIGHTS_LIMITS.max_frame_bytes)
                     if timer.cancelled_caught:
-                        raise SourceFailed(peer, f"sent no chunk of {rel} within {self.config.chunk_timeout_s} s")
+                        raise SourceFailed(peer, f"sent {at - start} of {length} bytes of {rel} in "
+                                                 f"{trio.current_time() - asked:.0f} s (no chunk for "
+                                                 f"{self.config.chunk_timeout_s:.0f} s, or slower than "
+                                                 f"{self.config.min_source_bytes_per_s / 1e3:.0f} kB/s)")
                     msg = decode(body, WEIGHTS_LIMITS)
                     if isinstance(msg, WeightsRefused):
                         raise SourceFailed(peer, f"refused {rel} ({msg.code}): {msg.reason}")

@@ -32,6 +32,10 @@ class WeightsConfig:
     request_bytes: int = 16 << 20  # one WeightsRequest: a resumed stream re-asks at most this much
     max_sources: int = 8  # files fetched at once, one source each
     chunk_timeout_s: float = 60.0  # a source that sends no chunk for this long is dropped
+    # A source slower than this over a whole request is dropped too (a peer trickling a byte
+    # a minute would otherwise hold a file forever). 32 kB/s: a seeder on a 2 Mbit/s home
+    # uplink serving its share to four fetchers at once still passes.
+    min_source_bytes_per_s: float = 32e3
     progress_interval_s: float = 2.0  # a progress line at most this often
     max_serve_streams: int = 8  # fetchers this node serves at once; more are refused "busy"
 
@@ -49,6 +53,11 @@ def resume_offset(part_bytes: int, file_bytes: int) -> int:
     (a contiguous prefix: chunks are written in order). A partial file longer than the
     file is not a prefix of it: start over."""
     return part_bytes if 0 <= part_bytes <= file_bytes else 0
+
+
+def request_deadline_s(length: int, config: WeightsConfig) -> float:
+    """The most a source may take to serve a request of `length` bytes."""
+    return config.chunk_timeout_s + length / config.min_source_bytes_per_s
 
 
 def requests(offset: int, file_bytes: int, request_bytes: int) -> list[tuple[int, int]]:

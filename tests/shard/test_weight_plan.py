@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from shard.layers import LayerRange
 from shard.manifest import EMBED_FILE, layer_file, slice_files
 from shard.weight_plan import (TokenBucket, WeightsConfig, check_chunk, check_request, choose_file, progress_line,
-                               requests, resume_offset, unservable)
+                               request_deadline_s, requests, resume_offset, unservable)
 from shard.wire.weight_messages import WeightsChunk, WeightsRefused, WeightsRequest
 
 
@@ -119,6 +119,12 @@ def test_progress_names_bytes_rate_and_eta():
     line = progress_line("layers [0, 10)", 45_000_000, 90_000_000, 10.0, 2)
     assert line == "fetching layers [0, 10): 45.0 of 90.0 MB (50%), 4.50 MB/s, ETA 10 s, 2 sources"
     assert "ETA ?" in progress_line("x", 0, 10, 0.0, 1)
+
+
+def test_a_request_may_take_the_chunk_timeout_plus_its_bytes_at_the_slowest_rate_a_source_keeps():
+    # Bug guarded: a source trickling a byte per chunk timeout holding a file forever.
+    config = WeightsConfig(chunk_timeout_s=60.0, min_source_bytes_per_s=32e3)
+    assert request_deadline_s(16 << 20, config) == pytest.approx(60.0 + (16 << 20) / 32e3)
 
 
 def test_the_config_refuses_a_share_outside_0_1_and_oversized_chunks():
