@@ -7,7 +7,7 @@ import contextlib
 import os
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import trio
 from transformers import AutoTokenizer
@@ -30,6 +30,7 @@ class LocalRing:
     swarm: Swarm
     node_scopes: list[trio.CancelScope]
     node_ids: list[str]
+    nodes: list[Node] = field(default_factory=list)  # in the order started
 
     def kill(self, peer_id: str) -> None:
         """Stop a node abruptly: its host closes, as when a volunteer's machine dies."""
@@ -40,7 +41,7 @@ async def _run_node(store, coordinator: str, node_config: dict, task_status=trio
     with trio.CancelScope() as scope:
         async with open_host(keypair_from_seed(os.urandom(32))) as host:
             node = Node(NodeConfig(coordinator=coordinator, model=store.manifest.name, **node_config), host, store)
-            task_status.started((scope, host.peer_id))
+            task_status.started((scope, host.peer_id, node))
             await node.serve()
 
 
@@ -90,4 +91,5 @@ async def open_local_ring(store, nodes: int, *, wire_dtype: str = "f32", engine:
                    for _ in range(nodes)]
         with trio.fail_after(60):
             await coordinator.swarm.wait_ring()
-        yield LocalRing(coordinator.engine, coordinator.swarm, [s for s, _ in started], [p for _, p in started])
+        yield LocalRing(coordinator.engine, coordinator.swarm, [s for s, _, _ in started], [p for _, p, _ in started],
+                        [n for _, _, n in started])
