@@ -11,15 +11,22 @@ of at most half an int8 step of the row).
 Layouts follow ggml (ggml-quants.c): little-endian f16 scales first, then the values;
 Q4_0/Q4_1 keep inputs 0-15 of a block in the low nibbles and 16-31 in the high ones; Q4_K
 keeps each 64 inputs as 32 bytes, the first 32 inputs low, the next 32 high.
-Knows nothing of tensor names, stores or stages (gguf's own dequantize is the test oracle).
+`read_grids` finds a GGUF file's block tensors under the checkpoint names transformers
+loads them as (its name map and its q/k row permutation, learnt by passing row indices
+through its own tensor processor, so every family it reads is read the same way), and
+keeps each only where the grid's values equal what transformers loaded, exactly.
+Knows nothing of stores or stages (gguf's own dequantize is the test oracle).
 """
 
 from __future__ import annotations
 
 import numpy as np
 import torch
+from gguf import GGMLQuantizationType
 
-from shard.quant import Int4Linear, Int8Linear, QuantError
+from shard.manifest import MOE_NAMES
+from shard.quant import Int8Linear, QuantError
+from shard.quant_weights import QuantWeight
 
 GROUP = 32  # inputs per scale in every 4-bit block type here
 # ggml type name -> (inputs per block, bytes per block)
@@ -71,15 +78,77 @@ def int4_grid(raw: np.ndarray, kind: str, shape: tuple[int, int]) -> tuple[torch
     return torch.from_numpy(q), torch.from_numpy(scales.reshape(n, -1)), torch.from_numpy(zeros.reshape(n, -1))
 
 
-def linear_from_gguf(raw: np.ndarray, kind: str, shape: tuple[int, int], device: torch.device | str = "cpu"):
-    """The shard.quant linear holding a GGUF tensor of ggml type `kind`: Int4Linear (groups
-    of 32) for Q4_0/Q4_1/Q4_K, Int8Linear (per channel) for Q8_0."""
+def grid_from_gguf(raw: np.ndarray, kind: str, shape: tuple[int, int]) -> QuantWeight:
+    """The shard.quant grid of a GGUF tensor of ggml type `kind`: int4 (groups of 32) for
+    Q4_0/Q4_1/Q4_K, int8 (per channel, requantised) for Q8_0."""
     if kind in INT4_TYPES:
-        nibbles, scales, zeros = int4_grid(raw, kind, shape)
-        return Int4Linear.from_grid(nibbles, scales, zeros, device=device)
+        return QuantWeight("int4", *int4_grid(raw, kind, shape))
     if kind == "Q8_0":
         b = _blocks(raw, kind, shape)
         d, q = _f16(b, 0), b[..., 2:34].copy().view(np.int8).astype(np.float32)  # (N, nb), (N, nb, 32)
-        rows = torch.from_numpy((q * d[..., None]).reshape(shape[0], -1))  # one row block at a time in a store
-        return Int8Linear(rows.to(device))
+        lin = Int8Linear(torch.from_numpy((q * d[..., None]).reshape(shape[0], -1)))
+        return QuantWeight("int8", lin.weight, lin.scales)
     raise QuantError("GGUF block type", tuple(BLOCKS), kind)
+
+
+def linear_from_gguf(raw: np.ndarray, kind: str, shape: tuple[int, int], device: torch.device | str = "cpu"):
+    """The shard.quant linear holding a GGUF tensor of ggml type `kind` (see grid_from_gguf)."""
+    return grid_from_gguf(raw, kind, shape).linear(device=device)
+
+
+# A GGUF's fused MoE expert tensors (E, N, K) by their ggml name, as each expert's
+# (gate, up, down) projection: MOE_NAMES' index of the checkpoint name.
+_EXPERT_TENSORS = {"ffn_gate_exps": 0, "ffn_up_exps": 1, "ffn_down_exps": 2}
+
+
+def read_grids(path, config: dict, layout: str, model, state: dict[str, torch.Tensor],
+               ) -> tuple[dict[str, QuantWeight], dict[str, str]]:
+    """({checkpoint name -> grid} for the decoder-layer matmul weights of GGUF file `path`
+    stored as one of BLOCKS, {name -> why it stays float}). `model`: the transformers model
+    loaded from the file, `state`: its tensors under checkpoint names (the reference each
+    grid must reproduce exactly, row permutation included); `layout`: shard.arch's. MoE
+    routers are never taken (shard.quant keeps them in the compute dtype)."""
+    from gguf import GGUFReader, dequantize
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
+
+    reader = GGUFReader(str(path))
+    field = reader.fields["general.architecture"]
+    arch = bytes(field.parts[field.data[0]]).decode()
+    processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=config)
+    names = get_gguf_hf_weights_map(model, processor)
+    prefix, projections = MOE_NAMES.get(layout, ("mlp.", ()))
+    routers = (f".{prefix}gate.weight", "shared_expert_gate.weight")
+    grids, dense = {}, {}
+
+    def take(hf: str, raw: np.ndarray, kind: str, shape: tuple[int, int], order: np.ndarray) -> None:
+        if hf not in state or hf.endswith(routers) or not hf.startswith("model.layers."):
+            return
+        want = state[hf]
+        got = torch.from_numpy(dequantize(raw, GGMLQuantizationType[kind])).reshape(shape)[torch.from_numpy(order)]
+        if tuple(want.shape) != shape or not torch.equal(got, want.float()):
+            dense[hf] = f"its {kind} blocks are not what transformers loads as {hf}"
+            return
+        grids[hf] = grid_from_gguf(raw, kind, shape).rows(torch.from_numpy(order))
+
+    for t in reader.tensors:
+        kind = t.tensor_type.name
+        shape = tuple(int(v) for v in reversed(t.shape))  # ggml lists (K, N[, E])
+        if kind not in BLOCKS:
+            continue
+        stem = t.name.rsplit(".", 2)
+        if len(shape) == 3 and len(stem) == 3 and stem[1] in _EXPERT_TENSORS and projections:
+            layer = int(stem[0].removeprefix("blk."))
+            proj = projections[_EXPERT_TENSORS[stem[1]]]
+            for e in range(shape[0]):
+                take(f"model.layers.{layer}.{prefix}experts.{e}.{proj}.weight", t.data[e], kind, shape[1:],
+                     np.arange(shape[1]))
+        elif len(shape) == 2 and t.name in names:
+            # Row indices through transformers' own processing give its row order (llama.cpp
+            # permutes q and k rows for its rotary layout; transformers undoes it).
+            order = processor.process(weights=np.arange(shape[0], dtype=np.float32)[:, None], name=t.name).weights
+            order = np.asarray(order).reshape(-1).astype(np.int64)
+            if sorted(order.tolist()) != list(range(shape[0])):
+                dense[names[t.name]] = "transformers reshapes it beyond a row permutation"
+                continue
+            take(names[t.name], t.data, kind, shape, order)
+    return grids, dense

@@ -3,7 +3,10 @@
 Reads tensors by their checkpoint names (the family's layout: shard.manifest lists the
 same names with their shapes), fuses q/k/v and gate/up into single matmuls, folds a
 family's norm offset into its norm weights, and lays every matmul weight out for its
-device (shard.linear). Transforms on the weights, so the forward has no family branches.
+device (shard.linear); a weight the store keeps quantised (shard.quant_weights) becomes
+its quantised linear as it is, never through f32 (parts on different grids are fused in
+f32 instead, for the stage's quantisation transform to take). Transforms on the weights,
+so the forward has no family branches.
 Knows nothing of caches, frames or the wire.
 """
 
@@ -18,6 +21,7 @@ from shard.arch import ModelConfig
 from shard.blocks import DenseMLP, MixtureOfExperts
 from shard.linear import Linear
 from shard.manifest import MOE_NAMES
+from shard.quant_weights import QuantWeight
 
 @dataclass
 class LayerWeights:
@@ -38,24 +42,32 @@ class LayerWeights:
         """`t`: short tensor name ("self_attn.q_proj.weight") -> tensor, for absolute `layer`."""
 
         def get(name: str) -> torch.Tensor:
+            if name not in t and (grid := QuantWeight.from_tensors(t, name)) is not None:
+                return grid.dequantised().to(device=device, dtype=dtype)
             return t[name].to(device=device, dtype=dtype)
 
         def norm(name: str) -> torch.Tensor:
             # The offset is added in fp32, as Gemma's own norm does, before any cast down.
             return (t[name].float() + cfg.norm_offset).to(device=device, dtype=dtype)
 
-        def linear(*names: str) -> Linear:
-            return Linear(torch.cat([get(n) for n in names]), pack=pack)
+        def linear(*names: str, bias: torch.Tensor | None = None):
+            grids = [QuantWeight.from_tensors(t, n) for n in names]
+            if all(g is not None for g in grids) and (fused := QuantWeight.cat(grids)) is not None:
+                return fused.linear(bias, device)
+            return Linear(torch.cat([get(n) for n in names]), bias, pack=pack)
+
+        def router(name: str) -> Linear:  # kept in the compute dtype, as shard.quant keeps it
+            return Linear(get(name), pack=pack)
 
         def dense(gate_up: Linear, down: str) -> DenseMLP:
             return DenseMLP(gate_up, linear(down), cfg.activation)
 
         layout = cfg.family.layout
         if layout == "phi3":  # the checkpoint fuses them already, in our order
-            qkv = Linear(get("self_attn.qkv_proj.weight"), pack=pack)
+            qkv = linear("self_attn.qkv_proj.weight")
         else:
             bias = torch.cat([get(f"self_attn.{p}_proj.bias") for p in "qkv"]) if cfg.qkv_bias else None
-            qkv = Linear(torch.cat([get(f"self_attn.{p}_proj.weight") for p in "qkv"]), bias, pack=pack)
+            qkv = linear(*(f"self_attn.{p}_proj.weight" for p in "qkv"), bias=bias)
         if cfg.is_moe_layer(layer):
             prefix, (gate, up, down) = MOE_NAMES[layout]
             ex = [f"{prefix}experts.{e}." for e in range(cfg.num_experts)]
@@ -64,8 +76,8 @@ class LayerWeights:
             if cfg.shared_expert_intermediate_size:
                 s = prefix + "shared_expert."
                 shared = dense(linear(s + "gate_proj.weight", s + "up_proj.weight"), s + "down_proj.weight")
-                shared_gate = linear(prefix + "shared_expert_gate.weight")
-            mlp = MixtureOfExperts(linear(prefix + "gate.weight"), experts, cfg.experts_per_token, cfg.norm_topk_prob,
+                shared_gate = router(prefix + "shared_expert_gate.weight")
+            mlp = MixtureOfExperts(router(prefix + "gate.weight"), experts, cfg.experts_per_token, cfg.norm_topk_prob,
                                    shared, shared_gate)
         elif layout == "phi3":
             mlp = dense(linear("mlp.gate_up_proj.weight"), "mlp.down_proj.weight")

@@ -26,11 +26,45 @@ NORM_TENSOR = "model.norm.weight"
 LM_HEAD_TENSOR = "lm_head.weight"
 # Float dtypes a store may hold, in safetensors' own names (what safe_open reports).
 STORE_DTYPES = ("F32", "F16", "BF16")
+# A matmul weight `X.weight` kept quantised is stored as X.weight<suffix> tensors, per kind
+# (the layout: shard.quant_weights). The one table of these names; the first holds the values.
+QUANT_PARTS = {"int8": (".int8", ".scales"), "int4": (".int4", ".scales", ".zeros")}
 
 
 # MoE checkpoint naming per layout: the block's prefix and each expert's (gate, up, down)
 # projection names; the router is `{prefix}gate.weight`. shard.layer_weights reads these.
 MOE_NAMES = {"mixtral": ("block_sparse_moe.", ("w1", "w3", "w2")), "qwen_moe": ("mlp.", ("gate_proj", "up_proj", "down_proj"))}
+
+
+def is_quant_part(name: str) -> bool:
+    """Whether a store tensor is part of a quantised weight (kept in its own dtype at load)."""
+    return any(name.endswith(suffix) for parts in QUANT_PARTS.values() for suffix in parts)
+
+
+def quant_scheme_name(kind: str, group_size: int) -> str:
+    """The shard.quant.SCHEMES name of a grid: "int8" (per channel), "int4" (groups of 32), "int4-g64"..."""
+    return kind if kind == "int8" or group_size == 32 else f"{kind}-g{group_size}"
+
+
+def store_quant(files: dict[str, "FileEntry"]) -> str:
+    """The scheme a store's matmuls are kept in, read from its tensor entries: the 4-bit one
+    when any weight is int4 (int8 weights beside it stay int8), else "int8" when any is,
+    else "none". StoreError for int4 weights with different group sizes."""
+    groups, int8 = set(), False
+    for f in files.values():
+        for name, t in f.tensors.items():
+            if name.endswith(QUANT_PARTS["int8"][0]):
+                int8 = True
+            elif name.endswith(QUANT_PARTS["int4"][0]):
+                scales = f.tensors.get(name[: -len(QUANT_PARTS["int4"][0])] + QUANT_PARTS["int4"][1])
+                if scales is None or len(t.shape) != 2 or len(scales.shape) != 2 or not scales.shape[1]:
+                    raise StoreError(f"int4 weight {name} has no (N, K/G) scales beside it")
+                groups.add(2 * t.shape[1] // scales.shape[1])
+    if len(groups) > 1:
+        raise StoreError(f"int4 weights with different group sizes {sorted(groups)}: one per store")
+    if groups:
+        return quant_scheme_name("int4", groups.pop())
+    return "int8" if int8 else "none"
 
 
 def layer_file(layer: int) -> str:
@@ -160,15 +194,16 @@ class Manifest:
     arch: ModelConfig
     dtype: str  # safetensors dtype name of the layer weights
     files: dict[str, FileEntry]
-    layer_bytes: tuple[int, ...]  # file bytes of each layer, index = layer
+    layer_bytes: tuple[int, ...]  # file bytes of each layer, index = layer (quantised ones: as kept)
     digest: str
+    quant: str = "none"  # the scheme the matmuls are kept in (store_quant of the files; shard.quant_weights)
 
     @classmethod
     def build(cls, *, name: str, source: str, config: dict[str, Any], dtype: str, files: dict[str, FileEntry]) -> "Manifest":
         arch = ModelConfig.from_hf(config)
         layer_bytes = tuple(files[layer_file(i)].bytes for i in range(arch.num_layers))
         return cls(name, source, arch.model_type, arch.num_layers, config, arch, dtype, dict(sorted(files.items())),
-                   layer_bytes, model_digest(config, files))
+                   layer_bytes, model_digest(config, files), store_quant(files))
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -183,6 +218,7 @@ class Manifest:
             "files": {rel: f.to_dict() for rel, f in self.files.items()},
             "layer_bytes": list(self.layer_bytes),
             "digest": self.digest,
+            "quant": self.quant,
         }
 
     def to_json(self) -> str:
@@ -198,7 +234,8 @@ class Manifest:
             config = d["config"]
             arch = ModelConfig.from_dict(d["arch"])
             m = cls(str(d["name"]), str(d["source"]), str(d["model_type"]), int(d["num_layers"]), config, arch,
-                    str(d["dtype"]), files, tuple(int(b) for b in d["layer_bytes"]), str(d["digest"]))
+                    str(d["dtype"]), files, tuple(int(b) for b in d["layer_bytes"]), str(d["digest"]),
+                    str(d.get("quant", "none")))  # stores prepared before quantised ones existed: none
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise StoreError(f"{where}: malformed manifest ({type(e).__name__}: {e})") from e
         m.check(where)
@@ -219,6 +256,8 @@ class Manifest:
             raise StoreError(f"{where}: lists no entry for {missing[0]}")
         if self.layer_bytes != tuple(self.files[layer_file(i)].bytes for i in range(self.num_layers)):
             raise StoreError(f"{where}: layer_bytes disagree with the file sizes")
+        if self.quant != store_quant(self.files):
+            raise StoreError(f"{where}: quant {self.quant!r} disagrees with the tensors ({store_quant(self.files)!r})")
         digest = model_digest(self.config, self.files)
         if digest != self.digest:
             raise StoreError(f"{where}: digest {self.digest[:16]}… does not recompute (got {digest[:16]}…)")

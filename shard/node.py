@@ -29,7 +29,7 @@ from shard.layers import LayerRange
 from shard.linkprobe import PROBE_PROTOCOL
 from shard.node_links import NodeLinks
 from shard.node_config import NodeConfig, measure_compute  # noqa: F401 (NodeConfig re-exported)
-from shard.quant import mean_layer_bytes, quantise_stage, scheme
+from shard.quant import effective_scheme, mean_layer_bytes, quantise_stage, scheme
 from shard.receipt_signer import make_signer
 from shard.reconnect import ReconnectPolicy, RegistrationRefused, serve_reconnecting
 from shard.ring_inbox import InboxConfig, RingInbox
@@ -92,6 +92,9 @@ class Node:
     reconnect: ReconnectPolicy = ReconnectPolicy()
 
     def __post_init__(self) -> None:
+        # A store kept quantised (a GGUF's blocks) runs its own grid whatever --quant says
+        # ("none" gets it; another scheme is refused): what the node declares, sizes and loads.
+        self.config = replace(self.config, quant=effective_scheme(self.store.manifest.quant, self.config.quant).name)
         cfg = self.config
         self.links = NodeLinks(self.host, self._send_control, cfg.link_latency_ms, cfg.link_upload_mbps,
                                cfg.link_jitter_ms, cfg.probe_timeout_s)

