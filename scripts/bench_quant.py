@@ -12,7 +12,12 @@ head stays f32 for all of them (the coordinator's own). Rows, per scheme:
     prompts agree in full;
   - perplexity on docs/data/perplexity_text.txt (public domain: the Gettysburg Address
     (Bliss copy), the opening of the Declaration of Independence, the first sentences of
-    A Tale of Two Cities and Pride and Prejudice), one causal pass over all of its tokens.
+    A Tale of Two Cities and Pride and Prejudice), one causal pass over all of its tokens;
+    and the same with the scheme's weights multiplied in f32 (F.linear on the dequantised
+    grid), which splits a scheme's loss into its grid's and its kernels' (bf16 activations).
+The row "gguf-int4" is the store prepared with the GGUF's own Q4_1 blocks kept
+(--gguf-model, default the smollm2-135m-q4 alias): no requantisation; its store file
+bytes per layer are reported beside the float store's.
 Usage: python scripts/bench_quant.py [--json OUT] [--reps N] [--new-tokens N] [--schemes none,int8,int4]
 """
 
@@ -34,7 +39,8 @@ from transformers import AutoTokenizer
 from scripts.spec_prompts import PROMPTS
 from shard.kvcache import KVCache
 from shard.layers import LayerRange
-from shard.quant import SCHEMES, layer_bytes, quantise_stage
+from shard.linear import Linear
+from shard.quant import SCHEMES, effective_scheme, layer_bytes, quantise_stage
 from shard.stage import OutputHead, Stage
 from shard.store import open_or_prepare
 
@@ -90,6 +96,16 @@ def perplexity(stage: Stage, head: OutputHead, cache: KVCache, ids: list[int], c
     return math.exp(nll / count)
 
 
+def f32_grid(stage: Stage, weights, embedding) -> Stage:
+    """A plain f32 stage on `stage`'s dequantised weights (its grid without its kernels)."""
+    ref = Stage(stage.cfg, stage.layers, weights, embedding=embedding)
+    for qw, rw in zip(stage.blocks, ref.blocks):
+        if hasattr(qw.qkv, "dequantised"):
+            rw.qkv, rw.o = Linear(qw.qkv.dequantised(), qw.qkv.bias), Linear(qw.o.dequantised())
+            rw.mlp.gate_up, rw.mlp.down = Linear(qw.mlp.gate_up.dequantised()), Linear(qw.mlp.down.dequantised())
+    return ref
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")
@@ -99,6 +115,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--schemes", default="none,int8,int4,int4-g64")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (local ring nodes use 1)")
+    ap.add_argument("--gguf-model", default="smollm2-135m-q4", help="the same model with its GGUF blocks kept "
+                                                                   "(a row 'gguf-int4'; '' for none)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -112,6 +130,16 @@ def main(argv=None) -> int:
     norm, lm_head = store.load_head()
     head = OutputHead(cfg, norm, lm_head if lm_head is not None else embedding)
     stages = {n: quantise_stage(Stage(cfg, full, weights, embedding=embedding), SCHEMES[n]) for n in names}
+    scheme_of = {n: SCHEMES[n] for n in names}
+    store_bytes = {n: sum(store.manifest.layer_bytes) / len(full) for n in names}
+    if args.gguf_model:
+        kept = open_or_prepare(args.gguf_model, progress=False)
+        assert kept.config == cfg, "the kept-GGUF store must be the same model"
+        names.append("gguf-int4")
+        scheme_of["gguf-int4"] = effective_scheme(kept.manifest.quant, "none")
+        stages["gguf-int4"] = quantise_stage(Stage(cfg, full, kept.load_layers(full), embedding=embedding),
+                                             scheme_of["gguf-int4"])
+        store_bytes["gguf-int4"] = sum(kept.manifest.layer_bytes) / len(full)
     cache = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, torch.float32, 1 << 32)
     ids = torch.randint(0, cfg.vocab_size, (CTX + 512,))
 
@@ -139,7 +167,7 @@ def main(argv=None) -> int:
         cache.close(f"speed-{n}")
 
     # -- bytes ------------------------------------------------------------------------
-    per_layer = {n: sum(layer_bytes(cfg, i, SCHEMES[n]) for i in full) / len(full) for n in names}
+    per_layer = {n: sum(layer_bytes(cfg, i, scheme_of[n]) for i in full) / len(full) for n in names}
 
     # -- quality ----------------------------------------------------------------------
     tok = AutoTokenizer.from_pretrained(str(store.tokenizer_dir))
@@ -154,6 +182,7 @@ def main(argv=None) -> int:
         print(f"greedy {n}: {time.perf_counter() - t0:.0f} s", flush=True)
     text_ids = list(tok(TEXT.read_text())["input_ids"])
     ppl = {n: perplexity(stages[n], head, cache, text_ids) for n in names}
+    ppl_grid = {n: perplexity(f32_grid(stages[n], weights, embedding), head, cache, text_ids) for n in names}
 
     rows = []
     ref = names[0]
@@ -170,8 +199,10 @@ def main(argv=None) -> int:
             "greedy_agreement": sum(same) / (len(encoded) * args.new_tokens),
             "prompts_identical": sum(d is None for d in first_diff), "first_divergence": first_diff,
             "perplexity": ppl[n], "perplexity_rel": ppl[n] / ppl[ref] - 1,
+            "perplexity_f32_grid": ppl_grid[n], "perplexity_f32_grid_rel": ppl_grid[n] / ppl[ref] - 1,
+            "store_bytes_per_layer": store_bytes[n],
         }
-        family = "int4" if n.startswith("int4") else n
+        family = "int4" if "int4" in n else n
         if family in TARGETS:
             t = TARGETS[family]
             met = row["perplexity_rel"] <= t["ppl_rel_max"]
@@ -185,7 +216,8 @@ def main(argv=None) -> int:
               f"{row['verify_8_s'] * 1e3:6.1f} ms (x{row['verify_8_speedup']:.2f})  prefill512 "
               f"{row['prefill_512_s'] * 1e3:6.0f} ms (x{row['prefill_512_speedup']:.2f})  "
               f"{row['bytes_per_layer'] / 1e6:.2f} MB/layer (x{row['bytes_ratio']:.3f})  agree {row['greedy_agreement']:.3f} "
-              f"({row['prompts_identical']}/{len(encoded)} prompts)  ppl {row['perplexity']:.3f} ({row['perplexity_rel']:+.2%})"
+              f"({row['prompts_identical']}/{len(encoded)} prompts)  ppl {row['perplexity']:.3f} ({row['perplexity_rel']:+.2%}; "
+              f"grid in f32 {row['perplexity_f32_grid_rel']:+.2%})"
               + (f"  target {'met' if row['target_met'] else 'NOT met'}" if "target" in row else ""), flush=True)
 
     result = {
