@@ -7,6 +7,9 @@ and proposes what followed it; several earlier occurrences become branches of a 
 Its index is updated incrementally as tokens commit, so a call costs
 O(max_n + branches * depth), not O(context).
 
+`GrammarPruned` wraps a drafter so that its drafts keep only what a request's grammar
+allows (response_format, forced tool calls).
+
 This module does not know about the target model, logits, acceptance or the ring; model
 drafters (EAGLE) live elsewhere.
 """
@@ -14,9 +17,11 @@ drafters (EAGLE) live elsewhere.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
+
+import torch
 
 from coordinator.spec.draft_tree import DraftTree
 from coordinator.spec.source import DraftSource
@@ -145,3 +150,54 @@ def _continuation(ctx: list[int], start: int, depth: int) -> list[int]:
     for j in range(depth):
         out.append(ctx[start + j] if start + j < len(ctx) else out[j - period])
     return out
+
+
+def prune(tree: DraftTree, allowed_prefix: Callable[[list[int]], int]) -> DraftTree:
+    """`tree` without the nodes whose token is not allowed after their path, and their
+    subtrees. `allowed_prefix(tokens)`: how many leading tokens of a root-to-leaf path are
+    allowed. Kept nodes keep their order, tokens, log-probs and probability rows."""
+    keep = [False] * tree.num_nodes
+    for leaf_path in tree.paths():
+        n = allowed_prefix([int(tree.tokens[i]) for i in leaf_path])
+        for i in leaf_path[:n]:
+            keep[i] = True
+    if all(keep):
+        return tree
+    kept = [i for i in range(tree.num_nodes) if keep[i]]
+    index = {old: new for new, old in enumerate(kept)}
+    parents = tree.parents.tolist()
+    rows = torch.tensor([0] + [1 + i for i in kept], dtype=torch.int64)  # probs: the root's row, then each kept node's
+    return DraftTree(tree.tokens[kept], torch.tensor([index.get(parents[i], -1) for i in kept], dtype=torch.int64),
+                     logprobs=None if tree.logprobs is None else tree.logprobs[kept],
+                     probs=None if tree.probs is None else tree.probs[rows], sampling=tree.sampling,
+                     source=tree.source, merged_from=tree.merged_from)
+
+
+class GrammarPruned:
+    """A drafter whose drafts keep only the nodes the request's grammar allows after the
+    context it is asked about (`draft_filter`: coordinator.spec.grammar.DraftFilter; `prompt_len`:
+    where the completion starts in that context). The ring then never verifies a token the
+    target's grammar mask would refuse; the output is the same, the rows fewer. Everything
+    else (name, aux_layers, observe...) is the wrapped drafter's."""
+
+    def __init__(self, inner: Drafter, draft_filter: Any, prompt_len: int) -> None:
+        self.inner, self._filter, self._prompt_len = inner, draft_filter, prompt_len
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def propose(self, context_ids: Sequence[int], budget: DraftBudget) -> DraftTree:
+        tree = self.inner.propose(context_ids, budget)
+        if not tree.num_nodes:
+            return tree
+        self._filter.sync(context_ids[self._prompt_len:])
+        return prune(tree, self._filter.allowed_prefix)
+
+
+def grammar_pruned(drafters: list[Drafter], constraint: Any, prompt_len: int) -> list[Drafter]:
+    """`drafters` pruned to `constraint`'s grammar (one DraftFilter for all), or as they
+    are when the request has none."""
+    if constraint is None or not drafters:
+        return drafters
+    shared = constraint.draft_filter()
+    return [GrammarPruned(d, shared, prompt_len) for d in drafters]

@@ -7,6 +7,9 @@ verify row's allowed tokens are the state's after the row's draft path (consumed
 rolled back), so the target distribution at every row is masked to the grammar and a
 draft token the grammar forbids is never accepted: drafts are checked, not trusted, and
 output stays exactly the masked target's. The state advances by what a round committed.
+Drafts are pruned before they are sent (`DraftFilter`, applied by
+coordinator.spec.drafting.GrammarPruned), so the ring spends no rows on tokens the
+grammar forbids; output is the same either way, since acceptance never takes them.
 
 It does not know about rounds, jobs or HTTP; the gateway builds Constraints.
 """
@@ -37,6 +40,9 @@ class Constraint:
 
     def start(self) -> GrammarState:
         return GrammarState(llguidance.LLMatcher(self.tokenizer, self.grammar))
+
+    def draft_filter(self) -> DraftFilter:
+        return DraftFilter(self)
 
 
 _tokenizers: dict[int, Any] = {}  # id(hf tokenizer) -> LLTokenizer (built once; vocabularies are big)
@@ -97,6 +103,38 @@ class GrammarState:
     def advance(self, tokens: Sequence[int]) -> None:
         """Consume committed tokens (those past a stop are never asked for again)."""
         self._matcher.try_consume_tokens(list(tokens))
+
+
+class DraftFilter:
+    """How much of a draft path the grammar allows, for a job's drafters: a matcher of its
+    own (the job's GrammarState belongs to acceptance), kept at the generated tokens it was
+    last asked about. A context that differs from that (a round drafted ahead assumes tokens
+    that may not commit) rolls the matcher back to the common prefix, then consumes the rest;
+    a context the grammar cannot consume allows no draft after it."""
+
+    def __init__(self, constraint: Constraint) -> None:
+        self._matcher = llguidance.LLMatcher(constraint.tokenizer, constraint.grammar)
+        self._consumed: list[int] = []  # generated tokens the matcher has consumed
+        self._blocked = False  # the last context went past what the grammar allows
+
+    def sync(self, generated: Sequence[int]) -> None:
+        """Put the matcher after `generated` (this completion's tokens, committed or assumed)."""
+        done, common = self._consumed, 0
+        limit = min(len(done), len(generated))
+        while common < limit and done[common] == generated[common]:
+            common += 1
+        if common < len(done):
+            self._matcher.rollback(len(done) - common)
+            del done[common:]
+        rest = [int(t) for t in generated[common:]]
+        consumed = self._matcher.try_consume_tokens(rest) if rest else 0
+        done += rest[:consumed]
+        self._blocked = consumed < len(rest)
+
+    def allowed_prefix(self, path: Sequence[int]) -> int:
+        """How many leading tokens of `path` the grammar allows after the synced context
+        (validated without being consumed)."""
+        return 0 if self._blocked or not path else self._matcher.validate_tokens([int(t) for t in path])
 
 
 def start_grammar(constraint: Constraint | None) -> GrammarState | None:
