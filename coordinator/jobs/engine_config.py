@@ -35,6 +35,9 @@ class EngineConfig:
     # A job waiting for a ring (none formed, or re-forming after a node left) fails with
     # a 503 after this long rather than holding its client forever.
     ring_wait_s: float = option(60.0, "how long a request waits for a ring to re-form before it fails (503)")
+    # coordinator.trust.probation: a newcomer's rounds are recomputed here before release.
+    probation_rounds: int = option(64, "rounds a new node serves with each one recomputed by the coordinator before "
+                                   "its tokens are released (0: no probation; audits alone vouch for newcomers)")
     # Emulated on the coordinator -> head edge; `shard-coord serve` gives its local nodes the same.
     link_latency_ms: float = option(0.0, "emulated one-way latency on every ring edge")
     link_upload_mbps: float = option(0.0, "emulated uplink of every ring sender in Mbit/s (0 = unlimited)")

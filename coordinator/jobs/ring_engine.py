@@ -20,10 +20,12 @@ from typing import Any
 import trio
 
 from receipts import sha256_digest
-from coordinator.errors import NotReadyError
-from coordinator.trust.receipt_check import ReceiptChecker
+from coordinator.errors import JobFailedError, NotReadyError
+from coordinator.trust import probation
+from coordinator.trust.receipt_check import JobReceipts, ReceiptChecker
+from coordinator.trust.shadow import Shadow
 from coordinator.spec import adapt
-from coordinator.spec.drafting import Drafter, NgramDrafter, grammar_pruned
+from coordinator.spec.drafting import Drafter, NgramDrafter
 from coordinator.spec.eagle import EagleDrafter, EagleHead, shipped_head_dir
 from coordinator.jobs.engine_config import EngineConfig
 from coordinator.jobs.port import Arrived
@@ -36,13 +38,13 @@ from coordinator.swarm.swarm import RingState, Swarm
 from coordinator.swarm.topology import Traversal
 from coordinator.swarm.unreachable import stall_suspect
 from ring import PeerId, RingError
-from shard.errors import DialError, WireError
+from shard.errors import DialError, ShardError, WireError
 from shard.stage import OutputHead
 from shard.transport import FramedStream, Host, TransportError
 from shard.node import RING_PROTOCOL
 from shard.ring_observer import NO_OBSERVER, ObservedHead, RingObserver
 from shard.wire.codec import decode_frame
-from shard.wire.messages import JobError, Result
+from shard.wire.messages import EndJob, Forward, JobError, Result
 
 log = logging.getLogger("shard.coordinator")
 
@@ -86,6 +88,11 @@ class RingEngine:
         self.served: dict[PeerId, int] = {}
         self.missed: dict[PeerId, int] = {}
         self._blamed_epoch = -1  # one stage sits out per ring that misses, however many jobs missed
+        # Probation (coordinator.trust.probation): rounds of rings with a newcomer are
+        # recomputed here (coordinator.trust.shadow) and checked before their tokens go out.
+        self.probation = probation.ProbationPolicy(config.probation_rounds)
+        self.clean_rounds: probation.Book = {}
+        self.shadow: Shadow | None = Shadow(store)  # None: this store cannot recompute (no layers)
 
     def make_drafters(self) -> list[Drafter]:
         """Fresh drafters for one job; several means the router picks per round (hybrid),
@@ -120,9 +127,8 @@ class RingEngine:
         job = RingJob(EnginePort(self, job_id), job_id, list(prompt_ids), params, recv, self.config, self.head,
                       self.max_context_tokens, drafters=self.make_drafters(),
                       adapt=self.starting_adapt(self.swarm.ring.epoch), observer=self.observer)
-        job.drafters = grammar_pruned(job.drafters, params.constraint, len(job.prompt_ids))  # no draft the grammar forbids
-        if self.receipts is not None:
-            job.receipts = self.receipts.open_job(job_id, job.nonce, job.prompt_ids)
+        inner = self.receipts.open_job(job_id, job.nonce, job.prompt_ids) if self.receipts is not None else None
+        job.receipts = ProbationGate(inner, self)  # type: ignore[assignment]
         return job
 
     def starting_adapt(self, epoch: int) -> adapt.AdaptState:
@@ -251,6 +257,51 @@ class RingEngine:
         self.swarm.report_unreachable(suspect, f"round {round} on ring epoch {ring.epoch} missed its deadline "
                                       f"({len(stages)} stages; it served {self.served.get(suspect, 0)} rounds)", "stalled")
 
+    # -- probation ----------------------------------------------------------------------
+    def on_probation(self, ring: RingState) -> tuple[PeerId, ...]:
+        """`ring`'s stages whose rounds are verified before release (none without a shadow)."""
+        if self.shadow is None:
+            return ()
+        return probation.probation_stages(self.clean_rounds, [p for p, _ in ring.stages], self.probation)
+
+    def quant_of(self) -> dict[str, str]:
+        return {p: m.register.quant for p, m in self.swarm.members.items()}
+
+    async def shadow_feed(self, ring: RingState, body: bytes) -> None:
+        """Recompute a frame just sent to `ring`'s head, if the ring has a stage on probation."""
+        if not self.on_probation(ring) or self.shadow is None:
+            return
+        msg, _ = decode_frame(body, self.swarm.limits)  # our own frame: it decodes
+        if isinstance(msg, (Forward, EndJob)):
+            try:
+                await self.shadow.feed(ring, msg, self.quant_of())
+            except (OSError, KeyError, ShardError) as exc:  # the store lacks a slice: audits alone vouch for newcomers
+                log.warning("probation checks are off: this coordinator cannot recompute the ring (%s)", exc)
+                self.shadow = None
+
+    def verify_round(self, ring: RingState, result: Result) -> None:
+        """Before a round's tokens are released: on a ring with stages on probation, its
+        result must match the shadow's. A mismatch excludes the newest of them, or has it sit
+        out (coordinator.trust.probation.blame); either way the round fails and the job
+        resumes from its committed, verified tokens. Raises JobFailedError."""
+        suspects = self.on_probation(ring)
+        if not suspects or self.shadow is None:
+            return
+        spot = self.shadow.check(ring, result, self.quant_of())
+        if spot is not None and spot.passed:
+            self.clean_rounds = probation.credit(self.clean_rounds, suspects)
+            return
+        what = (f"round {result.round} on ring epoch {ring.epoch} could not be recomputed" if spot is None else
+                f"round {result.round} on ring epoch {ring.epoch} differs from the coordinator's recomputation "
+                f"({spot.num_outliers}/{spot.num_elements} elements off, max abs error {spot.max_abs_error:.3g})")
+        if spot is not None:
+            verdict = probation.blame(self.clean_rounds, suspects)
+            if verdict.faulty is not None:
+                self.swarm.mark_faulty(verdict.faulty, f"on probation: {what}")
+            for peer in verdict.sit_out:
+                self.swarm.report_unreachable(peer, f"on probation, as new as another: {what}", "unverified")
+        raise JobFailedError(f"{what}; its tokens were not released")
+
     def _deliver(self, msg: Arrived | JobError) -> None:
         channel = self._jobs.get(msg.result.job_id if isinstance(msg, Arrived) else msg.job_id)
         if channel is not None:
@@ -291,6 +342,7 @@ class EnginePort:
 
     async def send_body(self, ring: RingState, body: bytes) -> None:
         await self.engine.send_body(ring, body)
+        await self.engine.shadow_feed(ring, body)  # before the job awaits its result
 
     def round_deadline_s(self, ring: RingState, shape: Traversal) -> float:
         return self.engine.round_deadline_s(ring, shape)
@@ -306,3 +358,25 @@ class EnginePort:
 
     def close(self) -> None:
         self.engine.close_job(self.job_id)
+
+
+@dataclass
+class ProbationGate:
+    """A job's receipt checks (None: receipts off), then RingEngine.verify_round: what the
+    job calls before a round's tokens are committed."""
+
+    inner: JobReceipts | None
+    engine: RingEngine
+
+    def sent(self, fwd: Forward, digest: bytes) -> None:
+        if self.inner is not None:
+            self.inner.sent(fwd, digest)
+
+    def check(self, ring: RingState, result: Result, received_digest: bytes) -> None:
+        if self.inner is not None:
+            self.inner.check(ring, result, received_digest)
+        self.engine.verify_round(ring, result)
+
+    def finish(self, output_ids: list[int]) -> None:
+        if self.inner is not None:
+            self.inner.finish(output_ids)

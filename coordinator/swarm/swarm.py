@@ -90,7 +90,8 @@ class Swarm:
         self.control_limits = dataclasses.replace(
             self.limits, max_tensor_elements=max(self.limits.max_tensor_elements, self.limits.max_frame_bytes))
         self.faulty: dict[PeerId, str] = {}  # peer id -> why audits excluded it from rings
-        self.unreachable = unreachable.Exclusions()  # nodes their predecessor could not reach sit out a while
+        self.unreachable = unreachable.Exclusions()  # unreachable or stalling nodes sit out a while
+        self.registrations = admission.RegistrationRate()  # how often an address, a key, may register
         self.members: dict[PeerId, Member] = {}
         self.ring: RingState | None = None
         self.epoch = 0
@@ -121,9 +122,9 @@ class Swarm:
                         await stream.send_frame(encode(Pong(nonce=msg.nonce, sent_ns=msg.sent_ns,
                                                             payload=bytes(msg.reply_bytes))))
                 elif isinstance(msg, Register):
-                    held = self.members.get(peer)
-                    refused = admission.refusal(msg, identity_in_use=held is not None and held.control is not stream,
-                                                model_name=self.store.manifest.name, model_digest=self.store.digest)
+                    in_use = (held := self.members.get(peer)) is not None and held.control is not stream
+                    refused = admission.refusal(msg, identity_in_use=in_use, model_name=self.store.manifest.name,
+                                                model_digest=self.store.digest) or self.registrations.admit(peer, getattr(stream, "remote_ip", None))
                     if refused is not None:
                         log.warning("refused node %s: %s", peer, refused.reason)
                         async with lock:

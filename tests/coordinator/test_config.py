@@ -23,7 +23,8 @@ FLAGS = {"--model", "--store-dir", "--listen", "--http", "--key-path", "--local-
          "--eagle-tree", "--pipeline-depth", "--prefill-chunk-tokens", "--prefill-edge-chunk-tokens",
          "--max-concurrent-jobs", "--node-threads", "--receipts-dir", "--audit-rate", "--log-level", "--ring-wait-s",
          "--api-keys", "--key-max-concurrent-jobs", "--key-tokens-per-minute", "--public-health", "--public-status",
-         "--public-metrics", "--local-selector-split", "--node-quant"}
+         "--public-metrics", "--local-selector-split", "--node-quant", "--max-body-bytes", "--body-timeout-s",
+         "--header-timeout-s", "--probation-rounds"}
 
 
 def _serve_parser() -> argparse.ArgumentParser:

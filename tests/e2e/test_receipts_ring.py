@@ -125,8 +125,10 @@ async def run_ring(store, *, wire_dtype="f32", rate=1.0, requests=2, tokens=8, c
     """Start the ring, serve `requests` greedy requests, wait for audits; return what happened."""
     config = CoordConfig(listen=LOOPBACK_ANY_PORT, min_nodes=2, swarm=SwarmConfig(wire_dtype=wire_dtype, aux_dtype=aux_dtype, ready_timeout_s=30,
                                                         planner="all_nodes"),
+                         # Probation off: these rings are all newcomers, and a cheater must be caught by
+                         # audits, with evidence, not before release (tests/e2e/test_probation_ring.py).
                          engine=EngineConfig(draft=draft, eagle_head=eagle_head, frame_timeout_s=10, max_resumes=3,
-                                             resume_wait_s=5),
+                                             resume_wait_s=5, probation_rounds=0),
                          receipts=ReceiptConfig(receipts_dir=receipts_dir),
                          audit=AuditConfig(rate=rate, reply_timeout_s=reply_timeout_s))
     with trio.fail_after(50):

@@ -33,3 +33,45 @@ def test_an_identity_another_running_node_registered_is_refused():
 
 def test_a_matching_node_with_a_fresh_identity_is_admitted():
     assert refusal(register("a" * 64), identity_in_use=False, model_name="tiny-a", model_digest="a" * 64) is None
+
+
+# -- registration rate (issue 20) -------------------------------------------------------------
+
+def test_an_address_minting_fresh_keys_and_a_key_rejoining_are_refused_past_their_rate():
+    # Bug guarded: a fresh key seated 7 s after its predecessor was excluded, over and over
+    # (each starts a probation the coordinator pays for). Sound: exact times against a
+    # stated policy; the refusal names what, how often, the limit and when to retry.
+    from coordinator.swarm.admission import RegistrationLimits, rate_refusal
+
+    limits = RegistrationLimits(per_address=3, per_key=2, window_s=60.0)
+    by_address = {"203.0.113.7": [0.0, 10.0, 20.0]}
+    refused = rate_refusal("203.0.113.7", "fresh-key", by_address, {}, 30.0, limits)
+    assert refused is not None and refused.code == "rate_limited"
+    assert refused.reason == ("this address (203.0.113.7) registered 3 times in the last 60 s, the limit: "
+                              "retry in 30 s")
+    assert rate_refusal("203.0.113.7", "fresh-key", by_address, {}, 60.0, limits) is None  # the first fell out
+    by_key = {"k": [50.0, 55.0]}
+    refused = rate_refusal("198.51.100.1", "k", {}, by_key, 56.0, limits)
+    assert refused is not None and "this identity (k) registered 2 times" in refused.reason
+    assert rate_refusal(None, "other", by_address, by_key, 30.0, limits) is None  # no address: by key alone
+
+
+def test_the_swarm_history_counts_admitted_registrations_and_stays_bounded():
+    import trio
+    import trio.testing
+
+    from coordinator.swarm.admission import RegistrationLimits, RegistrationRate
+
+    async def main():
+        rate = RegistrationRate(RegistrationLimits(per_address=2, per_key=5, window_s=10.0), max_names=3)
+        assert rate.admit("a", "10.0.0.1") is None and rate.admit("b", "10.0.0.1") is None
+        assert rate.admit("c", "10.0.0.1").code == "rate_limited"  # refused: not counted
+        await trio.sleep(10.0)
+        assert rate.admit("c", "10.0.0.1") is None
+        for key in "defg":
+            rate.admit(key, None)
+        return rate
+
+    rate = trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert len(rate.by_key) == 3 and list(rate.by_key) == ["e", "f", "g"]
+    assert rate.by_address == {"10.0.0.1": [10.0]}
