@@ -51,6 +51,21 @@ def test_the_prediction_takes_the_share_of_the_sources_uploads_capped_by_the_dow
     assert predicted_fetch_s(1, {L0: ()}, 1e9, {}, COORD, policy) is None
 
 
+def test_files_are_whole_units_of_work_so_8_files_from_3_sources_take_3_files_time():
+    # Bug guarded: predicting bytes / (3 sources' rate) when each file comes from one source
+    # (shard.weight_fetch): the third round has only 2 files, so the fetch takes 3 files' time.
+    # Sound: 8 files of 1 MB at 1 MB/s each (share of 2 MB/s) from 3 sources end after 3 s.
+    files = {layer_file(i): (A, B, C) for i in range(8)}
+    share = ChurnPolicy().seed_upload_share
+    got = predicted_fetch_s(8_000_000, files, 1e12, {A: 1e6 / share, B: 1e6 / share, C: 1e6 / share}, COORD,
+                            ChurnPolicy())
+    assert got == pytest.approx(3.0)
+    # A source twice as fast takes twice the files: 4 + 2 + 2 files, 2 s.
+    got = predicted_fetch_s(8_000_000, files, 1e12, {A: 2e6 / share, B: 1e6 / share, C: 1e6 / share}, COORD,
+                            ChurnPolicy())
+    assert got == pytest.approx(2.0)
+
+
 def test_the_fetch_log_keeps_a_bounded_window_with_measured_and_predicted():
     log = FetchLog(window=2)
     for i in range(3):
