@@ -25,7 +25,7 @@ from coordinator.trust import probation
 from coordinator.trust.receipt_check import JobReceipts, ReceiptChecker
 from coordinator.trust.shadow import Shadow
 from coordinator.spec import adapt
-from coordinator.spec.drafting import Drafter, NgramDrafter
+from coordinator.spec.drafting import Drafter, NgramDrafter, grammar_pruned
 from coordinator.spec.eagle import EagleDrafter, EagleHead, shipped_head_dir
 from coordinator.jobs.engine_config import EngineConfig
 from coordinator.jobs.port import Arrived
@@ -127,6 +127,7 @@ class RingEngine:
         job = RingJob(EnginePort(self, job_id), job_id, list(prompt_ids), params, recv, self.config, self.head,
                       self.max_context_tokens, drafters=self.make_drafters(),
                       adapt=self.starting_adapt(self.swarm.ring.epoch), observer=self.observer)
+        job.drafters = grammar_pruned(job.drafters, params.constraint, len(job.prompt_ids))  # no draft the grammar forbids
         inner = self.receipts.open_job(job_id, job.nonce, job.prompt_ids) if self.receipts is not None else None
         job.receipts = ProbationGate(inner, self)  # type: ignore[assignment]
         return job
