@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from coordinator.swarm import topology
 from coordinator.swarm.topology import TopologyConfig
 from ring import (AssignError, Capacity, ChurnPolicy, Constraints, InfeasibleError, ModelSpec, Network, PeerId, Plan,
-                  RingError, RoleKind, Stage, evaluate, reselect, select_ring, split_by_capacity)
+                  RingError, RoleKind, Stage, assign_roles, evaluate, plan_moves, reselect, select_ring,
+                  split_by_capacity)
 from shard.layers import LayerRange
 from shard.options import option
 from shard.wire.dtypes import BY_CLI_NAME, BY_NAME, from_cli_name
@@ -143,6 +144,9 @@ def choose(snapshot: Snapshot, members: frozenset[PeerId], config: SwarmConfig, 
         except AssignError as exc:
             raise InfeasibleError(str(exc), len(regs)) from None
         return evaluate([Stage(PeerId(p), r) for p, r in split], network, model, workload), network
+    takeover = standby_takeover(snapshot.plan, snapshot.held, members, network, model, workload, config.churn)
+    if takeover is not None:
+        return takeover, network
     if snapshot.plan is not None and set(snapshot.plan.peers) & members:
         return reselect(snapshot.plan, network, model, workload, constraints, config.churn), network
     if snapshot.plan is None:  # a restarted coordinator: the ring that was serving, as it was
@@ -150,6 +154,34 @@ def choose(snapshot: Snapshot, members: frozenset[PeerId], config: SwarmConfig, 
         if warm is not None:
             return warm, network
     return select_ring(network, model, workload, constraints), network
+
+
+def standby_takeover(plan: Plan | None, held: Mapping[PeerId, LayerRange], members: frozenset[PeerId],
+                     network: Network, model: ModelSpec, workload, churn: ChurnPolicy = ChurnPolicy()) -> Plan | None:
+    """The plan in force with every stage that left (or was excluded) replaced by its hot
+    standby, which already holds that slice warm: nobody reloads, nobody else moves, and
+    the ring serves again as soon as the standbys acknowledge. None when no stage left,
+    when a departed stage has no standby among `members` holding exactly its slice (then
+    re-selection decides), or when the standby's ring does not fit (ring.RingError).
+    Standbys are taken in peer order where a stage has several."""
+    if plan is None or not plan.roles or all(s.peer in members for s in plan.stages):
+        return None
+    stages = []
+    for index, s in enumerate(plan.stages):
+        if s.peer in members:
+            stages.append(s)
+            continue
+        standby = next((p for p, role in sorted(plan.roles.items()) if role.kind is RoleKind.HOT_STANDBY
+                        and role.stage_index == index and p in members and held.get(p) == s.layers), None)
+        if standby is None:
+            return None
+        stages.append(Stage(standby, s.layers))
+    try:
+        seated = evaluate(stages, network, model, workload)
+    except RingError:
+        return None
+    moves, move_s = plan_moves(stages, network, model, churn)
+    return dataclasses.replace(seated, roles=assign_roles(seated, network, model, workload), moves=moves, move_s=move_s)
 
 
 def warm_plan(held: Mapping[PeerId, LayerRange], members: frozenset[PeerId], network: Network, model: ModelSpec,

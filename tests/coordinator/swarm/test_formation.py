@@ -134,3 +134,50 @@ def test_same_assignment_ignores_only_the_signature():
     assert formation.same_assignment(a, dataclasses.replace(a, signature=b"x" * 64))
     assert not formation.same_assignment(a, dataclasses.replace(a, epoch=a.epoch + 1))
     assert not formation.same_assignment(None, a)
+
+
+def _formed_with_standby(held_by_standby: LayerRange | None):
+    """A formed 2-stage ring a[0,1) b[1,4) whose plan names c hot standby of stage 1."""
+    regs = [_reg(p) for p in "abcd"]
+    held = {PeerId("a"): LayerRange(0, 1), PeerId("b"): LayerRange(1, 4)}
+    if held_by_standby is not None:
+        held[PeerId("c")] = held_by_standby
+    snapshot = _snapshot(regs, held=held, epoch=5)
+    network = formation.choose(snapshot, frozenset("abcd"), SwarmConfig(), MODEL)[1]
+    plan = evaluate([Stage(PeerId("a"), LayerRange(0, 1)), Stage(PeerId("b"), LayerRange(1, 4))], network, MODEL,
+                    SwarmConfig().topology.workload())
+    plan = dataclasses.replace(plan, roles={PeerId("c"): Role(RoleKind.HOT_STANDBY, "", 1),
+                                            PeerId("d"): Role(RoleKind.SPOT_CHECK_VERIFIER, "", 0)})
+    stages = ((PeerId("a"), LayerRange(0, 1)), (PeerId("b"), LayerRange(1, 4)))
+    return dataclasses.replace(snapshot, plan=plan, ring=RingState(5, stages, ()))
+
+
+def test_a_departed_stages_hot_standby_takes_its_place_with_the_slice_it_holds():
+    # Bug guarded: a stage's death re-selecting from scratch (the standby's warm slice
+    # wasted, other stages moved and reloaded) instead of seating the standby. Sound: the
+    # decision must be exactly the old ring with c for b, and no weight moves.
+    snapshot = _formed_with_standby(LayerRange(1, 4))
+    excluded = dataclasses.replace(snapshot, faulty={PeerId("b"): "audit output_mismatch"})
+    for state in (snapshot, excluded):  # b left the swarm / b was excluded by an audit (still registered)
+        members = formation.eligible(set(state.registrations) - ({"b"} if state is snapshot else set()), state.faulty)
+        f = formation.decide(state, members, SwarmConfig(), IDENTITY)
+        assert isinstance(f, Formation) and f.new_ring and f.epoch == 6
+        assert f.stages == ((PeerId("a"), LayerRange(0, 1)), (PeerId("c"), LayerRange(1, 4)))
+        assert f.plan.moves == () and f.plan.move_s == 0.0
+        _chain_is_well_formed(f)
+        assert "c" not in f.plan.roles and "d" in f.plan.roles  # roles re-assigned around the new ring
+
+
+def test_no_takeover_without_a_standby_holding_the_slice():
+    # A standby that never loaded its slice (or holds another) is no faster than anyone:
+    # re-selection decides. Sound: standby_takeover alone, on the same plan.
+    snapshot = _formed_with_standby(None)
+    network = formation.choose(snapshot, frozenset("acd"), SwarmConfig(), MODEL)[1]
+    workload = SwarmConfig().topology.workload()
+    assert formation.standby_takeover(snapshot.plan, snapshot.held, frozenset("acd"), network, MODEL, workload) is None
+    held = {**snapshot.held, PeerId("c"): LayerRange(1, 3)}
+    assert formation.standby_takeover(snapshot.plan, held, frozenset("acd"), network, MODEL, workload) is None
+    # Nobody left: nothing to take over.
+    held = {**snapshot.held, PeerId("c"): LayerRange(1, 4)}
+    assert formation.standby_takeover(snapshot.plan, held, frozenset("abcd"), network, MODEL, workload) is None
+    assert formation.standby_takeover(snapshot.plan, held, frozenset("acd"), network, MODEL, workload) is not None
