@@ -92,7 +92,7 @@ async def open_coordinator(config: CoordConfig, store: ModelStore, tokenizer: An
     auditor = (Auditor(swarm, store, seed, config.audit, audit_rng, finished=finished, audit_replies=audit_replies)
                if checked else None)
     refuse_if_in_use(config.listen)
-    async with open_host(keypair, config.listen) as host:
+    async with open_host(keypair, config.listen, relay_hop=True) as host:  # relays for nodes behind NATs
         engine = RingEngine(swarm, host, tokenizer, config.engine, receipts=checker, job_errors=job_errors,
                             ring_changes=ring_changes, observer=observer)
         host.set_handler(CONTROL_PROTOCOL, swarm.handle_control)

@@ -1,7 +1,8 @@
 """`shard-node join`'s process: the model store, an identity, a host, and the node on it.
 
 Prepares (or opens) the store, claims an identity (`--key-path`, else the first default key
-no running node on this machine holds), opens the libp2p host and serves the node until
+no running node on this machine holds), opens the libp2p host (which reserves a relay slot
+on the coordinator whenever the coordinator cannot dial it back) and serves the node until
 cancelled. Knows nothing of what the node does once it serves.
 """
 
@@ -55,6 +56,7 @@ async def run_node(config: NodeConfig, task_status=trio.TASK_STATUS_IGNORED) -> 
     key_path, _claim = (config.key_path, None) if config.key_path else claim_key_path(cache_root(), "node")
     keypair = load_or_create_identity(key_path)
     async with open_host(keypair, config.listen) as host:
+        host.reach.use_relay(config.coordinator)  # not dialable: reachable through the coordinator
         if store is None:  # joins with no weights: the coordinator's signed manifest, each slice fetched from peers
             store = await open_fetched_store(host, config.coordinator, config.store_dir)
         print(f"node {host.peer_id} joining coordinator {coordinator_id} at {config.coordinator}", flush=True)

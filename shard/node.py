@@ -45,7 +45,7 @@ from shard.wire.codec import decode, decode_frame, encode
 from shard.wire.dtypes import COMPUTE_DTYPES
 from shard.wire.limits import Limits
 from shard.wire.messages import (ROLE_STAGE, Assignment, AuditReply, AuditRequest, EndJob, Forward, JobError,
-                                 Ping, Pong, ProbePeers, Ready, Refused, Register)
+                                 HopPath, Ping, Pong, ProbePeers, Ready, Refused, Register)
 
 log = logging.getLogger("shard.node")
 
@@ -380,8 +380,8 @@ class Node:
                 except TransportError as exc:
                     log.info("could not dial successor at %s: %s", addr, exc)
             stream = await self.host.open_stream(target, RING_PROTOCOL)
+            await self._send_control(HopPath(peer_id=self.host.peer_id, successor=target, path=self.host.path_of(stream)))
             stream = await self.links.emulate(stream)
             self._out_streams[target] = stream
         self.observer.frame_sent(self.host.peer_id, len(body) + 4)
         await stream.send_frame(body)
-

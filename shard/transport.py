@@ -6,7 +6,8 @@ Every stream's remote peer id is the one Noise authenticated, which is how a sta
 its predecessor and the coordinator knows its tail.
 
 This module does not know what is inside a frame (the wire codec does), who should talk
-to whom (the ring epoch does), or what a link costs (linkemu emulates, linkprobe measures).
+to whom (the ring epoch does), what a link costs (linkemu emulates, linkprobe measures) or
+how a host behind a NAT is reached (shard.relay does: circuits, hole punching, AutoNAT).
 
 py-libp2p 0.8.1 quirks handled here:
 - `new_host` offers Noise, TLS, SECIO and plaintext by default; we pass exactly Noise
@@ -25,7 +26,6 @@ py-libp2p 0.8.1 quirks handled here:
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -51,6 +51,7 @@ from libp2p.stream_muxer.yamux.yamux import Yamux
 from shard.errors import DialError, FrameTimeoutError, ShardError, StreamClosedError, TransportError, WireError
 from shard.addresses import advertised
 from shard.inbound_conns import release_slots_on_close
+from shard.relay import Reach, ReachConfig, is_circuit
 from shard.yamux_window import bound_stream_buffers
 from shard.wire.limits import FRAME_PREFIX  # ">I": body length, big-endian uint32; torch-free home
 
@@ -232,9 +233,10 @@ StreamHandler = Callable[[FramedStream], Awaitable[None]]
 class Host:
     """A running libp2p host. Made by `open_host`; valid only inside its `async with`."""
 
-    def __init__(self, libp2p_host: object, config: TransportConfig) -> None:
+    def __init__(self, libp2p_host: object, config: TransportConfig, reach: Reach) -> None:
         self._host = libp2p_host
         self._config = config
+        self.reach = reach
         self._known_addrs: dict[str, multiaddr.Multiaddr] = {}
 
     @property
@@ -243,8 +245,13 @@ class Host:
 
     @property
     def addrs(self) -> list[str]:
-        """Full multiaddrs others dial, each ending in /p2p/<peer id>."""
-        return [str(a) for a in self._host.get_addrs()]
+        """Full multiaddrs others dial, each ending in /p2p/<peer id>: circuits through the
+        relays this host reserved on (`reach.use_relay`: when they could not dial it), then its own."""
+        return self.reach.circuit_addrs + [str(a) for a in self._host.get_addrs()]
+
+    def path_of(self, stream: FramedStream) -> str:
+        """"direct", "hole_punched" or "relayed": the path of the connection `stream` crosses."""
+        return self.reach.path_of(stream._stream.swarm_conn)
 
     async def connect(self, addr: str) -> str:
         """Dial `addr` (which must end in /p2p/<id>) unless already connected; return the peer id.
@@ -259,6 +266,9 @@ class Host:
         peer_id = info.peer_id.to_base58()
         if info.addrs:
             self._known_addrs[peer_id] = info.addrs[0]
+        if is_circuit(addr):
+            await self.reach.connect_relayed(addr, peer_id, self._config.dial_timeout_s)
+            return peer_id
         # Callers pace retries: py-libp2p's 60 s block would bar a coordinator restarted at once.
         self._host.get_network().unblock_peer(info.peer_id)
         with trio.move_on_after(self._config.dial_timeout_s) as scope:
@@ -268,6 +278,7 @@ class Host:
                 raise DialError(addr, f"{type(exc).__name__}: {exc}", peer_id) from exc
         if scope.cancelled_caught:
             raise DialError(addr, f"no connection within {self._config.dial_timeout_s} s", peer_id)
+        await self.reach.after_connect(peer_id)  # a relay we may need: are we dialable, else reserve
         return peer_id
 
     def set_handler(self, protocol_id: str, handler: StreamHandler) -> None:
@@ -327,9 +338,12 @@ class Host:
 
 @asynccontextmanager
 async def open_host(
-    keypair: KeyPair, listen_multiaddr: str | None = None, *, config: TransportConfig | None = None
+    keypair: KeyPair, listen_multiaddr: str | None = None, *, config: TransportConfig | None = None,
+    relay_hop: bool = False, reach_config: ReachConfig | None = None,
 ) -> AsyncIterator[Host]:
-    """Start a TCP + Noise + yamux libp2p host for `keypair`, listening on `listen_multiaddr`.
+    """Start a TCP + Noise + yamux libp2p host for `keypair`, listening on `listen_multiaddr`;
+    it accepts relayed circuits and hole punches (shard.relay), and with `relay_hop` it
+    relays for others and answers their reachability checks.
 
     Resource handling: the listener, every connection and every stream handler task live
     inside this context; leaving it closes them all.
@@ -347,54 +361,13 @@ async def open_host(
     )
     release_slots_on_close(libp2p_host.get_network())
     bound_stream_buffers(libp2p_host.get_network())
-    async with libp2p_host.run([listen]):
+    reach = Reach(libp2p_host, relay_hop, reach_config or ReachConfig())
+    async with libp2p_host.run([listen]), trio.open_nursery() as nursery:
+        await nursery.start(reach.serve)
         try:
-            yield Host(libp2p_host, config)
+            yield Host(libp2p_host, config, reach)
         finally:
+            nursery.cancel_scope.cancel()
             # run() ending leaves connections open: peers would never see this host go.
             with trio.CancelScope(shield=True), trio.move_on_after(2.0):
                 await libp2p_host.get_network().close()
-
-
-class MemoryFramedStream:
-    """One end of an in-process frame pipe with the same bounds and errors as FramedStream.
-
-    For tests and single-process simulations of a ring without sockets; `remote_peer_id`
-    is whatever the pair was told, not authenticated.
-    """
-
-    def __init__(self, remote_peer_id: str, send: trio.MemorySendChannel[bytes], recv: trio.MemoryReceiveChannel[bytes]) -> None:
-        self._remote_peer_id, self._send, self._recv = remote_peer_id, send, recv
-
-    @property
-    def remote_peer_id(self) -> str:
-        return self._remote_peer_id
-
-    async def send_frame(self, body: bytes) -> None:
-        check_frame_length(len(body), MAX_FRAME_BYTES_LIMIT)
-        try:
-            await self._send.send(bytes(body))
-        except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
-            raise StreamClosedError(self._remote_peer_id, "closed", 0, 0) from exc
-
-    async def recv_frame(self, max_frame_bytes: int) -> bytes:
-        try:
-            body = await self._recv.receive()
-        except (trio.EndOfChannel, trio.ClosedResourceError) as exc:
-            raise StreamClosedError(self._remote_peer_id, "closed", 0, FRAME_PREFIX.size) from exc
-        check_frame_length(len(body), max_frame_bytes)
-        return body
-
-    async def aclose(self) -> None:
-        await self._send.aclose()
-
-
-def memory_stream_pair(
-    peer_id_a: str, peer_id_b: str, buffer_frames: float = math.inf
-) -> tuple[MemoryFramedStream, MemoryFramedStream]:
-    """Two connected ends: what end a (peer a) sends, end b receives, and back."""
-    a_to_b_send, a_to_b_recv = trio.open_memory_channel[bytes](buffer_frames)
-    b_to_a_send, b_to_a_recv = trio.open_memory_channel[bytes](buffer_frames)
-    end_a = MemoryFramedStream(peer_id_b, a_to_b_send, b_to_a_recv)
-    end_b = MemoryFramedStream(peer_id_a, b_to_a_send, a_to_b_recv)
-    return end_a, end_b

@@ -104,9 +104,12 @@ class Netbed:
         host = self.hosts[name] = NetHost(name, ns, ip, ip)
         return host
 
-    def add_home(self, name: str, hosts: Sequence[str], upload_mbit: float | None = None) -> list[NetHost]:
+    def add_home(self, name: str, hosts: Sequence[str], upload_mbit: float | None = None,
+                 symmetric: bool = False) -> list[NetHost]:
         """A router on the bridge masquerading for `hosts` behind it (one LAN): they dial
-        out through it, and nothing on the bridge can open a connection to them."""
+        out through it, and nothing on the bridge can open a connection to them. It keeps a
+        connection's source port where it can (hole punching can predict it); `symmetric`
+        gives each connection a random one instead (as carrier-grade NATs do: no punching)."""
         home = next(self._next_home)
         router, wan_ip, lan = f"{self.tag}-{name}", f"{PUBLIC_NET}.{next(self._next_ip)}", HOME_NET.format(home)
         self._add_ns(router)
@@ -118,10 +121,15 @@ class Netbed:
         run("ip", "-n", router, "link", "set", "lan", "up")
         run("ip", "netns", "exec", router, "sysctl", "-q", "-w", "net.ipv4.ip_forward=1")
         nat = ["ip", "netns", "exec", router, "iptables"]
-        run(*nat, "-t", "nat", "-A", "POSTROUTING", "-s", f"{lan}.0/24", "-o", "eth0", "-j", "MASQUERADE")
+        run(*nat, "-t", "nat", "-A", "POSTROUTING", "-s", f"{lan}.0/24", "-o", "eth0", "-j", "MASQUERADE",
+            *(["--random-fully"] if symmetric else []))
         run(*nat, "-A", "FORWARD", "-i", "eth0", "-o", "lan", "-m", "conntrack", "--ctstate", "ESTABLISHED,RELATED",
             "-j", "ACCEPT")
         run(*nat, "-A", "FORWARD", "-i", "eth0", "-o", "lan", "-j", "DROP")
+        # Like a home router, answer unsolicited connections to the WAN address with
+        # silence, not a reset: a reset would also erase the mapping a hole punch's own SYN
+        # just made (TCP simultaneous open needs the crossing SYNs to meet state, not RSTs).
+        run(*nat, "-A", "INPUT", "-i", "eth0", "-p", "tcp", "--syn", "-j", "DROP")
         out = []
         for i, host_name in enumerate(hosts, start=2):
             ns, ip = f"{self.tag}-{host_name}", f"{lan}.{i}"

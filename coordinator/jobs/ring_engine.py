@@ -169,6 +169,7 @@ class RingEngine:
                 except DialError as exc:  # a head we cannot reach is treated as gone (re-formed without it)
                     self.swarm.report_unreachable(ring.head, f"the coordinator could not reach it: {exc}")
                     raise
+                self.swarm.traversals.paths[(self.swarm.peer_id, ring.head)] = self.host.path_of(stream)
                 stream = await self._emulate(stream)
                 self._head_streams[ring.epoch] = stream
             self.observer.frame_sent(self.host.peer_id, len(body) + 4)

@@ -17,7 +17,8 @@ from ring import ModelSpec
 
 
 def topology_info(snapshot: Snapshot, traversals: TraversalLog, config: TopologyConfig, model: ModelSpec) -> dict[str, Any]:
-    """The plan, its predictions, measured rounds, roles and each node's measured links."""
+    """The plan, its predictions, measured rounds, roles and each node's measured links;
+    each hop with the path its sender reported (traversals.paths)."""
     plan, held = snapshot.plan, snapshot.held
     nodes = {}
     for peer, reg in sorted(snapshot.registrations.items()):
@@ -30,7 +31,7 @@ def topology_info(snapshot: Snapshot, traversals: TraversalLog, config: Topology
             "faulty": snapshot.faulty.get(peer),
         }
     return {
-        "plan": topology.plan_info(plan) if plan is not None else None,
+        "plan": topology.plan_info(plan, traversals.paths) if plan is not None else None,
         "roles": {p: {"role": r.kind.value, "reason": r.reason, "stage_index": r.stage_index}
                   for p, r in sorted(plan.roles.items())} if plan is not None else {},
         "measured": traversals.summary(),

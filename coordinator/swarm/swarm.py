@@ -37,7 +37,7 @@ from shard.store import ModelStore
 from shard.transport import FramedStream, TransportError
 from shard.wire.codec import decode, encode
 from shard.wire.limits import Limits
-from shard.wire.messages import Assignment, AuditReply, JobError, LinkReport, Ping, Pong, ProbePeers, Ready, Register
+from shard.wire.messages import Assignment, AuditReply, HopPath, JobError, LinkReport, Ping, Pong, ProbePeers, Ready, Register
 
 __all__ = ["REPORT_BUFFER", "Member", "RingState", "Swarm", "SwarmConfig"]
 
@@ -140,6 +140,8 @@ class Swarm:
                     if (blamed := unreachable.blamed(msg, peer, self.ring)) is not None:
                         self.report_unreachable(blamed, f"{peer[-6:]} could not reach it: {msg.message}")
                     _offer(self._job_errors, msg, f"job {msg.job_id}'s error from {peer}")
+                elif isinstance(msg, HopPath) and msg.peer_id == peer:  # the path its ring stream crosses
+                    self.traversals.paths[(peer, PeerId(msg.successor))] = msg.path
                 elif isinstance(msg, AuditReply):
                     _offer(self._audit_replies, (peer, msg), f"an audit reply from {peer}")
                 else:

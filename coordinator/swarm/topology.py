@@ -162,10 +162,13 @@ def predict(plan: Plan, network: Network, model: ModelSpec, config: TopologyConf
 
 @dataclass
 class TraversalLog:
-    """Recent rounds of the current ring with their predictions (a bounded window)."""
+    """Recent rounds of the current ring with their predictions (a bounded window), and
+    the path each sender's ring stream crosses, (src, dst) -> "direct", "hole_punched" or
+    "relayed" as the sender reported it (kept across rings: a stream outlives its epoch)."""
 
     window: int = 256
     samples: deque[tuple[Traversal, Predicted]] = field(default_factory=deque)
+    paths: dict[tuple[str, str], str] = field(default_factory=dict)
 
     def add(self, t: Traversal, p: Predicted) -> None:
         self.samples.append((t, p))
@@ -200,14 +203,18 @@ class TraversalLog:
         return out
 
 
-def plan_info(plan: Plan) -> dict[str, Any]:
-    """A plan as JSON: the ring, its predictions and its per-hop breakdown."""
+def plan_info(plan: Plan, hop_paths: Mapping[tuple[str, str], str] | None = None) -> dict[str, Any]:
+    """A plan as JSON: the ring, its predictions and its per-hop breakdown, each hop with
+    the path its sender's stream crosses ("direct", "hole_punched", "relayed"; None until
+    the sender has opened one)."""
+    paths = hop_paths or {}
     return {
         "stages": [{"peer_id": s.peer, "layers": [s.layers.start, s.layers.end]} for s in plan.stages],
         "predicted": {"ttft_s": plan.ttft_s, "decode_step_s": plan.decode_step_s, "total_s": plan.total_s,
                       "bottleneck_s": plan.bottleneck_s},
         "hops": [{"src": h.src, "dst": h.dst, "latency_s": h.latency_s, "latency_estimated": h.latency_estimated,
-                  "chunk_send_s": h.chunk_send_s, "round_send_s": h.round_send_s} for h in plan.hops],
+                  "chunk_send_s": h.chunk_send_s, "round_send_s": h.round_send_s, "path": paths.get((h.src, h.dst))}
+                 for h in plan.hops],
         "stage_timings": [{"peer_id": t.peer, "chunk_compute_s": t.chunk_compute_s, "round_compute_s": t.round_compute_s}
                           for t in plan.timings],
         "moves": [{"peer_id": m.peer, "layers": [m.layers.start, m.layers.end], "missing_layers": m.missing_layers,

@@ -322,6 +322,25 @@ class LinkReport:
         pass
 
 
+# How a ring stream reaches the next stage (shard.relay names them; a test holds the two together).
+HOP_PATHS = ("direct", "hole_punched", "relayed")
+
+
+@dataclass(frozen=True, kw_only=True)
+class HopPath:
+    """Node -> coordinator: the path of the libp2p connection its ring stream to `successor`
+    crosses (a relayed one's address holds /p2p-circuit; a direct one that replaced a relay
+    was hole-punched)."""
+
+    KIND: ClassVar[str] = "hop_path"
+    peer_id: str = spec(PEER_ID)
+    successor: str = spec(PEER_ID)
+    path: str = spec(Str(16, choices=HOP_PATHS))
+
+    def check(self, limits: Limits) -> None:
+        pass
+
+
 @dataclass(frozen=True, kw_only=True)
 class AuditRequest:
     """Coordinator -> stage (control stream): send me one side of a frame you logged."""
@@ -354,10 +373,10 @@ class AuditReply:
 
 
 Message = Union[Forward, Result, EndJob, JobError, Register, Refused, Assignment, Ready, Ping, Pong, ProbePeers,
-                LinkReport, AuditRequest, AuditReply]
+                LinkReport, HopPath, AuditRequest, AuditReply]
 # The allow-list: the only classes a peer's `kind` can name.
 REGISTRY: dict[str, type] = {c.KIND: c for c in (Forward, Result, EndJob, JobError, Register, Refused, Assignment, Ready,
-                                                 Ping, Pong, ProbePeers, LinkReport, AuditRequest, AuditReply)}
+                                                 Ping, Pong, ProbePeers, LinkReport, HopPath, AuditRequest, AuditReply)}
 
 REGISTRY.update({c.KIND: c for c in WEIGHT_MESSAGES})  # weights from peers (shard.wire.weight_messages)
 for _cls in REGISTRY.values():

@@ -11,7 +11,8 @@ import trio.testing
 
 from shard.identity import keypair_from_seed
 from shard.linkemu import EmulatedLink, Uplink, open_emulated_link
-from shard.transport import FRAME_PREFIX, FramedStream, StreamClosedError, memory_stream_pair, open_host
+from shard.memory_stream import memory_stream_pair
+from shard.transport import FRAME_PREFIX, FramedStream, StreamClosedError, open_host
 
 MAX = 1 << 21
 PREFIX = FRAME_PREFIX.size

@@ -1,0 +1,145 @@
+"""shard.relay on real hosts over loopback: reservations, circuits, hole punching, AutoNAT.
+
+Bugs guarded: a host behind a NAT advertised only addresses nobody could dial (issue 19);
+py-libp2p's AutoNAT server "dialled back" over the requester's own connection and told
+every peer it was public; a circuit's path was reported as direct. Sound: each path is
+read from the connection the stream actually crosses (its type and its /p2p-circuit
+address), and the dial-back verdicts are for an address where something listens and one
+where nothing does, over a connection that already exists in both cases.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import multiaddr
+import trio
+
+from shard.identity import keypair_from_seed
+from shard.relay import DIRECT, HOLE_PUNCHED, PATHS, RELAYED, ReachConfig, circuit_addr, is_circuit, path_kind
+from shard.transport import open_host
+from shard.wire.messages import HOP_PATHS
+
+PROTO = "/shard-test/relay-echo/1"
+
+
+def _key():
+    return keypair_from_seed(os.urandom(32))
+
+
+def test_path_names_are_the_wires():
+    assert set(PATHS) == set(HOP_PATHS)
+
+
+def test_path_kind_and_circuit_addresses():
+    assert (path_kind(True, True), path_kind(True, False)) == (RELAYED, RELAYED)
+    assert (path_kind(False, True), path_kind(False, False)) == (HOLE_PUNCHED, DIRECT)
+    addr = circuit_addr("/ip4/10.0.0.1/tcp/4001/p2p/R", "D")
+    assert addr == "/ip4/10.0.0.1/tcp/4001/p2p/R/p2p-circuit/p2p/D" and is_circuit(addr)
+    assert not is_circuit("/ip4/10.0.0.1/tcp/4001/p2p/R")
+
+
+async def _echo(stream) -> None:
+    await stream.send_frame(await stream.recv_frame(1024))
+
+
+def _through_relay(punch: bool) -> tuple[list[str], str, bytes, str]:
+    """A destination reserved on a relay; a source dials the circuit it advertises and
+    echoes a frame. Returns (dest addrs, path of the source's stream, echo, path after)."""
+    got: list = []
+    config = ReachConfig() if punch else ReachConfig(punch_timeout_s=0.0)
+
+    async def main():
+        async with (open_host(_key(), relay_hop=True) as relay, open_host(_key()) as dest,
+                    open_host(_key(), reach_config=config) as source):
+            dest.set_handler(PROTO, _echo)
+            with trio.fail_after(60):
+                relay_addr = relay.addrs[0]
+                await dest.connect(relay_addr)
+                await dest.reach.reserve(relay_addr)
+                advertised = dest.addrs
+                await source.connect(advertised[0])
+                stream = await source.open_stream(dest.peer_id, PROTO)
+                path = source.path_of(stream)
+                await stream.send_frame(b"hello")
+                got.extend([advertised, path, await stream.recv_frame(1024)])
+                await stream.aclose()
+
+    trio.run(main)
+    return tuple(got)
+
+
+def test_a_host_reached_through_its_relay_is_on_a_relayed_path():
+    advertised, path, echo = _through_relay(punch=False)
+    assert is_circuit(advertised[0]) and not any(map(is_circuit, advertised[1:]))
+    assert (path, echo) == (RELAYED, b"hello")
+
+
+def test_a_relayed_host_that_can_be_reached_directly_is_hole_punched():
+    # On loopback nothing blocks a direct connection: DCUtR must find one, and the stream
+    # opened after it must cross it.
+    _, path, echo = _through_relay(punch=True)
+    assert (path, echo) == (HOLE_PUNCHED, b"hello")
+
+
+def test_a_plain_dial_is_direct():
+    got = []
+
+    async def main():
+        async with open_host(_key()) as a, open_host(_key()) as b:
+            b.set_handler(PROTO, _echo)
+            with trio.fail_after(30):
+                await a.connect(b.addrs[0])
+                got.append(a.path_of(await a.open_stream(b.peer_id, PROTO)))
+
+    trio.run(main)
+    assert got == [DIRECT]
+
+
+def _unused_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_autonat_dials_back_on_a_new_connection():
+    # The requester is connected to the server already; py-libp2p's own dial-back reused
+    # that connection and said OK for any address with the requester's IP.
+    got = []
+
+    async def main():
+        async with open_host(_key(), relay_hop=True) as server, open_host(_key()) as client:
+            with trio.fail_after(60):
+                await client.connect(server.addrs[0])
+                server_id = multiaddr.Multiaddr(server.addrs[0]).get_peer_id()
+                from libp2p.peer.id import ID
+                sid = ID.from_base58(server_id)
+                dead = multiaddr.Multiaddr(f"/ip4/127.0.0.1/tcp/{_unused_port()}").to_bytes()
+                live = [multiaddr.Multiaddr(a.split("/p2p/")[0]).to_bytes() for a in client.addrs]
+                got.append((await client.reach.autonat.query_server(sid, addrs=[dead]))[0])
+                got.append((await client.reach.autonat.query_server(sid, addrs=live))[0])
+                got.append(await client.reach.reachable_by(server_id))
+
+    trio.run(main)
+    dead_status, live_status, verdict = got
+    assert dead_status != 0 and live_status == 0 and verdict is True
+
+
+def test_a_host_its_relay_cannot_dial_reserves_and_advertises_a_circuit():
+    # use_relay + connect: the relay dials back the host's own addresses; one that
+    # listens only where the relay cannot reach it (here: advertised addresses nobody
+    # listens on) is told it is private and reserves.
+    got = []
+
+    async def main():
+        async with open_host(_key(), relay_hop=True) as relay, open_host(_key()) as node:
+            node._host.get_addrs = lambda: [multiaddr.Multiaddr(f"/ip4/127.0.0.1/tcp/{_unused_port()}")]
+            node.reach.use_relay(relay.addrs[0])
+            with trio.fail_after(60):
+                await node.connect(relay.addrs[0])
+            got.append(node.addrs)
+
+    trio.run(main)
+    (addrs,) = got
+    assert is_circuit(addrs[0]) and addrs[0].endswith("/p2p-circuit/p2p/" + addrs[0].rsplit("/", 1)[1])
