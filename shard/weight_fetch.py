@@ -171,7 +171,7 @@ async def ensure_slice(host, coordinator_id: str, store: ModelStore, r: LayerRan
                        ) -> FetchResult | None:
     """Make layers `r`'s files present and verified in `store`, fetching what is missing from
     peers; None when nothing was missing. Error handling: FetchError when some file has no
-    source left; TransportError when the coordinator cannot be asked."""
+    source left or cannot be written here; TransportError when the coordinator cannot be asked."""
     files = list(slice_files(r))
     missing = [f for f in files if not await trio.to_thread.run_sync(_present, store.root, store.manifest, f)]
     if not missing:
@@ -207,6 +207,8 @@ class _Fetch:
         self.done = 0  # bytes in place or in partial files, of `total`
         self.limiter = trio.CapacityLimiter(config.max_sources)
         self._changed = trio.Event()
+        self.failed: FetchError | None = None  # a failure that is not a source's (this disk's)
+        self.workers: trio.Nursery | None = None
 
     def _notify(self) -> None:
         self._changed.set()
@@ -219,11 +221,13 @@ class _Fetch:
         peers = sorted({p for hs in self.holders.values() for p in hs})
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._log_progress, what, start)
-            async with trio.open_nursery() as workers:
+            async with trio.open_nursery() as self.workers:
                 for peer in peers:
-                    workers.start_soon(self._work, peer)
+                    self.workers.start_soon(self._work, peer)
             nursery.cancel_scope.cancel()
         self.result.seconds = time.monotonic() - start
+        if self.failed is not None:
+            raise self.failed
         stuck = unservable(self.pending, self.holders, set(self.result.excluded))
         if stuck is not None or self.pending:
             why = "; ".join(f"{p[-8:]}: {r}" for p, r in self.result.excluded.items()) or "no node holds it"
@@ -266,6 +270,9 @@ class _Fetch:
                 except (TransportError, WireError) as exc:
                     log.warning("excluding source %s for %s: %s", peer, f, exc)
                     self.result.excluded[peer] = f"{type(exc).__name__}: {exc}"
+                except OSError as exc:  # ours, not the source's: this disk cannot take the file; stop all
+                    self.failed = FetchError(f, f"cannot write it under {self.root}: {exc}")
+                    self.workers.cancel_scope.cancel()
                 finally:
                     self.busy.discard(f)
                     self._notify()

@@ -200,3 +200,31 @@ def test_a_file_no_source_holds_fails_the_fetch_in_one_line(tiny_llama_store, tm
     assert str(trio.run(main)) == f"cannot fetch {rel}: no source left (no node holds it)"
     with pytest.raises(StoreError):
         ModelStore.open(target.root).load_layers(LayerRange(4, 5))
+
+
+def test_a_disk_that_cannot_take_the_files_fails_the_fetch_in_one_line_blaming_no_source(tiny_llama_store, tmp_path):
+    # Bug guarded: an OSError here escaping the fetch's task group as an ExceptionGroup (the
+    # node's assignment handler catches ShardError: it would end the node's session), or a
+    # source excluded for this machine's fault. Sound: `layers` is a file here, so no layer
+    # file can be written; the error names the file and the cause.
+    store = tiny_llama_store
+    target = empty_store(store, tmp_path)
+    (target.root / "layers").write_text("not a directory")
+    rel = slice_files(LayerRange(1, 2))[0]
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            seeders = await serve_seeders(nursery, [WeightServer(store.root, store.manifest, SMALL_CHUNKS)])
+            try:
+                async with open_host(keypair_from_seed(os.urandom(32))) as host:
+                    try:
+                        await fetch_files(host, target.root, target.manifest, [rel], sources_for([rel], seeders),
+                                          SMALL_CHUNKS)
+                    except FetchError as exc:
+                        return exc
+            finally:
+                nursery.cancel_scope.cancel()
+
+    failed = trio.run(main)
+    assert isinstance(failed, FetchError) and failed.file == rel
+    assert str(failed).startswith(f"cannot fetch {rel}: cannot write it under {target.root}: ")
