@@ -39,11 +39,13 @@ from shard.stage_scheduler import SchedulerConfig, StageScheduler, Waiting
 from shard.stage_worker import StageWorker, WorkerConfig
 from shard.store import ModelStore, stored_weight_files
 from shard.transport import FramedStream, Host, TransportError
+from shard.verifier import Verifier
 from shard.weight_fetch import ensure_slice
 from shard.weight_server import WEIGHTS_PROTOCOL, WeightServer
 from shard.wire.codec import decode, decode_frame, encode
 from shard.wire.dtypes import COMPUTE_DTYPES
 from shard.wire.limits import Limits
+from shard.wire.verify import VerifyRequest, control_limits
 from shard.wire.messages import (ROLE_STAGE, Assignment, AuditReply, AuditRequest, EndJob, Forward, JobError,
                                  HopPath, Ping, Pong, ProbePeers, Ready, Refused, Register)
 
@@ -87,6 +89,7 @@ class Node:
     scheduler: StageScheduler | None = None  # set in __post_init__: the frames waiting for a forward
     _tasks: trio.Nursery | None = None
     _warm: Stage | None = None  # a slice kept loaded for an off-ring role (e.g. hot standby)
+    verifier: Verifier | None = None  # made on the first VerifyRequest (shard.verifier)
     observer: RingObserver = NO_OBSERVER  # what a benchmark watches of this node's frames
     inbox_config: InboxConfig = InboxConfig()
     reconnect: ReconnectPolicy = ReconnectPolicy()
@@ -167,7 +170,7 @@ class Node:
         while True:
             body = await self.control.recv_frame(self.limits.max_frame_bytes)
             try:
-                msg = decode(body, self.limits)
+                msg = decode(body, control_limits(self.limits))
             except WireError as exc:  # costs that message; a bad length prefix (above) ends the stream
                 log.warning("dropped a malformed control message: %s", exc)
                 continue
@@ -184,6 +187,8 @@ class Node:
                 self._tasks.start_soon(self.links.report, msg, self.coordinator_id)
             elif isinstance(msg, AuditRequest):
                 await self._send_control(self._audit_reply(msg))
+            elif isinstance(msg, VerifyRequest):  # an audit's recomputation: in its own task, it takes a forward's time
+                self._tasks.start_soon(self._verify, msg)
             elif isinstance(msg, Refused):
                 raise RegistrationRefused(msg.code, msg.reason)
             else:
@@ -195,6 +200,11 @@ class Node:
         data = None if rec is None else (rec.input_frame if req.side == "input" else rec.output_frame)
         frame = None if data is None else torch.frombuffer(bytearray(data), dtype=torch.uint8)  # (nbytes,)
         return AuditReply(job_id=req.job_id, epoch=req.epoch, round=req.round, side=req.side, frame=frame)
+
+    async def _verify(self, req: VerifyRequest) -> None:
+        self.verifier = self.verifier or Verifier(self.store, self.config.device, self.compute_limiter)
+        warm = (self._warm, self.config.quant) if self._warm is not None else None
+        await self._send_control(await self.verifier.answer(req, self.limits, warm))
 
     async def _send_control(self, msg) -> None:
         async with self.control_lock:

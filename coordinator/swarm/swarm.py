@@ -37,7 +37,9 @@ from shard.store import ModelStore
 from shard.transport import FramedStream, TransportError
 from shard.wire.codec import decode, encode
 from shard.wire.limits import Limits
-from shard.wire.messages import Assignment, AuditReply, HopPath, JobError, LinkReport, Ping, Pong, ProbePeers, Ready, Register
+from shard.wire.messages import (Assignment, AuditReply, HopPath, JobError, LinkReport, Ping, Pong, ProbePeers, Ready,
+                                 Register, VerifyReply)
+from shard.wire.verify import control_limits
 
 __all__ = ["REPORT_BUFFER", "Member", "RingState", "Swarm", "SwarmConfig"]
 
@@ -76,19 +78,16 @@ class Swarm:
     def __init__(self, store: ModelStore, signing_key: bytes, config: SwarmConfig, *,
                  job_errors: trio.MemorySendChannel[JobError] | None = None,
                  ring_changes: trio.MemorySendChannel[RingState | None] | None = None,
-                 audit_replies: trio.MemorySendChannel[tuple[PeerId, AuditReply]] | None = None) -> None:
+                 audit_replies: trio.MemorySendChannel[tuple[PeerId, AuditReply | VerifyReply]] | None = None) -> None:
         """`job_errors` gets every JobError a stage reports, `ring_changes` the new RingState
-        (None: no ring) whenever the ring changes, `audit_replies` (peer, AuditReply) pairs.
+        (None: no ring) whenever the ring changes, `audit_replies` (peer, AuditReply or VerifyReply).
         None: nobody listens. A full channel drops what it cannot take."""
         self.store, self.config = store, config
         self._job_errors, self._ring_changes, self._audit_replies = job_errors, ring_changes, audit_replies
         self._key = Ed25519PrivateKey.from_private_bytes(signing_key)
         self.peer_id = PeerId(peer_id_from_public_key(self._key.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)))
         self.limits = Limits.for_model(store.config)
-        # Audit replies carry a whole canonical frame as a u8 tensor: one element per byte,
-        # so the element cap is the frame cap there (memory stays bounded by frame bytes).
-        self.control_limits = dataclasses.replace(
-            self.limits, max_tensor_elements=max(self.limits.max_tensor_elements, self.limits.max_frame_bytes))
+        self.control_limits = control_limits(self.limits)  # audit and verify replies carry frames as u8
         self.faulty: dict[PeerId, str] = {}  # peer id -> why audits excluded it from rings
         self.unreachable = unreachable.Exclusions()  # unreachable or stalling nodes sit out a while
         self.registrations = admission.RegistrationRate()  # how often an address, a key, may register
@@ -142,7 +141,7 @@ class Swarm:
                     _offer(self._job_errors, msg, f"job {msg.job_id}'s error from {peer}")
                 elif isinstance(msg, HopPath) and msg.peer_id == peer:  # the path its ring stream crosses
                     self.traversals.paths[(peer, PeerId(msg.successor))] = msg.path
-                elif isinstance(msg, AuditReply):
+                elif isinstance(msg, (AuditReply, VerifyReply)):
                     _offer(self._audit_replies, (peer, msg), f"an audit reply from {peer}")
                 else:
                     log.warning("ignoring %s on %s's control stream", type(msg).__name__, peer)

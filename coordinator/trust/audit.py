@@ -1,24 +1,31 @@
-"""Audits: recompute a stage's slice on the bytes it logged and compare with what it sent.
+"""Audits: have a stage's slice recomputed on the bytes it logged and compare with what it sent.
 
 Receipts prove consistency, not correct computation: a stage can sign garbage. After a
 job is finished (so no stage can tell an audited frame from any other, and no user token
 waits), `plan_audits` selects each (job, epoch, stage) with probability `rate`. For a
 selected stage the auditor fetches every frame it logged for that job and epoch
-(AuditRequest over the control stream), checks each against the digests in that stage's
-signed receipt (so the stage cannot substitute bytes after the fact), recomputes them
-with the slice loaded from the coordinator's own store (coordinator.trust.audit_replay: all
-frames, tree and verify frames and commits included, as one tree-masked forward, in a
-worker thread) and compares every verified round. So a selected stage is caught if it
-cheated on any verified frame of the job, and an audit costs about one prefill of the
-job's rows on that slice. A stage that declared a weight quantisation (shard.quant) is
-replayed on the same store quantised the same way, frame by frame, and held to the
-kernels' bf16 step (stage_tolerance): running another scheme than declared is a mismatch.
+(AuditRequest over the control stream) and checks each against the digests in that
+stage's signed receipt (so the stage cannot substitute bytes after the fact). Then the
+stage's input frames go to a verifier node (VerifyRequest: a spot-check verifier other
+than the stage, drawn at random, one that keeps that slice warm first), which recomputes
+them (shard.verifier: all frames, tree and verify frames and commits included, as one
+tree-masked forward) and sends back its rows; the auditor compares them with the stage's
+outputs (coordinator.trust.compare). A verifier that disagrees with the stage gets a
+second opinion, and verifiers that disagree with each other a third
+(coordinator.trust.opinions settles who is right). Only when no verifier can answer does
+the auditor recompute the slice itself, and only if its own store holds those layers
+(`replay_here`); a gateway with no layers audits through verifiers alone. So a selected
+stage is caught if it cheated on any verified frame of the job, and an audit costs about
+one prefill of the job's rows on that slice, on a verifier. A stage that declared a
+weight quantisation (shard.quant) is replayed on the same weights quantised the same
+way, frame by frame, and held to the kernels' bf16 step (stage_tolerance).
 
 A mismatch, a missing record, a record that does not hash to the receipt, or no reply at
 all from a stage that is still connected (so going silent is no way out of an audit)
 yields an EvidenceRecord signed by the coordinator and marks the stage faulty in the
-swarm, which excludes it from the next ring formation. A stage that left the swarm before
-answering is not accused (its records left with it; see docs/receipts.md).
+swarm, which excludes it from the next ring formation. A verifier outvoted by the other
+opinions is marked faulty too (no evidence record: it signed nothing). A stage that left
+the swarm before answering is not accused (its records left with it; see docs/receipts.md).
 
 It does not check receipt chains (receipt_check), choose rings, or serve HTTP.
 """
@@ -26,6 +33,7 @@ It does not check receipt chains (receipt_check), choose rings, or serve HTTP.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import random
 import time
@@ -35,22 +43,26 @@ from dataclasses import dataclass
 import torch
 import trio
 
-from coordinator.trust.audit_replay import ReplayStats, replay
-from coordinator.trust.tolerance import TOLERANCES, stage_tolerance
-from coordinator.trust.receipt_check import FinishedJob
 from coordinator.swarm.swarm import Swarm
-from receipts import (NodeKey, Receipt, SpotCheck, Tolerance, compare_outputs, sha256_digest, sign_evidence)
+from coordinator.trust import opinions
+from coordinator.trust.audit_plan import AuditPlan, plan_audits
+from coordinator.trust.compare import (Finding, Logged, agree, compare, failed_spot, logged_frames, replay_here,
+                                       split_reply)
+from coordinator.trust.receipt_check import FinishedJob
+from coordinator.trust.tolerance import TOLERANCES
+from receipts import NodeKey, sign_evidence
 from ring import PeerId
-from shard.activations import from_wire
-from shard.errors import WireError
 from shard.layers import LayerRange
+from shard.manifest import layer_file
 from shard.options import option
+from shard.quant import quantise_stage, scheme
+from shard.replay import Replayed, ReplayStats
 from shard.stage import Stage
 from shard.store import ModelStore
 from shard.transport import TransportError
-from shard.wire.codec import decode
-from shard.quant import quantise_stage, scheme
-from shard.wire.messages import AuditReply, AuditRequest, Forward, Result
+from shard.wire.messages import AuditReply, AuditRequest
+from shard.wire.roles import ROLE_SPOT_CHECK_VERIFIER
+from shard.wire.verify import MAX_VERIFY_REPLAY_ROWS, VerifyReply, VerifyRequest
 
 log = logging.getLogger("shard.coordinator")
 
@@ -71,142 +83,13 @@ class AuditConfig:
     # frame log FrameLogConfig.grace_s (300 s) after it ends, and a dropped log reads as
     # a missing record, which would accuse an honest stage. Keep it below that grace.
     max_job_age_s: float = 240.0
-
-
-@dataclass(frozen=True)
-class AuditPlan:
-    """One stage's frames of one (job, epoch) to replay, and which rounds to compare."""
-
-    job_id: str
-    epoch: int
-    peer_id: PeerId
-    layers: LayerRange
-    is_tail: bool
-    wire_dtype: str
-    aux_dtype: str | None  # None: wire_dtype
-    rounds: tuple[int, ...]  # every round sent on this epoch up to the last verified, in send order
-    receipts: dict[int, Receipt]  # round -> this stage's verified receipt, for those rounds
-    quant: str = "none"  # the weight quantisation the stage declared (shard.quant scheme name)
-
-
-def plan_audits(job: FinishedJob, rate: float, rng: random.Random) -> list[AuditPlan]:
-    """Select each (epoch, stage) of the job with probability `rate`; a plan covers every
-    round sent on that epoch up to its last verified one. Pure given `rng` (the auditor
-    uses SystemRandom: stages cannot predict it). One draw per (epoch, stage), in order."""
-    plans = []
-    for epoch, sent in sorted(job.sent_rounds.items()):
-        view = job.epochs.get(epoch)
-        if view is None:
-            continue
-        verified = [i for i, r in enumerate(sent) if r in job.verified and job.verified[r].epoch == epoch]
-        for index, (peer, layers) in enumerate(view.ring.stages):
-            if rng.random() >= rate or not verified:
-                continue
-            upto = sent[: verified[-1] + 1]
-            receipts = {r: job.verified[r].receipts[index] for r in upto
-                        if r in job.verified and job.verified[r].epoch == epoch}
-            a = view.ring.assignments[index]
-            plans.append(AuditPlan(job.job_id, epoch, peer, layers, index == len(view.ring.stages) - 1,
-                                   a.wire_dtype, a.aux_dtype, tuple(upto), receipts))
-    return plans
-
-
-@dataclass(frozen=True)
-class Finding:
-    """Why a stage failed an audit: check name, round, one-line detail, the comparison."""
-
-    check: str  # "missing_record" | "record_digest" | "structure" | "output_mismatch" | "unanswered"
-    round: int
-    detail: str
-    spot: SpotCheck
-    recomputed_digest: bytes
-
-
-def _failed_spot(tolerance: Tolerance) -> SpotCheck:
-    """The comparison recorded when there was nothing to compare: every element failed."""
-    return SpotCheck(tolerance, 1, 1, float("inf"), float("inf"))
-
-
-_SAME_FIELDS = ("job_id", "epoch", "round", "nonce", "phase", "ctx_len", "commit_src", "commit_dst", "want_aux_layers")
-
-
-def _structure_error(inp: Forward, out: Forward | Result, is_tail: bool) -> str | None:
-    """Fields a stage must pass through unchanged; None if it did."""
-    if isinstance(out, Result) != is_tail:
-        return f"sent a {type(out).__name__} as {'tail' if is_tail else 'a middle stage'}"
-    names = _SAME_FIELDS[:3] if is_tail else _SAME_FIELDS
-    for name in names:
-        if getattr(inp, name) != getattr(out, name):
-            return f"field '{name}' changed from {getattr(inp, name)!r} to {getattr(out, name)!r}"
-    if not is_tail:
-        for name in ("positions", "tree_parents"):
-            a, b = getattr(inp, name), getattr(out, name)
-            if (a is None) != (b is None) or (a is not None and not torch.equal(a, b)):
-                return f"tensor '{name}' changed"
-    return None
-
-
-def check_frames(stage: Stage, plan: AuditPlan, records: dict[int, tuple[bytes, bytes]], limits,
-                 max_replay_rows: int = 1024, stats: ReplayStats | None = None) -> Finding | None:
-    """Pure over its inputs: verify the logged bytes against the receipts, replay, compare.
-    `records`: round -> (input bytes, output bytes) as the stage returned them."""
-    tol = stage_tolerance(plan.wire_dtype, plan.quant)
-    inputs, outputs, rounds = [], [], []
-    for r in plan.rounds:
-        rec, receipt = records.get(r), plan.receipts.get(r)
-        if rec is None:
-            if receipt is not None:
-                return Finding("missing_record", r, f"no logged frame for verified round {r}", _failed_spot(tol), bytes(32))
-            continue  # a round the coordinator never verified (it failed): not replayable
-        if receipt is not None:
-            for side, data, claimed in (("input", rec[0], receipt.input_digest), ("output", rec[1], receipt.output_digest)):
-                if sha256_digest(data) != claimed:
-                    return Finding("record_digest", r, f"logged {side} of round {r} does not hash to its receipt",
-                                   _failed_spot(tol), sha256_digest(data))
-        try:
-            inp, out = decode(rec[0], limits, canonical=True), decode(rec[1], limits, canonical=True)
-        except WireError as exc:
-            return Finding("structure", r, f"logged frame of round {r} does not decode: {exc}", _failed_spot(tol), bytes(32))
-        if not isinstance(inp, Forward) or not isinstance(out, (Forward, Result)):
-            return Finding("structure", r, f"logged frames of round {r} are not a Forward and its output",
-                           _failed_spot(tol), bytes(32))
-        inputs.append(inp), outputs.append(out), rounds.append(r)
-    expected = replay(stage, plan.wire_dtype, inputs, max_replay_rows, stats, aux_dtype=plan.aux_dtype,
-                      frame_by_frame=scheme(plan.quant).quantised)
-    aux_tol = stage_tolerance(plan.aux_dtype or plan.wire_dtype, plan.quant)
-    for r, inp, out, replayed in zip(rounds, inputs, outputs, expected):
-        if r not in plan.receipts:
-            continue
-        problem = _structure_error(inp, out, plan.is_tail)
-        if problem is not None:
-            return Finding("structure", r, problem, _failed_spot(tol), bytes(32))
-        if replayed is None:
-            continue  # no row of this frame was kept (see audit_replay.plan_replay)
-        keep, hidden, aux = replayed  # (K,), (K, H), (K, k*H) or None
-        t = inp.positions.shape[0]
-        trimmed = plan.is_tail and inp.phase == "prefill"  # the tail returns the last prompt row only
-        claims = [("hidden", hidden, from_wire(out.hidden, out.hidden_scale, torch.float32), 1 if trimmed else t, tol)]
-        if aux is not None or out.aux is not None:
-            claims.append(("aux", aux, None if out.aux is None else from_wire(out.aux, out.aux_scale, torch.float32), t,
-                           aux_tol))
-        for name, e, a, rows, claim_tol in claims:
-            if e is None or a is None or a.shape != (rows, e.shape[1]):
-                return Finding("structure", r, f"'{name}' shape {None if a is None else list(a.shape)}, "
-                               f"recomputed {None if e is None else [rows, e.shape[1]]}", _failed_spot(tol), bytes(32))
-            if rows == t:
-                a = a[keep]
-            else:
-                e = e[keep == t - 1]
-            if e.shape[0] == 0:
-                continue  # the tail's one row was not kept: nothing of this frame was read
-            rms = e.pow(2).mean(dim=1, keepdim=True).sqrt().expand_as(e)  # (K, width): each element's row RMS
-            spot = compare_outputs(e.reshape(-1).numpy(), a.reshape(-1).numpy(), claim_tol,
-                                   scale=rms.reshape(-1).numpy())
-            if not spot.passed:
-                return Finding("output_mismatch", r, f"round {r} '{name}': {spot.num_outliers}/{spot.num_elements} "
-                               f"elements off (max abs error {spot.max_abs_error:.3g})", spot,
-                               sha256_digest(e.numpy().tobytes()))
-    return None
+    # Verifiers asked at most per audit: a first, a second opinion when it disagrees with
+    # the stage, a third when those two disagree (coordinator.trust.opinions).
+    max_opinions: int = 3
+    verify_timeout_s: float = 60.0  # a verifier's recomputation: about one prefill of the job's rows
+    # When no verifier node can recompute a slice, recompute it here, if this gateway's
+    # store holds the slice's layer files; False: such audits wait for a verifier (skipped).
+    replay_here: bool = True
 
 
 @dataclass
@@ -217,22 +100,31 @@ class AuditStats:
     replay: ReplayStats = dataclasses.field(default_factory=ReplayStats)  # forwards and rows replayed
     skipped_stale: int = 0  # jobs not audited: older than max_job_age_s when their turn came
     skipped_gone: int = 0  # (job, stage) audits not done: the stage left the swarm first
+    skipped_no_verifier: int = 0  # audits not done: no verifier answered and the slice is not held here
+    by_verifiers: int = 0  # recomputations done by verifier nodes
+    by_coordinator: int = 0  # recomputations done here (no verifier could)
+    second_opinions: int = 0  # audits that asked more than one verifier
+    unsettled: int = 0  # audits whose opinions tied (the stage judged, no verifier accused)
+    lying_verifiers: int = 0  # verifiers outvoted and excluded
 
 
 class Auditor:
     def __init__(self, swarm: Swarm, store: ModelStore, coordinator_seed: bytes, config: AuditConfig = AuditConfig(),
                  rng: random.Random | None = None, *, finished: trio.MemoryReceiveChannel[FinishedJob],
-                 audit_replies: trio.MemoryReceiveChannel[tuple[PeerId, AuditReply]]) -> None:
+                 audit_replies: trio.MemoryReceiveChannel[tuple[PeerId, AuditReply | VerifyReply]]) -> None:
         """`finished`: the jobs receipt_check finished (its buffer, AuditConfig.max_queued_jobs
-        in the assembled coordinator, is the audit queue); `audit_replies`: (peer, AuditReply)
-        pairs from the swarm's control streams. serve() is their only reader."""
+        in the assembled coordinator, is the audit queue); `audit_replies`: (peer, AuditReply
+        or VerifyReply) pairs from the swarm's control streams. serve() is their only reader.
+        `store`: the model's manifest, and the layers to recompute here when no verifier can
+        (AuditConfig.replay_here), if it holds them."""
         self.swarm, self.store, self.config = swarm, store, config
         self._finished, self._replies = finished, audit_replies
         self.key = NodeKey.from_private_bytes(coordinator_seed)
         self.rng = rng or random.SystemRandom()
         self.evidence: list = []  # EvidenceRecord, newest last
         self.stats = AuditStats()
-        self._waiting: dict[tuple, list] = {}  # (peer, job, epoch, round, side) -> [Event, reply]
+        self._waiting: dict[tuple, list] = {}  # (peer, job, epoch, round, side) or (peer, request id) -> [Event, reply]
+        self._request_ids = itertools.count()
         self._slices: OrderedDict[tuple[LayerRange, str], Stage] = OrderedDict()  # (layers, quant) -> slice
         self._limiter = trio.CapacityLimiter(1)
         self._settled = trio.Event()  # set each time serve() has audited all it was handed
@@ -290,21 +182,125 @@ class Auditor:
                 raise
             first = min(plan.receipts)
             finding = Finding("unanswered", first, f"no audit reply within {self.config.reply_timeout_s:g} s "
-                              f"while connected ({type(exc).__name__})", _failed_spot(TOLERANCES.get(plan.wire_dtype, TOLERANCES["f32"])),
+                              f"while connected ({type(exc).__name__})", failed_spot(TOLERANCES.get(plan.wire_dtype, TOLERANCES["f32"])),
                               bytes(32))
             self.stats.audits += 1
             self._accuse(plan, finding)
             return finding
-        stage = await self._stage(plan.layers, plan.quant)
         started = time.perf_counter()
-        finding = await trio.to_thread.run_sync(check_frames, stage, plan, records, self.swarm.control_limits,
-                                                self.config.max_replay_rows, self.stats.replay, limiter=self._limiter)
+        logged = await trio.to_thread.run_sync(logged_frames, plan, records, self.swarm.control_limits,
+                                               limiter=self._limiter)
+        judged, finding = (True, logged) if isinstance(logged, Finding) else await self._judge(plan, logged)
         self.stats.replay_s += time.perf_counter() - started
+        if not judged:
+            self.stats.skipped_no_verifier += 1
+            log.warning("audit of %s on job %s skipped: no verifier node could recompute layers %s and this "
+                        "gateway does not hold them", plan.peer_id, plan.job_id, plan.layers)
+            return None
         self.stats.audits += 1
         self.stats.frames_compared += len(plan.receipts)
         if finding is not None:
             self._accuse(plan, finding)
         return finding
+
+    async def _judge(self, plan: AuditPlan, logged: Logged) -> tuple[bool, Finding | None]:
+        """Gather recomputations until coordinator.trust.opinions says they suffice, settle,
+        exclude verifiers that lied; (judged, the finding against the stage or None).
+        (False, None): nobody could recompute the slice."""
+        parties: list[PeerId | None] = [plan.peer_id]  # then each recomputation's maker (None: here)
+        ids, findings, recomputed = [0], [None], [None]
+        asked: set[PeerId] = {plan.peer_id}
+        while opinions.need_another(ids, self.config.max_opinions):
+            got = await self._recompute(plan, logged, asked)
+            if got is None:
+                break
+            who, expected = got
+            finding = await trio.to_thread.run_sync(compare, plan, logged, expected, limiter=self._limiter)
+            opinion = 0 if finding is None else next(
+                (i for i in range(1, len(ids)) if ids[i] == i and agree(plan, logged, recomputed[i], expected)), len(ids))
+            parties.append(who), ids.append(opinion), findings.append(finding), recomputed.append(expected)
+        if len(ids) == 1:
+            return False, None
+        self.stats.second_opinions += len(ids) > 2
+        verdict = opinions.settle(ids)
+        if not verdict.settled:
+            self.stats.unsettled += 1
+            log.warning("audit of %s on job %s: recomputations tie (%s); no verifier accused", plan.peer_id,
+                        plan.job_id, ids)
+        for i in verdict.lying:
+            if parties[i] is not None:
+                self.stats.lying_verifiers += 1
+                self.swarm.mark_faulty(parties[i], f"verifier outvoted: its recomputation of layers {plan.layers} "
+                                       f"on job {plan.job_id} disagreed with {len(ids) - 2} other opinions")
+        if not verdict.stage_faulty:
+            return True, None
+        return True, next(f for i, f in enumerate(findings) if f is not None and i not in verdict.lying)
+
+    async def _recompute(self, plan: AuditPlan, logged: Logged, asked: set) -> tuple[PeerId | None, list] | None:
+        """One more recomputation of the logged frames: by a verifier not asked yet (one
+        that fails to answer is passed over), else here if allowed and held, else None."""
+        while (peer := opinions.pick(self._verifiers(), plan.layers, asked | set(self.swarm.faulty), self.rng)):
+            asked.add(peer)
+            expected = await self._ask_verifier(peer, plan, logged)
+            if expected is not None:
+                self.stats.by_verifiers += 1
+                return peer, expected
+        if None in asked or not self.config.replay_here or not self.holds(plan.layers):
+            return None
+        asked.add(None)
+        stage = await self._stage(plan.layers, plan.quant)
+        expected = await trio.to_thread.run_sync(replay_here, stage, plan, logged, self.config.max_replay_rows,
+                                                 self.stats.replay, limiter=self._limiter)
+        self.stats.by_coordinator += 1
+        return None, expected
+
+    def holds(self, layers: LayerRange) -> bool:
+        """Whether this gateway's store has the layer files of `layers` (it can recompute them)."""
+        return all((self.store.root / layer_file(i)).exists() for i in layers)
+
+    def _verifiers(self) -> dict[PeerId, LayerRange | None]:
+        """Members whose latest role is spot-check verifier -> the slice each keeps warm (one
+        still loading it answers all the same: it recomputes from its store)."""
+        out = {}
+        for peer, m in self.swarm.members.items():
+            a = m.assignment
+            if a is not None and a.role == ROLE_SPOT_CHECK_VERIFIER:
+                out[peer] = LayerRange(a.layer_start, a.layer_end) if a.layer_end > a.layer_start else None
+        return out
+
+    async def _ask_verifier(self, peer: PeerId, plan: AuditPlan, logged: Logged) -> list[Replayed | None] | None:
+        """`peer`'s recomputation of the logged frames; None if it could not give one (too
+        large to send, left, timed out, answered an error or a malformed reply)."""
+        limits = self.swarm.control_limits
+        data = b"".join(logged.input_bytes)
+        if len(data) > limits.max_frame_bytes - limits.max_header_bytes:
+            log.info("job %s's frames (%d bytes) are too large for a verify request", plan.job_id, len(data))
+            return None
+        request_id = next(self._request_ids)
+        req = VerifyRequest(request_id=request_id, layer_start=plan.layers.start, layer_end=plan.layers.end,
+                            quant=plan.quant, wire_dtype=plan.wire_dtype, aux_dtype=plan.aux_dtype,
+                            max_replay_rows=min(self.config.max_replay_rows, MAX_VERIFY_REPLAY_ROWS),
+                            max_reply_bytes=limits.max_frame_bytes, frame_bytes=tuple(map(len, logged.input_bytes)),
+                            frames=torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        key = (peer, request_id)
+        slot = self._waiting[key] = [trio.Event(), None]
+        try:
+            await self.swarm.send_control(peer, req)
+            with trio.fail_after(self.config.verify_timeout_s):
+                await slot[0].wait()
+        except (TransportError, trio.TooSlowError) as exc:
+            log.info("verifier %s did not answer for job %s: %s", peer, plan.job_id, type(exc).__name__)
+            return None
+        finally:
+            self._waiting.pop(key, None)
+        reply: VerifyReply = slot[1]
+        if reply.error is not None:
+            log.info("verifier %s could not recompute layers %s: %s", peer, plan.layers, reply.error)
+            return None
+        expected = split_reply(reply, logged)
+        if expected is None:
+            log.warning("verifier %s sent rows that do not fit job %s's frames", peer, plan.job_id)
+        return expected
 
     def _accuse(self, plan: AuditPlan, finding: Finding) -> None:
         """Sign evidence against the stage's receipt for the round and mark it faulty."""
@@ -350,8 +346,11 @@ class Auditor:
         reply: AuditReply = slot[1]
         return None if reply.frame is None else reply.frame.numpy().tobytes()
 
-    def _on_reply(self, peer: PeerId, reply: AuditReply) -> None:
-        slot = self._waiting.get((peer, reply.job_id, reply.epoch, reply.round, reply.side))
+    def _on_reply(self, peer: PeerId, reply: AuditReply | VerifyReply) -> None:
+        if isinstance(reply, VerifyReply):
+            slot = self._waiting.get((peer, reply.request_id))
+        else:
+            slot = self._waiting.get((peer, reply.job_id, reply.epoch, reply.round, reply.side))
         if slot is not None:  # replies nobody asked for (or from another peer) are dropped
             slot[1] = reply
             slot[0].set()

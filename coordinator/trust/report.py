@@ -1,6 +1,7 @@
 """What the trust wing has found, as JSON for the operator (the status page, /metrics):
-whether receipts are checked, the auditor's counts, its newest evidence and the nodes
-audits excluded from rings.
+whether receipts are checked, who recomputes audited slices (verifier nodes, and this
+gateway only as a fallback when it holds the layers), the auditor's counts, its newest
+evidence and the nodes audits excluded from rings.
 
 Pure: the checker and the auditor in, a dict out. It decides nothing and changes nothing.
 """
@@ -12,8 +13,17 @@ from typing import Any
 from coordinator.trust.audit import Auditor
 from coordinator.trust.receipt_check import ReceiptChecker
 from shard.identity import peer_id_from_public_key
+from shard.layers import LayerRange
 
 RECENT_EVIDENCE = 10
+
+
+def recomputed_by(auditor: Auditor) -> str:
+    """Who recomputes audited slices, in a sentence for the operator."""
+    here = auditor.config.replay_here and auditor.holds(LayerRange(0, auditor.store.num_layers))
+    return ("verifier nodes; this gateway recomputes a slice itself only when no verifier can (it holds the layers)"
+            if here else "verifier nodes only (this gateway holds no layers or does not recompute): an audit no "
+                         "verifier can answer is skipped")
 
 
 def trust_report(checker: ReceiptChecker | None, auditor: Auditor | None) -> dict[str, Any]:
@@ -29,7 +39,10 @@ def trust_report(checker: ReceiptChecker | None, auditor: Auditor | None) -> dic
         evidence.append({"peer_id": peer_id_from_public_key(r.signer), "job_id": r.job_id, "round": r.round,
                          "layers": [r.layer_start, r.layer_end], "outliers": check.num_outliers,
                          "elements": check.num_elements, "max_abs_error": check.max_abs_error})
-    audits = {"rate": auditor.config.rate, "audits": s.audits, "frames_compared": s.frames_compared,
-              "replay_s": s.replay_s, "skipped_stale": s.skipped_stale, "skipped_gone": s.skipped_gone,
-              "evidence": len(auditor.evidence), "recent_evidence": evidence}
+    audits = {"rate": auditor.config.rate, "recomputed_by": recomputed_by(auditor), "audits": s.audits,
+              "frames_compared": s.frames_compared, "replay_s": s.replay_s, "by_verifiers": s.by_verifiers,
+              "by_coordinator": s.by_coordinator, "second_opinions": s.second_opinions, "unsettled": s.unsettled,
+              "lying_verifiers": s.lying_verifiers, "skipped_stale": s.skipped_stale, "skipped_gone": s.skipped_gone,
+              "skipped_no_verifier": s.skipped_no_verifier, "evidence": len(auditor.evidence),
+              "recent_evidence": evidence}
     return {"receipts": receipts, "audits": audits, "faulty": dict(auditor.swarm.faulty)}

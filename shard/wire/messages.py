@@ -24,6 +24,7 @@ from shard.wire.limits import MAX_PAYLOAD_BYTES, MAX_RECEIPT_BYTES, MAX_RECEIPTS
 from shard.wire.shapes import (check_activations, check_context, check_nonnegative, check_tokens_dim, check_vector,
                               fail_shape)
 from shard.wire.roles import ROLE_STAGE
+from shard.wire.verify import VerifyReply, VerifyRequest
 from shard.wire.weight_messages import WEIGHT_MESSAGES
 
 # 2: per-stage trailer fields (receipts, compute_s) left the header for a trailer after
@@ -373,10 +374,11 @@ class AuditReply:
 
 
 Message = Union[Forward, Result, EndJob, JobError, Register, Refused, Assignment, Ready, Ping, Pong, ProbePeers,
-                LinkReport, HopPath, AuditRequest, AuditReply]
+                LinkReport, HopPath, AuditRequest, AuditReply, VerifyRequest, VerifyReply]
 # The allow-list: the only classes a peer's `kind` can name.
 REGISTRY: dict[str, type] = {c.KIND: c for c in (Forward, Result, EndJob, JobError, Register, Refused, Assignment, Ready,
-                                                 Ping, Pong, ProbePeers, LinkReport, HopPath, AuditRequest, AuditReply)}
+                                                 Ping, Pong, ProbePeers, LinkReport, HopPath, AuditRequest, AuditReply,
+                                                 VerifyRequest, VerifyReply)}
 
 REGISTRY.update({c.KIND: c for c in WEIGHT_MESSAGES})  # weights from peers (shard.wire.weight_messages)
 for _cls in REGISTRY.values():

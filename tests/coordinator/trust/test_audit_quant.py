@@ -16,7 +16,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from coordinator.trust.audit import AuditPlan, check_frames
+from coordinator.trust.audit import AuditPlan
+from coordinator.trust.compare import check_frames
 from coordinator.trust.tolerance import TOLERANCES, stage_tolerance
 from receipts import sha256_digest
 from ring import PeerId
@@ -79,7 +80,7 @@ def test_a_quantised_stage_is_replayed_frame_by_frame(middle):
     re-summation differences layer by layer), while frame by frame it is exact. On the tiny
     model both stay inside, so this checks the switch: declaring int4 replays one forward
     per frame, declaring none merges frames."""
-    from coordinator.trust.audit_replay import ReplayStats
+    from shard.replay import ReplayStats
 
     store, r, stages = middle
     plan, records = logged(stages["int4"], r, "int4")

@@ -1,6 +1,6 @@
 """Audit replay and audit planning.
 
-The replay (coordinator.trust.audit_replay) recomputes a stage's whole epoch of frames as one
+The replay (shard.replay) recomputes a stage's whole epoch of frames as one
 tree-masked forward; these tests guard that it reproduces exactly what the stage sent
 when it ran the frames one by one with commits (a wrong mask, a commit followed wrongly
 or a slot mapped to the wrong row would make honest stages look faulty, or let a stage
@@ -19,7 +19,7 @@ import torch
 import trio
 
 from coordinator.trust.audit import plan_audits
-from coordinator.trust.audit_replay import ReplayStats, plan_replay, replay
+from shard.replay import ReplayStats, plan_replay, replay
 from coordinator.trust.receipt_check import EpochView, FinishedJob, VerifiedRound
 from coordinator.swarm.swarm import RingState
 from shard.activations import from_wire

@@ -17,7 +17,8 @@ by that frame's commit. Frames whose rows would not form such a tree (a slot rea
 any frame wrote it, a context that is not one root path, a shrinking context) are
 replayed one at a time, as the stage ran them: exact for any frame sequence.
 
-It does not fetch frames, check digests or compare outputs (coordinator.trust.audit does).
+Run by the auditor on its own slice (coordinator.trust.audit) and by a verifier node for it
+(shard.verifier). It does not fetch frames, check digests or compare outputs (the auditor does).
 """
 
 from __future__ import annotations

@@ -1,0 +1,123 @@
+"""A verifier node's job: recompute an audited stage's slice on the input frames it logged.
+
+The coordinator sends a VerifyRequest (shard.wire.verify) with a stage's logged input
+frames of one (job, epoch) and the slice, weight quantisation and wire formats the stage
+served them under. The verifier replays them (shard.replay: in f32, quantised as the stage
+declared) on its own copy of the slice, the one it keeps warm for its role when that
+matches, else one it loads from its store (kept for the next audit), and answers with the
+rows it recomputed. So the gateway that asks needs no layers of its own.
+
+It does not see the stage's outputs, compare anything or judge anyone (the coordinator
+does: coordinator.trust.audit); it never raises on a request: whatever is wrong with one
+(frames that do not decode, a slice its store lacks, a replay that fails, an answer over
+the size the coordinator accepts) is that request's one-line error reply.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+
+import torch
+import trio
+
+from shard.errors import ShardError
+from shard.layers import LayerRange
+from shard.quant import quantise_stage, scheme
+from shard.replay import Replayed, replay
+from shard.stage import Stage
+from shard.store import ModelStore
+from shard.wire.codec import decode, encode
+from shard.wire.limits import Limits
+from shard.wire.messages import Forward
+from shard.wire.verify import VerifyReply, VerifyRequest
+
+log = logging.getLogger("shard.node")
+
+
+def request_frames(req: VerifyRequest, limits: Limits) -> list[Forward]:
+    """The request's frames, each decoded as canonical Forward bytes. Raises ShardError
+    (WireError) naming the first frame that is not one."""
+    data = req.frames.numpy().tobytes()
+    frames, at = [], 0
+    for i, n in enumerate(req.frame_bytes):
+        msg = decode(data[at:at + n], limits, canonical=True)
+        if not isinstance(msg, Forward):
+            raise ShardError(f"frame {i} of the verify request is a {type(msg).__name__}, not a Forward")
+        frames.append(msg)
+        at += n
+    return frames
+
+
+def reply_of(request_id: int, replayed: list[Replayed | None]) -> VerifyReply:
+    """The rows `replay` recomputed, per frame in order, as one VerifyReply."""
+    keeps, hiddens, auxes, rows = [], [], [], []
+    for r in replayed:
+        if r is None:
+            rows.append(0)
+            continue
+        keep, hidden, aux = r  # (K,), (K, H), (K, k*H) or None
+        rows.append(int(keep.shape[0]))
+        keeps.append(keep.to(torch.int64)), hiddens.append(hidden), auxes.append(aux)
+    if not hiddens:
+        raise ShardError("no frame of the verify request had a row to recompute")
+    aux = None if any(a is None for a in auxes) else torch.cat(auxes).to(torch.float32).contiguous()
+    return VerifyReply(request_id=request_id, frame_rows=tuple(rows), keep=torch.cat(keeps),
+                       hidden=torch.cat(hiddens).to(torch.float32).contiguous(), aux=aux)
+
+
+class Verifier:
+    """Answers VerifyRequests for one node. `max_cached_slices` loaded slices are kept."""
+
+    def __init__(self, store: ModelStore, device: str, limiter: trio.CapacityLimiter, max_cached_slices: int = 1) -> None:
+        self.store, self.device, self.limiter = store, device, limiter
+        self.max_cached_slices = max_cached_slices
+        self._slices: OrderedDict[tuple[LayerRange, str], Stage] = OrderedDict()
+        self.answered = 0  # requests answered with rows (not errors)
+
+    async def answer(self, req: VerifyRequest, limits: Limits, warm: tuple[Stage, str] | None = None) -> VerifyReply:
+        """Recompute `req` and return the reply (an error reply for anything wrong with it).
+        `warm`: the slice this node keeps loaded and the quantisation it was loaded under,
+        used when it is exactly the slice asked for in f32. Runs the replay in a worker
+        thread under the node's compute limiter (never alongside one of its own forwards)."""
+        try:
+            frames = request_frames(req, limits)
+            stage = await self._stage(LayerRange(req.layer_start, req.layer_end), req.quant, warm)
+            replayed = await trio.to_thread.run_sync(
+                lambda: replay(stage, req.wire_dtype, frames, req.max_replay_rows, aux_dtype=req.aux_dtype,
+                               frame_by_frame=scheme(req.quant).quantised), limiter=self.limiter)
+            reply = reply_of(req.request_id, replayed)
+        except ShardError as exc:
+            return self._refuse(req, str(exc))
+        except Exception as exc:  # a check we missed: this request's error, never the node's
+            log.exception("verify request %d raised", req.request_id)
+            return self._refuse(req, f"{type(exc).__name__}: {exc}")
+        size = len(encode(reply))
+        if size > req.max_reply_bytes:
+            return self._refuse(req, f"the recomputed rows take {size} bytes, over the request's max_reply_bytes "
+                                     f"{req.max_reply_bytes}")
+        self.answered += 1
+        return reply
+
+    def _refuse(self, req: VerifyRequest, why: str) -> VerifyReply:
+        log.warning("verify request %d (layers [%d, %d)) not answered: %s", req.request_id, req.layer_start,
+                    req.layer_end, why)
+        return VerifyReply(request_id=req.request_id, error=why[:1024])
+
+    async def _stage(self, r: LayerRange, quant: str, warm: tuple[Stage, str] | None) -> Stage:
+        if warm is not None and warm[0].layers == r and warm[1] == quant and warm[0].dtype == torch.float32:
+            return warm[0]
+        key = (r, quant)
+        stage = self._slices.get(key)
+        if stage is None:
+            def load() -> Stage:
+                weights = self.store.load_layers(r, torch.float32, self.device)
+                emb = self.store.load_embedding(torch.float32, self.device) if r.start == 0 else None
+                return quantise_stage(Stage(self.store.config, r, weights, dtype=torch.float32, device=self.device,
+                                            embedding=emb), scheme(quant))
+
+            stage = self._slices[key] = await trio.to_thread.run_sync(load, limiter=self.limiter)
+            while len(self._slices) > self.max_cached_slices:
+                self._slices.popitem(last=False)
+        self._slices.move_to_end(key)
+        return stage

@@ -1,0 +1,115 @@
+"""Choosing verifiers and settling their opinions (coordinator.trust.opinions, pure).
+
+Guards: a verifier that agrees with the stage ends the audit (no extra cost on honest
+rings); one verifier is never taken against the stage while a second can be asked; two
+verifiers that disagree bring in a third; a liar is excluded only when outvoted; an
+honest stage is never accused while honest verifiers outnumber liars among those asked;
+the audited stage is never its own verifier and the draw is random among holders first.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from coordinator.trust.opinions import Verdict, need_another, pick, settle
+from ring import PeerId
+from shard.layers import LayerRange
+
+MAX = 3
+
+
+def test_asking_stops_when_the_first_verifier_agrees():
+    assert need_another([0], MAX)
+    assert not need_another([0, 0], MAX)
+    assert settle([0, 0]) == Verdict(False, (), True)
+
+
+def test_a_verifier_against_the_stage_gets_a_second_opinion():
+    assert need_another([0, 1], MAX)
+    # The second agrees with the first: the stage is wrong, nobody lied.
+    assert not need_another([0, 1, 1], MAX)
+    assert settle([0, 1, 1]) == Verdict(True, (), True)
+
+
+def test_verifiers_that_disagree_are_settled_by_a_third():
+    assert need_another([0, 1, 0], MAX)  # the second sides with the stage
+    assert settle([0, 1, 0, 0]) == Verdict(False, (1,), True)  # the first lied
+    # A cheating stage whose lie a colluding second verifier repeats: two honest ones win.
+    assert settle([0, 1, 0, 1]) == Verdict(True, (2,), True)
+    assert not need_another([0, 1, 0, 0], MAX)
+
+
+def test_with_no_third_verifier_the_stage_counts_as_an_opinion():
+    """Only two verifiers exist: the second, siding with the stage, outvotes the first."""
+    assert settle([0, 1, 0]) == Verdict(False, (1,), True)
+
+
+def test_a_single_verifiers_word_stands_when_nobody_else_can_be_asked():
+    assert settle([0, 1]) == Verdict(True, (), True)
+
+
+def test_a_three_way_split_judges_the_stage_but_accuses_no_verifier():
+    assert settle([0, 1, 2]) == Verdict(True, (), False)
+    assert need_another([0, 1, 2], MAX)
+    assert settle([0, 1, 2, 3]) == Verdict(True, (), False)
+
+
+def opinion_ids(values: list[int]) -> list[int]:
+    """Parties' opinions as the auditor numbers them: the index of the first party holding it."""
+    first: dict[int, int] = {}
+    return [first.setdefault(v, i) for i, v in enumerate(values)]
+
+
+@given(st.lists(st.booleans(), min_size=MAX, max_size=MAX), st.booleans(), st.integers(0, 2**32))
+def test_honest_majorities_are_never_overruled(liars, cheating, seed):
+    """Ask verifiers in order until need_another says stop (or none is left). Honest ones
+    compute the truth (value 0); liars each compute their own garbage, and a cheating
+    stage claims value 1 (one liar may collude and claim 1 too). Whenever honest verifiers
+    asked outnumber liars asked, the verdict on the stage is right and no honest verifier
+    is accused."""
+    rng = random.Random(seed)
+    stage = 1 if cheating else 0
+    values = [stage]
+    for i, lies in enumerate(liars):
+        if not need_another(opinion_ids(values), MAX):
+            break
+        values.append((1 if cheating and rng.random() < 0.5 else 10 + i) if lies else 0)
+    ids = opinion_ids(values)
+    verdict = settle(ids)
+    asked = range(1, len(values))
+    honest = [i for i in asked if not liars[i - 1]]
+    if len(honest) > len(asked) - len(honest):
+        assert verdict.stage_faulty == cheating
+        assert not set(verdict.lying) & set(honest)
+
+
+@given(st.lists(st.integers(0, 3), min_size=2, max_size=5))
+def test_the_winner_is_a_held_opinion_and_liars_are_verifiers_outside_it(values):
+    ids = opinion_ids(values)
+    verdict = settle(ids)
+    assert all(1 <= i < len(ids) for i in verdict.lying)
+    if verdict.settled:
+        counts = Counter(ids)
+        held = [ids[i] for i in range(1, len(ids)) if i not in verdict.lying]
+        winner = held[0] if held else ids[0]
+        assert all(o == winner for o in held)
+        assert verdict.stage_faulty == (ids[0] != winner)
+        assert counts[winner] == max(counts.values())
+    else:
+        assert verdict.lying == ()
+
+
+def test_pick_never_the_stage_prefers_holders_and_is_random_among_them():
+    layers = LayerRange(0, 2)
+    verifiers = {PeerId("a"): layers, PeerId("b"): layers, PeerId("c"): LayerRange(2, 4), PeerId("s"): layers,
+                 PeerId("d"): None}
+    drawn = Counter(pick(verifiers, layers, {PeerId("s")}, random.Random(i)) for i in range(200))
+    assert set(drawn) == {"a", "b"} and min(drawn.values()) > 60
+    # Holders used up: any other verifier (it loads the slice or says it cannot).
+    assert pick(verifiers, layers, {PeerId("s"), PeerId("a"), PeerId("b")}, random.Random(0)) in {"c", "d"}
+    assert pick(verifiers, layers, set(verifiers), random.Random(0)) is None
+    assert pick({}, layers, set(), random.Random(0)) is None
