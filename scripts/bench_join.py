@@ -12,6 +12,14 @@ and `main` runs each in turn and writes one JSON with the conditions:
   three": two more nodes that hold the model but no memory for a layer stand off the ring.
   Every run seats the newcomer as the tail (its slice is layers only; see join_from_seeders).
 
+- `stage_death(args, with_standby)`: a greedy request streams on SmolLM2 over two stages of
+  15 layers; after a few tokens a stage is killed (its host closes) and the time from the
+  kill to the next token is measured (tests/e2e/test_standby_ring.death_to_next_token).
+  With a standby: four nodes, every stage has a hot standby keeping its slice warm, and
+  the killed stage's takes over without loading anything. Without: three nodes, the
+  killed stage has none (the spare stands by for the other stage), so re-selection seats
+  a node that must load the slice (from its own disk here: weights are local).
+
 Add a measurement by writing one more function of `args` that returns a dict, and naming
 it in MEASUREMENTS.
 
@@ -49,7 +57,8 @@ from shard.store import ModelStore, default_store_dir, prepare  # noqa: E402
 from shard.transport import open_host  # noqa: E402
 from shard.weight_fetch import open_fetched_store  # noqa: E402
 from shard.weight_plan import WeightsConfig  # noqa: E402
-from tests.e2e.ringkit import generate_greedy  # noqa: E402
+from tests.e2e.ringkit import generate_greedy, open_local_ring  # noqa: E402
+from tests.e2e.test_standby_ring import TAKEOVER_ENGINE, death_to_next_token  # noqa: E402
 
 PROMPT = [1, 504, 3458, 282, 260, 2657, 4365, 30]  # a few SmolLM2 token ids
 
@@ -104,6 +113,12 @@ async def _join(store: ModelStore, args: argparse.Namespace, seeders: int) -> di
             first_token_s = time.perf_counter() - t0
             (fetch,) = [f for f in coordinator.swarm.fetches.summary() if f["peer"] == newcomer]
             layers = dict(ring.stages)[newcomer]
+            regs = {p: m.register for p, m in coordinator.swarm.members.items()}
+            # What the prediction was made from: the sources' measured uploads (their token
+            # buckets run at the seeding share of these) and the newcomer's measured download.
+            inputs = {"source_uploads_mb_per_s": sorted((round(regs[p].upload_bytes_per_s / 1e6, 2)
+                                                         for p in fetch["by_source"]), reverse=True),
+                      "newcomer_download_mb_per_s": round(regs[newcomer].download_bytes_per_s / 1e6, 2)}
     slice_bytes = sum(store.manifest.files[f].bytes for f in slice_files(layers))
     return {
         "seeders": seeders,
@@ -121,6 +136,7 @@ async def _join(store: ModelStore, args: argparse.Namespace, seeders: int) -> di
         "fetch_measured_over_predicted": round(fetch["measured_s"] / fetch["predicted_s"], 3)
         if fetch["predicted_s"] else None,
         "fetch_measured_mb_per_s": round(fetch["bytes"] / fetch["measured_s"] / 1e6, 2),
+        "prediction_inputs": inputs,
         "tokens": tokens,
     }
 
@@ -139,9 +155,27 @@ def join_from_seeders(args: argparse.Namespace, seeders: int) -> dict:
     return {**result, "runs": attempt}
 
 
+def stage_death(args: argparse.Namespace, with_standby: bool) -> dict:
+    """Seconds from a stage's death to the next token, with or without a hot standby for it."""
+    store = prepare(args.model, default_store_dir(args.model), progress=False).store
+    per_layer = per_layer_memory(store)
+    node_config = {"max_memory_bytes": per_layer * -(-store.num_layers // 2) + per_layer // 2,
+                   "link_upload_mbps": args.uplink_mbps}
+
+    async def run() -> dict:
+        async with open_local_ring(store, 4 if with_standby else 3, engine=TAKEOVER_ENGINE,
+                                   node_config=node_config) as ring:
+            with trio.fail_after(args.timeout_s):
+                return await death_to_next_token(ring, PROMPT, tokens=32, kill_after=8, with_standby=with_standby)
+
+    return trio.run(run)
+
+
 MEASUREMENTS = {
     "join_from_1_seeder": lambda args: join_from_seeders(args, 1),
     "join_from_3_seeders": lambda args: join_from_seeders(args, 3),
+    "stage_death_with_standby": lambda args: stage_death(args, True),
+    "stage_death_without_standby": lambda args: stage_death(args, False),
 }
 
 
