@@ -20,7 +20,10 @@ from shard.layers import LayerRange
 @dataclass(frozen=True)
 class RolePolicy:
     standbys_per_stage: int = 1
-    decode_replicas: int = 2
+    # A decode-only replica would serve short requests alone as a ring of one, but nothing
+    # routes requests to a second ring yet, so it would only hold the model idle: a role
+    # nothing carries out is not assigned (such nodes are seeders or verifiers instead).
+    decode_replicas: int = 0
     seeders_per_stage: float = 1.0  # up to max(2, this times the stage count)
     seeder_min_upload_bytes_per_s: float = 12.5e6  # 100 Mbit/s
 

@@ -181,3 +181,13 @@ def test_no_takeover_without_a_standby_holding_the_slice():
     held = {**snapshot.held, PeerId("c"): LayerRange(1, 4)}
     assert formation.standby_takeover(snapshot.plan, held, frozenset("abcd"), network, MODEL, workload) is None
     assert formation.standby_takeover(snapshot.plan, held, frozenset("acd"), network, MODEL, workload) is not None
+
+
+def test_no_node_is_made_a_decode_replica_while_nothing_serves_as_one():
+    # Bug guarded: a role nothing carries out (a whole-model replica no request reaches)
+    # assigned anyway, holding a node's memory idle. Sound: every spare here can hold the
+    # whole model, the first thing the old policy made of such nodes.
+    snapshot = _snapshot([_reg(p, up=1e6) for p in "abcdefg"])
+    f = _decide(snapshot)
+    assert isinstance(f, Formation) and len(f.roles) == 7 - len(f.stages)
+    assert RoleKind.DECODE_REPLICA.value not in {a.role for a in f.roles}
