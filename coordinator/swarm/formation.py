@@ -134,7 +134,7 @@ def choose(snapshot: Snapshot, members: frozenset[PeerId], config: SwarmConfig, 
     when no ring fits."""
     cfg = config.topology
     regs = {p: snapshot.registrations[p] for p in members}
-    network = topology.build_network(snapshot.coordinator, regs, snapshot.links, snapshot.held, cfg)
+    network = topology.build_network(snapshot.coordinator, regs, snapshot.links, snapshot.held, cfg, model)
     constraints = Constraints(one_per_subnet=cfg.one_per_subnet)
     workload = cfg.workload()
     if config.planner == "all_nodes":

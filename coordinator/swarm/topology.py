@@ -60,10 +60,13 @@ def model_spec(store: ModelStore, wire_dtype: str, kv_bytes_per_value: int = 4) 
 
 def subnet_of(peer_id: str, listen_addrs: Sequence[str]) -> str:
     """The network a node shares an uplink (and a fate) with: the /24 (IPv4) or /48 (IPv6)
-    of its first public listen address. Loopback and private addresses say nothing about
-    which home a node is in, so such a node counts as its own subnet."""
+    of its first public listen address. Loopback and private addresses (and a relay's, in
+    a circuit) say nothing about which home a node is in, so such a node counts as its own
+    subnet."""
     for addr in listen_addrs:
         parts = addr.split("/")
+        if "/p2p-circuit" in addr:  # the relay's address, not the node's home
+            continue
         if len(parts) < 3 or parts[1] not in ("ip4", "ip6"):
             continue
         try:
@@ -115,13 +118,49 @@ def forget_peer(links: Mapping[tuple[PeerId, PeerId], float], peer: PeerId) -> d
     return {k: v for k, v in links.items() if peer not in k}
 
 
+def relay_of(listen_addrs: Sequence[str]) -> PeerId | None:
+    """The relay a node is reached through: the relay's peer id when its first address is
+    a circuit (.../p2p/<relay>/p2p-circuit/p2p/<node>), which a node nobody can dial
+    advertises first (shard.relay); None for a dialable node."""
+    first = listen_addrs[0] if listen_addrs else ""
+    relay_part, circuit, _ = first.partition("/p2p-circuit")
+    _, p2p, relay = relay_part.rpartition("/p2p/")
+    return PeerId(relay) if circuit and p2p and relay else None
+
+
+def relayed_links(links: Mapping[tuple[PeerId, PeerId], float], registrations: Mapping[PeerId, Register],
+                  coordinator: PeerId, config: TopologyConfig, round_bytes: int) -> dict[tuple[PeerId, PeerId], float]:
+    """`links` with every hop into a node reached through a relay costed as the relay makes
+    it: both legs (sender -> relay -> node, each measured by its own probe) plus one decode
+    round's bytes on the relay's upload, which all such hops through it share. Planned as
+    relayed even where DCUtR may punch through (cheaper then: the plan is the safe side);
+    the coordinator and the relay itself reach the node over its own connection, directly.
+    A hop whose legs are not both measured is left to ring.LatencyMatrix's estimate."""
+    relayed = {peer: relay for peer, reg in registrations.items() if (relay := relay_of(reg.listen_addrs))}
+    out = dict(links)
+    for dst, relay in relayed.items():
+        sharing = sum(1 for r in relayed.values() if r == relay)  # one circuit into each such stage
+        relay_upload = (config.coordinator_upload_bytes_per_s if relay == coordinator
+                        else registrations[relay].upload_bytes_per_s if relay in registrations else None)
+        for src in registrations:
+            legs = (links.get((src, relay)), links.get((relay, dst)))
+            if src in (dst, relay) or relay_upload is None or None in legs:
+                continue
+            out[(src, dst)] = legs[0] + legs[1] + round_bytes * sharing / max(relay_upload, 1.0)
+    return out
+
+
 def build_network(coordinator: PeerId, registrations: Mapping[PeerId, Register],
                   links: Mapping[tuple[PeerId, PeerId], float], held: Mapping[PeerId, LayerRange],
-                  config: TopologyConfig) -> Network:
+                  config: TopologyConfig, model: ModelSpec | None = None) -> Network:
     """The pool as ring sees it: every registered node, the links measured among them and
-    to the coordinator (others estimated by ring.LatencyMatrix), and what each holds."""
+    to the coordinator (others estimated by ring.LatencyMatrix), hops into relayed nodes as
+    the relay makes them (`relayed_links`, with `model`'s activation bytes per decode
+    round), and what each holds."""
     nodes = tuple(node_info(reg, held.get(peer)) for peer, reg in sorted(registrations.items()))
     present = set(registrations) | {coordinator}
+    round_bytes = config.round_tokens * model.activation_bytes_per_token if model is not None else 0
+    links = relayed_links(links, registrations, coordinator, config, round_bytes)
     measured = {(a, b): s for (a, b), s in links.items() if a in present and b in present}
     return Network(coordinator, nodes, LatencyMatrix(measured, config.unknown_latency_s),
                    config.coordinator_upload_bytes_per_s)
