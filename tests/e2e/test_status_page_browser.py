@@ -191,3 +191,43 @@ def test_status_page_shows_the_ring_as_v1_ring_reports_it(chromium, tiny_llama_s
                   if name == "shard_traversal_seconds_total"}
     assert set(by_drafter) == set(window["drafters"]) and all(v > 0 for v in by_drafter.values())
     assert samples[("shard_audits_total", ())] == audits["audits"]
+
+
+def test_status_page_draws_each_hops_path_and_measured_transfer(chromium):
+    # Bug guarded: a hop's path (direct, hole punched, relayed), once /v1/ring reports it,
+    # not drawn or drawn on the wrong hop, or the measured transfer shown for the wrong hop.
+    # Sound: a scripted engine's /v1/ring gives each hop a different path and the metrics'
+    # window a different transfer per hop; the page's script must put each on its own hop.
+    from tests.conftest import make_tiny_tokenizer
+    from tests.coordinator.conftest import ScriptedEngine
+
+    engine = ScriptedEngine(make_tiny_tokenizer(), [])
+    peers = ["12D3KooWAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA", "12D3KooWBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBBB"]
+    paths = ["direct", "hole_punched", "relayed"]
+    ends = ["coord", *peers, "coord"]
+    engine.info = lambda: {
+        "ready": True, "model": "scripted", "epoch": 7, "registered_nodes": 2, "wire_dtype": "f32",
+        "members": [{"peer_id": p, "layers": [15 * i, 15 * i + 15], "role": "stage", "device": "cpu",
+                     "decode_ms_per_layer": 0.5} for i, p in enumerate(peers)],
+        "topology": {"plan": {"hops": [{"src": ends[i], "dst": ends[i + 1], "latency_s": 0.01, "latency_estimated": False,
+                                        "round_send_s": 0.001, "path": paths[i]} for i in range(3)]},
+                     "nodes": {p: {"upload_bytes_per_s": 1e6} for p in peers}, "roles": {}, "measured": {}}}
+    metrics = GatewayMetrics()
+    metrics.hops.add(7, "decode", (0.011, 0.022, 0.033))
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            port = await nursery.start(serve_http, create_gateway(engine, ApiConfig(), metrics=metrics), "127.0.0.1", 0)
+            dom = (await _browser(chromium, "--dump-dom", f"http://127.0.0.1:{port}/")).decode()
+            nursery.cancel_scope.cancel()
+        return dom
+
+    dom = trio.run(main)
+    page = Elements()
+    page.feed(dom)
+    hops = page.with_class("hop")
+    assert [a["data-path"] for a in hops] == paths
+    assert [a["data-transfer-decode-ms"] for a in hops] == ["11.000", "22.000", "33.000"]
+    assert [a["data-transfer-prefill-ms"] for a in hops] == ["", "", ""]  # no prefill frame measured
+    assert "hole punched · send" in html.unescape(dom) and "relayed · send" in html.unescape(dom)
+    assert [("relayed" in a["class"].split()) for a in page.with_class("edge")] == [False, False, True]
