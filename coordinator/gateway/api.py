@@ -5,7 +5,9 @@ Routes: GET /v1/models, GET /v1/models/{id}, POST /v1/chat/completions, POST /v1
 GET /v1/ring, GET /v1/receipts/{response or job id}, GET /v1/receipts/key. Errors use OpenAI's
 JSON shape with the status a client expects (400 bad request, 404 unknown model or route,
 408 a body not sent within its deadline, 413 a body over its limit or a prompt longer than
-the context, 429 too many concurrent jobs, 503 no ring). Every response carries a `shard`
+the context, 429 with Retry-After when the generations running are at their limit and the
+queue in front of them is full or the wait ran out (coordinator.gateway.job_queue), 503
+no ring). Every response carries a `shard`
 object with the job's stats.
 
 Request bodies are bounded where they enter (coordinator.gateway.body_limit: refused by
@@ -45,6 +47,7 @@ from coordinator.gateway.openai_schema import (MAX_BODY_BYTES, ChatRequest, Comp
 from coordinator.errors import (CoordinatorError, EmptyPromptError, JobFailedError, NotReadyError, PromptFormatError, PromptTooLongError,
                                 RequestError, SamplingParamError)
 from coordinator.gateway.auth import KeyBook
+from coordinator.gateway.job_queue import JobQueue
 from coordinator.gateway.body_limit import BodyLimit
 from shard.options import option
 
@@ -57,7 +60,11 @@ class ApiConfig:
 
     host: str = "127.0.0.1"
     port: int = 8000
-    max_concurrent_jobs: int = option(8, "requests beyond this get 429")  # instead of queueing
+    max_concurrent_jobs: int = option(8, "generations run at once; past it requests wait in a queue "
+                                      "(--max-queued-jobs, --queue-timeout-s), then get 429")
+    max_queued_jobs: int = option(64, "requests that may wait for a running generation to finish; past it 429 "
+                                  "with Retry-After (0: refuse at once)")
+    queue_timeout_s: float = option(30.0, "how long a request waits in the queue before 429 with Retry-After")
     # Keys and the operator's surface (coordinator.gateway.auth, .operator).
     api_keys: KeyBook | None = option(None, "file of API keys, one a line (or a key's sha256:<hex> digest); requests "
                                       "then need `Authorization: Bearer KEY` (default: none, the API is open)",
@@ -80,7 +87,9 @@ class ApiConfig:
 
 
 def error_response(err: RequestError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status)
+    retry_after_s = getattr(err, "retry_after_s", None)  # a 429 says when to come back
+    headers = {"Retry-After": str(retry_after_s)} if retry_after_s is not None else None
+    return JSONResponse(err.body(), status_code=err.status, headers=headers)
 
 
 # Each cause the engine raises -> (HTTP status, OpenAI error type, code); the first
@@ -108,26 +117,6 @@ def request_error_for(exc: CoordinatorError, prompt_param: str = "messages") -> 
     raise AssertionError("STATUS_OF ends with the root, so every CoordinatorError has a row")
 
 
-class JobSlots:
-    """A bounded count of running generations; full means 429, never a queue."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit, self.in_use = limit, 0
-
-    def acquire_nowait(self) -> None:
-        if self.in_use >= self.limit:
-            raise RequestError(
-                429,
-                f"The server is running {self.in_use} generations, its limit; retry shortly.",
-                type="rate_limit_error",
-                code="too_many_concurrent_jobs",
-            )
-        self.in_use += 1
-
-    def release(self) -> None:
-        self.in_use -= 1
-
-
 def _openai_errors(handler: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
     prompt_param = "prompt" if handler.__name__ == "completions" else "messages"
 
@@ -142,8 +131,8 @@ def _openai_errors(handler: Callable[[Request], Awaitable[Response]]) -> Callabl
 
 
 def create_app(engine: Engine, config: ApiConfig = ApiConfig()) -> Starlette:
-    """The ASGI app over `engine`. Stateless apart from the job-slot count."""
-    slots = JobSlots(config.max_concurrent_jobs)
+    """The ASGI app over `engine`. Stateless apart from the job slots and their queue."""
+    slots = JobQueue(config.max_concurrent_jobs, config.max_queued_jobs, config.queue_timeout_s)
 
     def check_model(model: str) -> None:
         if model != engine.model_id:
@@ -165,13 +154,7 @@ def create_app(engine: Engine, config: ApiConfig = ApiConfig()) -> Starlette:
     async def start(prompt_ids: list[int], req: ChatRequest | CompletionRequest, shape: Any,
                     prefix_text: str = "") -> Response:
         completion_budget(engine, len(prompt_ids), req.params)  # 413 before taking a slot
-        for taken in range(req.n):  # a slot per choice: each is a job
-            try:
-                slots.acquire_nowait()
-            except RequestError:
-                for _ in range(taken):
-                    slots.release()
-                raise
+        ticket = await slots.acquire(req.n)  # a slot per choice: each is a job; may wait in the queue
         gens: list[Generation] = []
         try:
             for params in choice_params(constrained(req), req.n):
@@ -180,11 +163,10 @@ def create_app(engine: Engine, config: ApiConfig = ApiConfig()) -> Starlette:
             with trio.CancelScope(shield=True):
                 for gen in gens:
                     await gen.aclose()
-            for _ in range(req.n):
-                slots.release()
+            slots.release(ticket)
             raise
         headers = [("Warning", f'299 shard "Ignored unknown fields: {", ".join(req.ignored)}"')] if req.ignored else []
-        return GenerationResponse(gens, lambda: [slots.release() for _ in range(req.n)], shape, engine.model_id,
+        return GenerationResponse(gens, lambda: slots.release(ticket), shape, engine.model_id,
                                   stream=req.stream, include_usage=req.include_usage, error_of=request_error_for,
                                   text_of=TokenText(engine.tokenizer), prefix_text=prefix_text, headers=headers)
 
@@ -227,7 +209,8 @@ def create_app(engine: Engine, config: ApiConfig = ApiConfig()) -> Starlette:
         info = engine.info()
         ready = bool(info.get("ready"))
         body = {"status": "ok" if ready else "unavailable", "model": engine.model_id,
-                "jobs_running": slots.in_use, "max_concurrent_jobs": slots.limit, "engine": info}
+                "jobs_running": slots.in_use, "max_concurrent_jobs": slots.limit,
+                "jobs_queued": slots.waiting, "engine": info}
         return JSONResponse(body, status_code=200 if ready else 503)
 
     async def ring(request: Request) -> Response:

@@ -21,7 +21,8 @@ from shard.options import config_from_args
 FLAGS = {"--model", "--store-dir", "--listen", "--http", "--key-path", "--local-nodes", "--min-nodes", "--wire-dtype",
          "--aux-dtype", "--link-latency-ms", "--link-upload-mbps", "--link-jitter-ms", "--draft", "--eagle-head",
          "--eagle-tree", "--pipeline-depth", "--prefill-chunk-tokens", "--prefill-edge-chunk-tokens",
-         "--max-concurrent-jobs", "--node-threads", "--receipts-dir", "--audit-rate", "--log-level", "--ring-wait-s",
+         "--max-concurrent-jobs", "--max-queued-jobs", "--queue-timeout-s", "--node-threads", "--receipts-dir",
+         "--audit-rate", "--log-level", "--ring-wait-s",
          "--api-keys", "--key-max-concurrent-jobs", "--key-tokens-per-minute", "--public-health", "--public-status",
          "--public-metrics", "--local-selector-split", "--node-quant", "--max-body-bytes", "--body-timeout-s",
          "--header-timeout-s", "--probation-rounds"}

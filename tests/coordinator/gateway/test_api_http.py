@@ -253,7 +253,7 @@ def test_overload_is_429_and_a_disconnect_mid_stream_closes_the_job(scripted):
     # first block: only the disconnect can end it, and job 2 must be refused meanwhile.
     engine = scripted(["ab", "cd", "ef"])
     engine.gate = trio.Event()
-    app = create_app(engine, ApiConfig(max_concurrent_jobs=1))
+    app = create_app(engine, ApiConfig(max_concurrent_jobs=1, max_queued_jobs=0))  # no queue: 429 at once
     body = {"model": "scripted", "messages": HELLO, "stream": True}
 
     async def fn(base_url):
@@ -270,5 +270,6 @@ def test_overload_is_429_and_a_disconnect_mid_stream_closes_the_job(scripted):
 
     second, health = served(app, fn)
     assert second.status_code == 429 and second.json()["error"]["code"] == "too_many_concurrent_jobs"
+    assert int(second.headers["retry-after"]) >= 1
     assert len(engine.jobs) == 1 and engine.jobs[0].blocks_sent == 1
     assert health["jobs_running"] == 0
