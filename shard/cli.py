@@ -61,7 +61,11 @@ def run_join(args: argparse.Namespace) -> int:
     from shard.options import config_from_args
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    trio.run(run_node, config_from_args(NodeConfig, args))
+    try:
+        config = config_from_args(NodeConfig, args)
+    except ValueError as exc:  # a value its config refuses (e.g. --seed-upload-share 2): one line, no traceback
+        raise ShardError(f"bad option: {exc}") from None
+    trio.run(run_node, config)
     return 0
 
 

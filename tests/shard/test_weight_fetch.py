@@ -177,6 +177,9 @@ def test_a_seeder_serves_only_verified_files_and_refuses_bad_requests(tiny_llama
         (honest, WeightsRequest(manifest_digest=digest, file="tokenizer/tokenizer.json", offset=0, length=10),
          "bad_request"),
         (honest, WeightsRequest(manifest_digest="0" * 64, file=rel, offset=0, length=10), "bad_request"),
+        (WeightServer(store.root, store.manifest, dataclasses.replace(SMALL_CHUNKS, seed_upload_share=0.0),
+                      upload_bytes_per_s=1e6), WeightsRequest(manifest_digest=digest, file=rel, offset=0, length=10),
+         "not_held"),  # --seed-upload-share 0: serves nothing
     ]
     for server, req, code in cases:
         reply = trio.run(ask, server, req)

@@ -132,3 +132,20 @@ def test_the_config_refuses_a_share_outside_0_1_and_oversized_chunks():
         WeightsConfig(seed_upload_share=1.5)
     with pytest.raises(ValueError, match="chunk_bytes"):
         WeightsConfig(chunk_bytes=2 << 20)
+
+
+def test_the_join_flags_reach_the_node_config_and_a_bad_share_is_one_line(capsys):
+    # Bug guarded: --fetch-weights not reaching NodeConfig (a component's flag), or a share
+    # out of range ending `shard-node join` in a traceback instead of one line.
+    from shard.cli import build_parser, main
+    from shard.node_config import NodeConfig
+    from shard.options import config_from_args
+
+    args = build_parser().parse_args(["join", "--coordinator", "/ip4/127.0.0.1/tcp/1", "--fetch-weights",
+                                      "--seed-upload-share", "0.25"])
+    config = config_from_args(NodeConfig, args)
+    assert config.weights.fetch_weights and config.weights.seed_upload_share == 0.25
+    assert not NodeConfig(coordinator="x").weights.fetch_weights
+    assert main(["join", "--coordinator", "/ip4/127.0.0.1/tcp/1", "--seed-upload-share", "2"]) == 1
+    assert capsys.readouterr().err == ("shard-node join: error: bad option: seed_upload_share must be in [0, 1], "
+                                       "got 2.0\n")
