@@ -51,6 +51,8 @@ class CoordConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     api: ApiConfig = field(default_factory=ApiConfig)
     node_threads: int = option(1, "torch threads per local node")
+    node_batch_token_budget: int = option(NodeConfig.batch_token_budget, "rows one forward of a local node may carry across "
+                                          "jobs (shard-node join --batch-token-budget; 1: one frame per forward)")
     node_quant: str = option(_NODE_QUANT.default, "weight-only quantisation of each local node's layers "
                                                   "(shard-node join --quant)", choices=_NODE_QUANT.metadata["choices"])
     receipts: ReceiptConfig = field(default_factory=ReceiptConfig)
