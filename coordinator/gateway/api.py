@@ -251,9 +251,11 @@ def create_app(engine: Engine, config: ApiConfig = ApiConfig()) -> Starlette:
         Route("/v1/receipts/key", _openai_errors(receipts_key), methods=["GET"]),
         Route("/v1/receipts/{job_id}", _openai_errors(receipts), methods=["GET"]),
     ]
-    return Starlette(routes=routes, exception_handlers={HTTPException: http_error, Exception: server_error},
-                     middleware=[Middleware(BodyLimit, max_body_bytes=config.max_body_bytes,
-                                            body_timeout_s=config.body_timeout_s)])
+    app = Starlette(routes=routes, exception_handlers={HTTPException: http_error, Exception: server_error},
+                    middleware=[Middleware(BodyLimit, max_body_bytes=config.max_body_bytes,
+                                           body_timeout_s=config.body_timeout_s)])
+    app.state.slots = slots  # the operator's metrics read its slots in use and queue
+    return app
 
 
 async def serve_http(app: Any, host: str, port: int, *, header_timeout_s: float = ApiConfig.header_timeout_s,

@@ -99,11 +99,13 @@ class GatewayMetrics(RingObserver):
         self.hops = HopWindow()
         self._ring_info: Callable[[], dict[str, Any]] = dict
         self._trust: Callable[[], dict[str, Any]] = dict
+        self._slots: Any = None  # the API's JobQueue (coordinator.gateway.job_queue), when known
         r.register(_ScrapeCollector(self))
 
-    def set_sources(self, ring_info: Callable[[], dict[str, Any]], trust: Callable[[], dict[str, Any]]) -> None:
-        """What a scrape reads: the engine's info() and the trust report."""
-        self._ring_info, self._trust = ring_info, trust
+    def set_sources(self, ring_info: Callable[[], dict[str, Any]], trust: Callable[[], dict[str, Any]],
+                    slots: Any = None) -> None:
+        """What a scrape reads: the engine's info(), the trust report and the API's job slots."""
+        self._ring_info, self._trust, self._slots = ring_info, trust, slots
 
     def ring_info(self) -> dict[str, Any]:
         """The engine's info with each plan hop's measured transfer (GET /v1/ring)."""
@@ -179,6 +181,12 @@ class _ScrapeCollector(Collector):
         yield _gauge("shard_ring_epoch", "the current ring's epoch (0: none)", info.get("epoch") or 0)
         yield _gauge("shard_ring_stages", "stages in the current ring", len(info.get("members") or ()))
         yield _gauge("shard_registered_nodes", "nodes registered with the coordinator", info.get("registered_nodes") or 0)
+        slots = self.metrics._slots
+        if slots is not None:
+            yield _gauge("shard_job_slots_in_use", "job slots held by running requests (one per choice; "
+                         "--max-concurrent-jobs)", slots.in_use)
+            yield _gauge("shard_jobs_queued", "requests waiting in the gateway's queue for job slots "
+                         "(--max-queued-jobs)", slots.waiting)
         plan = (info.get("topology") or {}).get("plan") or {}
         hop_latency = GaugeMetricFamily("shard_hop_latency_seconds", "one-way latency of each hop of the ring "
                                         "(probe-measured; estimated=1 where no probe ran)", labels=["hop", "estimated"])

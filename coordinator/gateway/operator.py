@@ -48,8 +48,8 @@ def create_gateway(engine: Engine, config: ApiConfig = ApiConfig(), *, metrics: 
     and audit report (coordinator.trust.report) for the page and the scrape."""
     metrics = metrics if metrics is not None else GatewayMetrics()
     recent = RecentRequests()
-    metrics.set_sources(engine.info, trust)
     api = create_app(MeteredEngine(engine, [metrics, recent]), config)
+    metrics.set_sources(engine.info, trust, api.state.slots)
     routes = [*status_routes(recent, trust, metrics.ring_info), Route("/metrics", metrics.endpoint, methods=["GET"]),
               Mount("", app=api)]
     app = Starlette(routes=routes)

@@ -8,6 +8,7 @@ import re
 import httpx
 import pytest
 import trio
+import trio.testing
 from prometheus_client.parser import text_string_to_metric_families
 
 from coordinator.gateway.api import ApiConfig
@@ -27,7 +28,7 @@ EXPECTED = {
     "shard_ring_traversal_seconds", "shard_ring_transport_seconds", "shard_stage_compute_seconds",
     "shard_hop_latency_seconds", "shard_hop_round_send_seconds", "shard_receipt_failures_total",
     "shard_audits_total", "shard_audit_evidence_total", "shard_api_key_refusals_total", "shard_ring_ready",
-    "shard_hop_transfer_seconds", "shard_hop_path",
+    "shard_hop_transfer_seconds", "shard_hop_path", "shard_jobs_queued", "shard_job_slots_in_use",
 }
 
 
@@ -97,6 +98,36 @@ def test_metric_names_are_present_and_move_after_a_request(scripted):
 
 def scrape_text(response) -> dict[str, float]:
     return scrape(lambda path: response)
+
+
+def test_queued_requests_and_slots_in_use_are_exported(scripted):
+    # Bug guarded (issue 23: "active and queued jobs"): requests waiting in the gateway's
+    # queue invisible to Prometheus. Sound: with one slot and the first job held by its
+    # gate, the second request must wait in the queue while the scrape is taken; once the
+    # gate opens both finish and the gauges return to 0.
+    engine = scripted([" one", " two"])
+    engine.gate = trio.Event()
+    app = create_gateway(engine, ApiConfig(max_concurrent_jobs=1, max_queued_jobs=4), metrics=GatewayMetrics())
+    body = {"model": "scripted", "prompt": "hi", "max_tokens": 40}
+
+    async def fn(client):
+        statuses = []
+
+        async def post():
+            statuses.append((await client.post("/v1/completions", json=body)).status_code)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(post)
+            nursery.start_soon(post)
+            await trio.testing.wait_all_tasks_blocked()
+            during = scrape_text(await client.get("/metrics"))
+            engine.gate.set()
+        return statuses, during, scrape_text(await client.get("/metrics"))
+
+    statuses, during, after = asgi_calls(app, fn)
+    assert statuses == [200, 200]
+    assert during["shard_job_slots_in_use"] == 1 and during["shard_jobs_queued"] == 1
+    assert after["shard_job_slots_in_use"] == 0 and after["shard_jobs_queued"] == 0
 
 
 def test_two_gateways_keep_their_own_registries(scripted):
