@@ -170,18 +170,28 @@ def _present(root: pathlib.Path, manifest: Manifest, rel: str) -> bool:
 async def ensure_slice(host, coordinator_id: str, store: ModelStore, r: LayerRange, config: WeightsConfig
                        ) -> FetchResult | None:
     """Make layers `r`'s files present and verified in `store`, fetching what is missing from
-    peers; None when nothing was missing. Error handling: FetchError when some file has no
-    source left or cannot be written here; TransportError when the coordinator cannot be asked."""
+    peers, and tell the coordinator how it went; None when nothing was missing. Error
+    handling: FetchError when some file has no source left or cannot be written here (the
+    coordinator is told first); TransportError when the coordinator cannot be asked."""
     files = list(slice_files(r))
     missing = [f for f in files if not await trio.to_thread.run_sync(_present, store.root, store.manifest, f)]
     if not missing:
         return None
     sources = await request_sources(host, coordinator_id, store.manifest, r, missing)
-    result = await fetch_files(host, store.root, store.manifest, missing, sources, config, what=f"layers {r}")
-    await report_fetch(host, coordinator_id, FetchReport(
-        peer_id=host.peer_id, layer_start=r.start, layer_end=r.end, files=result.files, bytes=result.bytes,
-        seconds=result.seconds, by_source=result.by_source, excluded={p: why[:256] for p, why in result.excluded.items()}))
+    fetch = _Fetch(host, store.root, store.manifest, sources, config, missing)
+    try:
+        result = await fetch.run(f"layers {r}")
+    except FetchError as exc:  # told, so the coordinator re-forms without this node at once
+        await report_fetch(host, coordinator_id, _report(host.peer_id, r, fetch.result, str(exc)))
+        raise
+    await report_fetch(host, coordinator_id, _report(host.peer_id, r, result, ""))
     return result
+
+
+def _report(peer_id: str, r: LayerRange, result: FetchResult, error: str) -> FetchReport:
+    return FetchReport(peer_id=peer_id, layer_start=r.start, layer_end=r.end, files=result.files, bytes=result.bytes,
+                       seconds=result.seconds, by_source=result.by_source,
+                       excluded={p: why[:256] for p, why in result.excluded.items()}, error=error[:512])
 
 
 async def fetch_files(host, root: pathlib.Path, manifest: Manifest, files: list[str], sources: Sources,

@@ -81,6 +81,7 @@ class FetchRecord:
     by_source: Mapping[str, int]
     excluded: Mapping[str, str]
     at_unix_s: float
+    error: str = ""  # why the fetch failed ("": it did not)
 
 
 @dataclass
@@ -99,7 +100,8 @@ class FetchLog:
         return [{"peer": r.peer, "layers": [r.layers.start, r.layers.end], "files": r.files, "bytes": r.bytes,
                  "measured_s": r.measured_s, "predicted_s": r.predicted_s, "plan_move_s": r.plan_move_s,
                  "measured_bytes_per_s": r.bytes / r.measured_s if r.measured_s > 0 else None,
-                 "by_source": dict(r.by_source), "excluded": dict(r.excluded), "at_unix_s": r.at_unix_s}
+                 "by_source": dict(r.by_source), "excluded": dict(r.excluded), "at_unix_s": r.at_unix_s,
+                 "error": r.error or None}
                 for r in self.records]
 
 
@@ -168,8 +170,12 @@ class Seeding:
         predicted_layers, predicted = self._predicted.pop(peer, (None, None))
         record = FetchRecord(peer, layers, report.files, report.bytes, report.seconds,
                              predicted if predicted_layers == layers else None, plan_move_s(self.swarm.plan, peer, layers),
-                             report.by_source, report.excluded, time.time())
+                             report.by_source, report.excluded, time.time(), report.error)
         self.fetches.add(record)
+        if report.error:  # it cannot serve that slice: seat the ring without it (it sits out a backoff)
+            log.warning("node %s could not fetch layers %s: %s", peer[-8:], layers, report.error)
+            self.swarm.report_unreachable(peer, f"could not fetch its slice {layers}: {report.error}")
+            return
         log.info("node %s fetched layers %s: %.1f MB in %.1f s (predicted %s)%s", peer[-8:], layers, report.bytes / 1e6,
                  report.seconds, f"{predicted:.1f} s" if record.predicted_s is not None else "-",
                  f", excluded {sorted(report.excluded)}" if report.excluded else "")

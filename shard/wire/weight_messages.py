@@ -102,8 +102,9 @@ class Sources:
 
 @dataclass(frozen=True, kw_only=True)
 class FetchReport:
-    """Node -> coordinator: a fetch for layers [layer_start, layer_end) finished: the bytes
-    it moved, how long it took, the bytes each source served, the sources it excluded."""
+    """Node -> coordinator: a fetch for layers [layer_start, layer_end) ended: the bytes it
+    moved, how long it took, the bytes each source served, the sources it excluded, and
+    `error` when it could not finish (the coordinator then seats the ring without it)."""
 
     KIND: ClassVar[str] = "fetch_report"
     peer_id: str = spec(PEER)
@@ -114,6 +115,7 @@ class FetchReport:
     seconds: float = spec(Float())
     by_source: dict[str, int] = spec(MapOf(PEER, Int()))
     excluded: dict[str, str] = spec(MapOf(PEER, Str(256)))
+    error: str = spec(Str(512), default="")  # why the fetch failed ("": it did not)
 
     def check(self, limits: Limits) -> None:
         pass

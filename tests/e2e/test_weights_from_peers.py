@@ -28,6 +28,7 @@ from shard.manifest import MANIFEST_NAME, slice_files
 from shard.node import Node, NodeConfig
 from shard.transport import open_host
 from shard.weight_fetch import open_fetched_store, request_manifest
+from shard.weight_plan import WeightsConfig
 from tests.e2e.ringkit import generate_greedy, memory_for_stages
 
 PROMPT = [1, 40, 50, 60, 70, 80]
@@ -96,3 +97,40 @@ def test_the_manifest_a_node_fetches_is_the_coordinators_own_signed_by_its_key(t
     fetched, manifest = trio.run(main)
     assert fetched.digest == manifest.digest == store.digest
     assert sorted(p.name for p in (tmp_path / "a").iterdir()) == [MANIFEST_NAME]
+
+
+def test_a_node_that_cannot_fetch_its_slice_sits_out_at_once_instead_of_stalling_formation(tiny_llama_store, tmp_path):
+    # Bug guarded: a newcomer whose fetch failed saying nothing, so the coordinator waited
+    # SwarmConfig.ready_timeout_s (300 s) for its Ready before trying another ring. Sound:
+    # the only holder serves nothing (--seed-upload-share 0), so the fetch must fail; the
+    # coordinator then has the newcomer sit out (a backoff) and records the failed fetch,
+    # long before the ready timeout.
+    store = tiny_llama_store
+
+    async def main():
+        tokenizer = AutoTokenizer.from_pretrained(str(store.tokenizer_dir))
+        config = CoordConfig(listen=LOOPBACK_ANY_PORT, min_nodes=2, swarm=SwarmConfig(),
+                             receipts=ReceiptConfig(enabled=False))
+        memory = memory_for_stages(store, 2)
+        async with open_coordinator(config, store, tokenizer, keypair_from_seed(os.urandom(32))) as coordinator:
+
+            async def run(full: bool, task_status=trio.TASK_STATUS_IGNORED) -> None:
+                async with open_host(keypair_from_seed(os.urandom(32))) as host:
+                    node_store = store if full else await open_fetched_store(host, coordinator.addr, tmp_path / "e")
+                    weights = WeightsConfig(seed_upload_share=0.0)  # the holder serves nothing
+                    node = Node(NodeConfig(coordinator=coordinator.addr, model=store.manifest.name,
+                                           max_memory_bytes=memory, weights=weights), host, node_store)
+                    task_status.started(host.peer_id)
+                    await node.serve()
+
+            await coordinator.nursery.start(run, True)
+            newcomer = await coordinator.nursery.start(run, False)
+            with trio.fail_after(60):  # far below the 300 s ready timeout
+                while newcomer not in coordinator.swarm.unreachable.sitting_out():
+                    await trio.sleep(0.05)  # polls a condition; the deadline is the assertion
+            return newcomer, coordinator.swarm.unreachable.sitting_out(), coordinator.swarm.topology_info()["fetches"]
+
+    newcomer, sitting_out, fetches = trio.run(main)
+    assert "could not fetch its slice" in sitting_out[newcomer] and "not_held" in sitting_out[newcomer]
+    (record,) = [f for f in fetches if f["peer"] == newcomer]
+    assert record["error"].startswith("cannot fetch ") and record["bytes"] == 0
