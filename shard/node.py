@@ -202,7 +202,8 @@ class Node:
         return AuditReply(job_id=req.job_id, epoch=req.epoch, round=req.round, side=req.side, frame=frame)
 
     async def _verify(self, req: VerifyRequest) -> None:
-        self.verifier = self.verifier or Verifier(self.store, self.config.device, self.compute_limiter)
+        fetch = lambda r: ensure_slice(self.host, self.coordinator_id, self.store, r, self.config.weights)  # noqa: E731
+        self.verifier = self.verifier or Verifier(self.store, self.config.device, self.compute_limiter, fetch)
         warm = (self._warm, self.config.quant) if self._warm is not None else None
         await self._send_control(await self.verifier.answer(req, self.limits, warm))
 

@@ -4,8 +4,10 @@ The coordinator sends a VerifyRequest (shard.wire.verify) with a stage's logged 
 frames of one (job, epoch) and the slice, weight quantisation and wire formats the stage
 served them under. The verifier replays them (shard.replay: in f32, quantised as the stage
 declared) on its own copy of the slice, the one it keeps warm for its role when that
-matches, else one it loads from its store (kept for the next audit), and answers with the
-rows it recomputed. So the gateway that asks needs no layers of its own.
+matches, else one it loads from its store (kept for the next audit), first fetching from
+peers whatever files of the slice the store lacks (`fetch`, shard.weight_fetch on a
+node), and answers with the rows it recomputed. So the gateway that asks needs no layers
+of its own.
 
 It does not see the stage's outputs, compare anything or judge anyone (the coordinator
 does: coordinator.trust.audit); it never raises on a request: whatever is wrong with one
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from collections.abc import Awaitable, Callable
 
 import torch
 import trio
@@ -69,8 +72,11 @@ def reply_of(request_id: int, replayed: list[Replayed | None]) -> VerifyReply:
 class Verifier:
     """Answers VerifyRequests for one node. `max_cached_slices` loaded slices are kept."""
 
-    def __init__(self, store: ModelStore, device: str, limiter: trio.CapacityLimiter, max_cached_slices: int = 1) -> None:
-        self.store, self.device, self.limiter = store, device, limiter
+    def __init__(self, store: ModelStore, device: str, limiter: trio.CapacityLimiter,
+                 fetch: Callable[[LayerRange], Awaitable[object]] | None = None, max_cached_slices: int = 1) -> None:
+        """`fetch(r)`: make the files of layers `r` present in `store` (raising ShardError when
+        it cannot); None: the store has what it has."""
+        self.store, self.device, self.limiter, self.fetch = store, device, limiter, fetch
         self.max_cached_slices = max_cached_slices
         self._slices: OrderedDict[tuple[LayerRange, str], Stage] = OrderedDict()
         self.answered = 0  # requests answered with rows (not errors)
@@ -110,6 +116,9 @@ class Verifier:
         key = (r, quant)
         stage = self._slices.get(key)
         if stage is None:
+            if self.fetch is not None:
+                await self.fetch(r)
+
             def load() -> Stage:
                 weights = self.store.load_layers(r, torch.float32, self.device)
                 emb = self.store.load_embedding(torch.float32, self.device) if r.start == 0 else None

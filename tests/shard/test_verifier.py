@@ -183,3 +183,25 @@ def test_verify_messages_refuse_shapes_that_do_not_add_up():
             decode(encode(VerifyReply(**{**rows, **change})), limits)
     with pytest.raises(WireError, match="needs tensors 'keep' and 'hidden'"):
         decode(encode(VerifyReply(request_id=1, frame_rows=(1,))), limits)
+
+
+def test_a_verifier_fetches_the_files_of_a_slice_its_store_lacks_before_loading_it(middle, tmp_path):
+    """A volunteer verifier may hold only its own slice: `fetch` (shard.weight_fetch on a
+    node) must run for the audited range before the load, and its files then serve."""
+    store, stage = middle
+    plan, records = logged_job(stage)
+    logged = logged_frames(plan, records, Limits.for_model(store.config))
+    shutil.copytree(store.root, tmp_path / "s")
+    (tmp_path / "s" / layer_file(2)).unlink()
+    asked = []
+
+    async def fetch(r):  # stands in for the peers: the missing file arrives, checked on load
+        asked.append(r)
+        shutil.copy(store.root / layer_file(2), tmp_path / "s" / layer_file(2))
+
+    partial = ModelStore.open(tmp_path / "s")
+    limits = Limits.for_model(store.config, max_tokens_per_frame=2048)
+    reply = trio.run(lambda: Verifier(partial, "cpu", trio.CapacityLimiter(1), fetch).answer(
+        request_for(plan, logged), limits))
+    assert asked == [stage.layers] and reply.error is None
+    assert compare(plan, logged, split_reply(reply, logged)) is None
