@@ -32,13 +32,20 @@ from shard.stage import Stage
 from shard.store import TORCH_DTYPES, prepare
 
 U = 2.0 ** -8  # bf16's unit roundoff
-H, I, HEADS, KV, LAYERS = 256, 512, 4, 2, 2  # Q4_K's 256-input blocks need K % 256 == 0
+H, I, LAYERS = 256, 512, 2  # Q4_K's 256-input blocks need K % 256 == 0
+# arch -> (heads, kv heads, head dim): llama stores q/k rows permuted (transformers undoes
+# it), qwen3 does not and adds q/k norms; transformers reads qwen3's head dim as 128.
+FAMILIES = {"llama": (4, 2, 64), "qwen3": (2, 1, 128)}
 TYPES = [  # per layer: q, k, v, o, gate, up, down
     dict(attn_q="Q4_0", attn_k="Q4_0", attn_v="Q4_0", attn_output="Q8_0", ffn_gate="Q4_1", ffn_up="Q4_1", ffn_down="Q4_K"),
     dict(attn_q="Q4_K", attn_k="Q4_1", attn_v="F16", attn_output="Q4_1", ffn_gate="Q8_0", ffn_up="Q8_0", ffn_down="Q4_0"),
 ]
-SHAPES = dict(attn_q=(HEADS * 64, H), attn_k=(KV * 64, H), attn_v=(KV * 64, H), attn_output=(H, HEADS * 64),
-              ffn_gate=(I, H), ffn_up=(I, H), ffn_down=(H, I))
+
+
+def _shapes(arch: str) -> dict[str, tuple[int, int]]:
+    heads, kv, d = FAMILIES[arch]
+    return dict(attn_q=(heads * d, H), attn_k=(kv * d, H), attn_v=(kv * d, H), attn_output=(H, heads * d),
+                ffn_gate=(I, H), ffn_up=(I, H), ffn_down=(H, I))
 
 
 def _q4_k(rng, n: int, k: int) -> np.ndarray:
@@ -49,14 +56,14 @@ def _q4_k(rng, n: int, k: int) -> np.ndarray:
     return raw.reshape(n, -1)
 
 
-@pytest.fixture(scope="module")
-def tiny_gguf(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("gguf") / "tiny-mixed.gguf"
+def write_gguf(path, arch: str) -> str:
+    """A tiny `arch` model with TYPES' block types, written with the gguf library."""
+    heads, kv, d = FAMILIES[arch]
     rng = np.random.default_rng(0)
-    w = GGUFWriter(str(path), "llama")
+    w = GGUFWriter(str(path), arch)
     for key, value in (("context_length", 256), ("embedding_length", H), ("block_count", LAYERS),
-                       ("feed_forward_length", I), ("head_count", HEADS), ("head_count_kv", KV),
-                       ("rope_dimension_count", 64)):
+                       ("feed_forward_length", I), ("head_count", heads), ("head_count_kv", kv),
+                       ("rope_dimension_count", d), ("key_length", d), ("value_length", d)):
         getattr(w, f"add_{key}")(value)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_rope_freq_base(10000.0)
@@ -71,8 +78,11 @@ def tiny_gguf(tmp_path_factory) -> str:
     for i, types in enumerate(TYPES):
         w.add_tensor(f"blk.{i}.attn_norm.weight", (1 + 0.1 * rng.standard_normal(H)).astype(np.float32))
         w.add_tensor(f"blk.{i}.ffn_norm.weight", (1 + 0.1 * rng.standard_normal(H)).astype(np.float32))
+        if arch == "qwen3":
+            for qk in ("attn_q_norm", "attn_k_norm"):
+                w.add_tensor(f"blk.{i}.{qk}.weight", (1 + 0.1 * rng.standard_normal(d)).astype(np.float32))
         for name, kind in types.items():
-            n, k = SHAPES[name]
+            n, k = _shapes(arch)[name]
             if kind == "Q4_K":
                 w.add_tensor(f"blk.{i}.{name}.weight", _q4_k(rng, n, k), raw_dtype=GGMLQuantizationType.Q4_K)
                 continue
@@ -90,19 +100,28 @@ def tiny_gguf(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory) -> str:
+    return write_gguf(tmp_path_factory.mktemp("gguf") / "tiny-mixed.gguf", "llama")
+
+
+@pytest.fixture(scope="module")
 def stored(tiny_gguf, tmp_path_factory):
     return prepare(tiny_gguf, tmp_path_factory.mktemp("store") / "s", progress=False).store
 
 
-@pytest.fixture(scope="module")
-def transformers_state(tiny_gguf):
+def _transformers_state(path: str) -> dict[str, torch.Tensor]:
     import pathlib
 
     from transformers import AutoModelForCausalLM
 
-    p = pathlib.Path(tiny_gguf)
+    p = pathlib.Path(path)
     model = AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, dtype=torch.float32)
     return checkpoint_state(model)
+
+
+@pytest.fixture(scope="module")
+def transformers_state(tiny_gguf):
+    return _transformers_state(tiny_gguf)
 
 
 HF = dict(attn_q="self_attn.q_proj", attn_k="self_attn.k_proj", attn_v="self_attn.v_proj",
@@ -110,6 +129,19 @@ HF = dict(attn_q="self_attn.q_proj", attn_k="self_attn.k_proj", attn_v="self_att
 
 
 def test_each_block_is_stored_as_its_grid_and_equals_what_transformers_loads(stored, transformers_state):
+    assert_grids_are_transformers_weights(stored, transformers_state)
+
+
+def test_a_qwen3_gguf_is_kept_quantised_too(tmp_path):
+    """Qwen3: no q/k row permutation in its GGUF (a llama-only undo applied here would
+    scramble q and k), q/k norms beside the kept weights."""
+    path = write_gguf(tmp_path / "tiny-qwen3.gguf", "qwen3")
+    store = prepare(path, tmp_path / "s", progress=False).store
+    assert store.config.model_type == "qwen3" and store.config.qk_norm
+    assert_grids_are_transformers_weights(store, _transformers_state(path))
+
+
+def assert_grids_are_transformers_weights(stored, transformers_state) -> None:
     assert stored.manifest.quant == "int4"
     for i, types in enumerate(TYPES):
         tensors = stored.load_layers(LayerRange(i, i + 1))[i]
