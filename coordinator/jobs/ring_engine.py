@@ -288,6 +288,8 @@ class RingEngine:
         resumes from its committed, verified tokens. Raises JobFailedError."""
         suspects = self.on_probation(ring)
         if not suspects or self.shadow is None:
+            if self.shadow is not None and self.shadow.loaded and not self.on_probation(self.swarm.ring or ring):
+                self.shadow.release()  # the ring in force needs none: its slices' memory goes back
             return
         spot = self.shadow.check(ring, result, self.quant_of())
         if spot is not None and spot.passed:
