@@ -26,7 +26,7 @@ from ring import ChurnPolicy, PeerId, Plan, RingError, fetch_seconds
 from shard.errors import TransportError, WireError
 from shard.layers import LayerRange
 from shard.manifest import is_weight_file, slice_files
-from shard.store import ModelStore
+from shard.store import ModelStore, stored_weight_files
 from shard.transport import FramedStream
 from shard.weight_plan import WeightsConfig
 from shard.weight_server import WeightServer
@@ -148,7 +148,8 @@ class Seeding:
         held = {p: files_held(m.register, self.swarm.held.get(p)) for p, m in members.items()}
         uploads = {p: m.register.upload_bytes_per_s for p, m in members.items()}
         coordinator = PeerId(self.swarm.peer_id)
-        chosen = holders(files, held, uploads, asker, coordinator, frozenset(manifest.files))
+        here = frozenset(stored_weight_files(self.store.root, manifest))  # a layerless gateway holds few
+        chosen = holders(files, held, uploads, asker, coordinator, here)
         addrs = {p: members[p].register.listen_addrs[:16] for hs in chosen.values() for p in hs if p in members}
         asking = members.get(asker)
         if req.layer_end > req.layer_start:
