@@ -1,12 +1,12 @@
 """Per-hop transfer times on a real ring whose senders each add a different, known one-way
-latency (shard.linkemu): the coordinator 12 ms, the three nodes 4, 24 and 44 ms.
+latency (shard.linkemu): the three nodes 4, 24 and 44 ms, the coordinator 64 ms.
 
 Guards that each hop's figure (coordinator.gateway.hop_times, from the stages' clock stamps
 in Forward.clock_s) is that hop's own: the emulation delays what a sender sends, so hop i
 must read its sender's latency plus loopback and framing, never a neighbour's and never a
-stage's compute. Sound because the latencies differ by 20 ms from hop to hop while the
-tolerance is 15 ms, so a figure shifted by one hop or missing its latency fails; all the
-processes share one clock, so the stamps carry no clock offset.
+stage's compute. Sound because any two senders' latencies differ by at least 20 ms while the
+tolerance is 15 ms, so a figure attributed to another hop or missing its latency fails; all
+the processes share one clock, so the stamps carry no clock offset.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from shard.node import Node, NodeConfig
 from shard.transport import open_host
 from tests.e2e.ringkit import generate_greedy, memory_for_stages
 
-COORDINATOR_MS = 12.0
+COORDINATOR_MS = 64.0
 NODE_MS = (4.0, 24.0, 44.0)
 # Loopback, framing, decode and the receiver's inbox on top of the emulated latency, on a
 # machine whose two cores run other tests too (observed: 1-4 ms).
