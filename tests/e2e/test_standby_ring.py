@@ -48,7 +48,8 @@ async def death_to_next_token(ring: LocalRing, prompt: list[int], tokens: int, k
     await roles_loaded(ring)
     before = swarm.ring
     standbys = {r.stage_index: p for p, r in sorted(swarm.plan.roles.items()) if r.kind is RoleKind.HOT_STANDBY}
-    index = next((i for i in range(len(before.stages)) if (i in standbys) == with_standby), None)
+    # The last such stage: with and without a standby the same slice (a 2-stage ring's tail) dies.
+    index = next((i for i in reversed(range(len(before.stages))) if (i in standbys) == with_standby), None)
     if index is None:
         raise LookupError(f"no stage {'with' if with_standby else 'without'} a standby in {swarm.plan.describe()}")
     victim, layers = before.stages[index]

@@ -1,0 +1,58 @@
+"""A pool whose spare nodes hold nothing forms and serves: a weight seeder and a relay.
+
+Two nodes with memory for the tiny model's layers make the ring; two more have memory for
+no layer (so the selector cannot seat them or have them keep a slice warm): one with an
+unshaped loopback uplink, which makes it a weight seeder, and one shaped to 10 Mbit/s,
+which makes it a relay. Guards the crash issue 24 reported: the coordinator built the
+role assignment of a node that holds nothing as LayerRange(0, 0), which raises, so such
+a pool could not form; and each such node must take its role (Ready, holding nothing)
+while the ring serves.
+"""
+
+from __future__ import annotations
+
+import os
+
+import trio
+from transformers import AutoTokenizer
+
+from coordinator.assembly import open_coordinator
+from coordinator.config import LOOPBACK_ANY_PORT, CoordConfig
+from coordinator.jobs.engine_config import EngineConfig
+from coordinator.swarm.formation import SwarmConfig
+from coordinator.trust.receipt_check import ReceiptConfig
+from shard.identity import keypair_from_seed
+from shard.wire.roles import ROLE_RELAY, ROLE_WEIGHT_SEEDER
+from tests.e2e.ringkit import _run_node, generate_greedy, memory_for_stages
+
+PROMPT = [1, 3 + ord("h"), 3 + ord("i"), 3 + ord("!"), 5, 9, 17]
+
+
+def test_a_pool_with_a_seeder_and_a_relay_forms_and_serves(tiny_llama_store):
+    store = tiny_llama_store
+    per_node = memory_for_stages(store, 2)
+    no_layer = memory_for_stages(store, store.num_layers) // 4  # below one layer and its K/V
+
+    async def run():
+        tokenizer = AutoTokenizer.from_pretrained(str(store.tokenizer_dir))
+        config = CoordConfig(listen=LOOPBACK_ANY_PORT, min_nodes=4, swarm=SwarmConfig(probe_wait_s=20),
+                             engine=EngineConfig(draft="none", probation_rounds=0), receipts=ReceiptConfig(enabled=False))
+        async with open_coordinator(config, store, tokenizer, keypair_from_seed(os.urandom(32))) as coordinator:
+            configs = [{"max_memory_bytes": per_node}] * 2 + [{"max_memory_bytes": no_layer},
+                                                               {"max_memory_bytes": no_layer, "link_upload_mbps": 10.0}]
+            ids = [(await coordinator.nursery.start(_run_node, store, coordinator.addr, c))[1] for c in configs]
+            swarm = coordinator.swarm
+            with trio.fail_after(60):
+                ring = await swarm.wait_ring()
+                while not all(m.assignment is not None and m.ready_epoch >= ring.epoch for m in swarm.members.values()):
+                    await trio.sleep(0.05)
+                tokens = await generate_greedy(coordinator.engine, PROMPT, 8)
+            return ring, {p: swarm.members[p].assignment for p in ids}, ids, dict(swarm.held), tokens
+
+    ring, assignments, ids, held, tokens = trio.run(run)
+    assert {p for p, _ in ring.stages} == set(ids[:2])
+    seeder, relay = assignments[ids[2]], assignments[ids[3]]
+    assert (seeder.role, seeder.layer_start, seeder.layer_end) == (ROLE_WEIGHT_SEEDER, 0, 0)
+    assert (relay.role, relay.layer_start, relay.layer_end) == (ROLE_RELAY, 0, 0)
+    assert ids[2] not in held and ids[3] not in held  # holding nothing, as their roles say
+    assert len(tokens) == 8
