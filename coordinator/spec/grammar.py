@@ -113,6 +113,7 @@ class DraftFilter:
     a context the grammar cannot consume allows no draft after it."""
 
     def __init__(self, constraint: Constraint) -> None:
+        self._constraint = constraint
         self._matcher = llguidance.LLMatcher(constraint.tokenizer, constraint.grammar)
         self._consumed: list[int] = []  # generated tokens the matcher has consumed
         self._blocked = False  # the last context went past what the grammar allows
@@ -126,6 +127,10 @@ class DraftFilter:
         if common < len(done):
             self._matcher.rollback(len(done) - common)
             del done[common:]
+        if self._matcher.is_error():  # never expected (rollbacks stay within what it consumed): start over
+            self._matcher = llguidance.LLMatcher(self._constraint.tokenizer, self._constraint.grammar)
+            done.clear()
+            common = 0
         rest = [int(t) for t in generated[common:]]
         consumed = self._matcher.try_consume_tokens(rest) if rest else 0
         done += rest[:consumed]

@@ -73,3 +73,15 @@ def test_a_pruned_ngram_drafter_proposes_only_what_the_grammar_allows(tiny_token
     pruned = drafter.propose(context, DraftBudget.chain(6))
     assert raw.tokens.tolist()[:1] == ids(tiny_tokenizer, " ") and pruned.num_nodes == 0  # '{"ok": ' has a space
     assert grammar_pruned([drafter.inner], None, 0) == [drafter.inner]
+
+
+def test_a_filter_whose_matcher_broke_starts_over(tiny_tokenizer):
+    # Bug guarded: a matcher left in llguidance's error state (a rollback past what it holds)
+    # answering 0 for every path from then on, silently ending all drafting for the job.
+    # Sound: the error state is made the one way llguidance has (rolling back too far); the
+    # next sync must answer as a fresh filter does.
+    f = json_constraint(tiny_tokenizer, SCHEMA).draft_filter()
+    f.sync(ids(tiny_tokenizer, '{"ok":'))
+    f._matcher.rollback(100)  # more than the 5 tokens it consumed: llguidance's error state
+    f.sync(ids(tiny_tokenizer, '{"ok":'))
+    assert f.allowed_prefix(ids(tiny_tokenizer, "true}")) == len(ids(tiny_tokenizer, "true}"))
