@@ -16,7 +16,7 @@ import dataclasses
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from coordinator.swarm import topology
+from coordinator.swarm import seeding, topology
 from coordinator.swarm.topology import TopologyConfig
 from ring import (AssignError, Capacity, ChurnPolicy, Constraints, InfeasibleError, ModelSpec, Network, PeerId, Plan,
                   RingError, RoleKind, Stage, assign_roles, evaluate, plan_moves, reselect, select_ring,
@@ -134,7 +134,8 @@ def choose(snapshot: Snapshot, members: frozenset[PeerId], config: SwarmConfig, 
     when no ring fits."""
     cfg = config.topology
     regs = {p: snapshot.registrations[p] for p in members}
-    network = topology.build_network(snapshot.coordinator, regs, snapshot.links, snapshot.held, cfg, model)
+    held = seeding.held_or_stored(regs, snapshot.held, model.num_layers)  # on disk counts: moving it costs no network
+    network = topology.build_network(snapshot.coordinator, regs, snapshot.links, held, cfg, model)
     constraints = Constraints(one_per_subnet=cfg.one_per_subnet)
     workload = cfg.workload()
     if config.planner == "all_nodes":

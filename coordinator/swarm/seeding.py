@@ -25,7 +25,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from ring import ChurnPolicy, PeerId, Plan, RingError, fetch_seconds
 from shard.errors import TransportError, WireError
 from shard.layers import LayerRange
-from shard.manifest import is_weight_file, slice_files
+from shard.manifest import is_weight_file, layer_file, slice_files
 from shard.store import ModelStore, stored_weight_files
 from shard.transport import FramedStream
 from shard.weight_plan import WeightsConfig
@@ -41,6 +41,30 @@ log = logging.getLogger("shard.coordinator")
 def files_held(register: Register, loaded: LayerRange | None) -> frozenset[str]:
     """The weight files a node holds: those it registered as stored, and its loaded slice's."""
     return frozenset(register.stored_files) | frozenset(slice_files(loaded) if loaded is not None else ())
+
+
+def held_or_stored(registrations: Mapping[PeerId, Register], loaded: Mapping[PeerId, LayerRange],
+                   num_layers: int) -> dict[PeerId, LayerRange]:
+    """What each node holds as the selector's move plan should see it: its loaded slice, else
+    the longest run of consecutive layers whose files it stores (a node that holds the whole
+    model on disk moves nothing over the network to serve any slice; a node that joined
+    empty holds what it fetched). Ties go to the lowest layers."""
+    out = dict(loaded)
+    for peer, reg in registrations.items():
+        if peer in out:
+            continue
+        stored = set(reg.stored_files)
+        best, run_start = None, None
+        for i in range(num_layers + 1):
+            if i < num_layers and layer_file(i) in stored:
+                run_start = i if run_start is None else run_start
+                continue
+            if run_start is not None and (best is None or i - run_start > len(best)):
+                best = LayerRange(run_start, i)
+            run_start = None
+        if best is not None:
+            out[peer] = best
+    return out
 
 
 def holders(files: Iterable[str], held: Mapping[PeerId, frozenset[str]], uploads: Mapping[PeerId, float],

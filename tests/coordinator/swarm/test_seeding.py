@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.swarm.seeding import FetchLog, FetchRecord, files_held, holders, predicted_fetch_s
+from coordinator.swarm.seeding import FetchLog, FetchRecord, files_held, held_or_stored, holders, predicted_fetch_s
 from ring import ChurnPolicy, PeerId
 from shard.layers import LayerRange
 from shard.manifest import EMBED_FILE, layer_file
@@ -73,3 +73,13 @@ def test_the_fetch_log_keeps_a_bounded_window_with_measured_and_predicted():
     rows = log.summary()
     assert [r["peer"] for r in rows] == ["p1", "p2"]
     assert rows[0]["measured_bytes_per_s"] == 500.0 and rows[0]["predicted_s"] == 1.5 and rows[0]["layers"] == [0, 2]
+
+
+def test_the_move_plan_sees_a_loaded_slice_else_the_longest_run_of_stored_layers():
+    # Bug guarded: the selector charging a network fetch to a node that holds the layers on
+    # disk (or none to one that joined empty). Sound: loaded wins; else the longest run of
+    # consecutive stored layer files, the lower one on a tie; nothing stored, nothing held.
+    regs = {A: _register([layer_file(i) for i in (0, 1, 3, 4, 5)]), B: _register([L0, L1]), C: _register([EMBED_FILE]),
+            ME: _register([layer_file(i) for i in (1, 3)])}
+    got = held_or_stored(regs, {B: LayerRange(2, 4)}, num_layers=6)
+    assert got == {A: LayerRange(3, 6), B: LayerRange(2, 4), ME: LayerRange(1, 2)}
