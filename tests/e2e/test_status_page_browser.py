@@ -214,6 +214,7 @@ def test_status_page_draws_each_hops_path_and_measured_transfer(chromium):
                      "nodes": {p: {"upload_bytes_per_s": 1e6} for p in peers}, "roles": {}, "measured": {}}}
     metrics = GatewayMetrics()
     metrics.hops.add(7, "decode", (0.011, 0.022, 0.033))
+    metrics.hops.add(7, "prefill", (0.5, -0.004, 0.6))  # hop 1's ends' clocks disagree by more than it takes
 
     async def main():
         async with trio.open_nursery() as nursery:
@@ -228,6 +229,7 @@ def test_status_page_draws_each_hops_path_and_measured_transfer(chromium):
     hops = page.with_class("hop")
     assert [a["data-path"] for a in hops] == paths
     assert [a["data-transfer-decode-ms"] for a in hops] == ["11.000", "22.000", "33.000"]
-    assert [a["data-transfer-prefill-ms"] for a in hops] == ["", "", ""]  # no prefill frame measured
+    assert [a["data-transfer-prefill-ms"] for a in hops] == ["500.000", "-4.000", "600.000"]
+    assert html.unescape(dom).count("clocks differ") == 1  # said on the hop whose figure is below zero
     assert "hole punched · send" in html.unescape(dom) and "relayed · send" in html.unescape(dom)
     assert [("relayed" in a["class"].split()) for a in page.with_class("edge")] == [False, False, True]

@@ -57,7 +57,10 @@ function drawRing(info) {
     // crosses (absent until /v1/ring reports one) and the plan's send time.
     const label = `${ms(h.latency_s)} ms${h.latency_estimated ? " (est.)" : ""} · ${mbit(src.upload_bytes_per_s)} Mbit/s`;
     const t = (h.measured || {}).transfer_s || {};
-    const measured = h.measured ? `took ${ms(t.decode, 2)} ms (prefill ${ms(t.prefill, 1)})` : "not measured yet";
+    // Stamps are each machine's wall clock: a hop whose figure is below zero has ends whose
+    // clocks disagree by more than the hop takes (hop_times.py); say so rather than hide it.
+    const skewed = (t.decode ?? 0) < 0 || (t.prefill ?? 0) < 0 ? " · clocks differ" : "";
+    const measured = h.measured ? `took ${ms(t.decode, 2)} ms (prefill ${ms(t.prefill, 1)})${skewed}` : "not measured yet";
     const planned = (h.path ? String(h.path).replace("_", " ") + " · " : "") + `send ${ms(h.round_send_s, 2)} ms/round`;
     const cls = "edge" + (h.latency_estimated ? " est" : "") + (h.path === "relayed" ? " relayed" : "");
     let path, lx, ly;
