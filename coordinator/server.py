@@ -22,6 +22,7 @@ from coordinator.gateway.metrics import GatewayMetrics
 from coordinator.gateway.operator import create_gateway
 from coordinator.trust.report import trust_report
 from shard.identity import load_or_create_identity
+from shard.quant import effective_scheme
 from shard.store import cache_root, open_or_prepare
 
 log = logging.getLogger("shard.coordinator")
@@ -34,6 +35,8 @@ async def serve_coordinator(config: CoordConfig, task_status=trio.TASK_STATUS_IG
     from transformers import AutoTokenizer
 
     store = await trio.to_thread.run_sync(lambda: open_or_prepare(config.model, config.store_dir))
+    if config.local_nodes:  # a --node-quant the store cannot run: one line now, not N failed nodes
+        effective_scheme(store.manifest.quant, config.node_quant)
     tokenizer = await trio.to_thread.run_sync(AutoTokenizer.from_pretrained, str(store.tokenizer_dir))
     keypair = load_or_create_identity(config.key_path or cache_root() / "coordinator.key")
     host_name, port = config.http.rsplit(":", 1)

@@ -221,3 +221,16 @@ def test_a_quantised_store_runs_its_own_scheme_and_refuses_another():
     with pytest.raises(QuantError, match=r"--quant int8 on a store kept quantised as int4"):
         effective_scheme("int4", "int8")
     assert scheme("int4").quantised
+
+
+def test_serve_refuses_local_nodes_a_quantisation_the_store_cannot_run(tiny_gguf, stored, capsys):
+    """`shard-coord serve --local-nodes N --node-quant int8` on a store kept as int4: one
+    line before anything starts, not N nodes that each fail to load their slices."""
+    from coordinator.cli import main
+
+    argv = ["serve", "--model", tiny_gguf, "--store-dir", str(stored.root), "--local-nodes", "2", "--node-quant", "int8",
+            "--listen", "/ip4/127.0.0.1/tcp/0", "--http", "127.0.0.1:0"]
+    assert main(argv) == 1
+    assert capsys.readouterr().err == ("shard-coord serve: error: --quant int8 on a store kept quantised as int4 (use "
+                                       "--quant none or int4, or prepare the model from a float source) (limit int4, got "
+                                       "int8)\n")
