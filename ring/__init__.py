@@ -3,7 +3,7 @@
 Decisions are pure functions of data; nothing here opens a socket or touches torch.
 """
 
-from ring.churn import ChurnPolicy, fetch_seconds, plan_moves, reselect
+from ring.churn import ChurnPolicy, fetch_seconds, plan_moves, reselect, with_moves
 from ring.cost import evaluate, max_layers
 from ring.assign import Capacity, split_by_capacity
 from ring.errors import AssignError, InfeasibleError, InvalidInputError, RingError, UnknownPeerError
@@ -18,5 +18,5 @@ __all__ = [
     "AssignError", "Capacity", "ChurnPolicy", "Constraints", "Hop", "InfeasibleError", "InvalidInputError", "LatencyMatrix", "ModelSpec",
     "Move", "Network", "NodeInfo", "PeerId", "Plan", "RingError", "Role", "RoleKind", "RolePolicy", "Stage",
     "StageTiming", "UnknownPeerError", "Workload", "assign_roles", "evaluate", "fetch_seconds", "max_layers", "oracle_ring",
-    "plan_moves", "reselect", "select_ring", "split_by_capacity",
+    "plan_moves", "reselect", "select_ring", "split_by_capacity", "with_moves",
 ]

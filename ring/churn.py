@@ -83,6 +83,16 @@ def plan_moves(stages: Iterable[Stage], network: Network, model: ModelSpec,
     return tuple(moves), max((m.seconds for m in moves), default=0.0)
 
 
+def with_moves(plan: Plan, network: Network, model: ModelSpec, policy: ChurnPolicy = ChurnPolicy()) -> Plan:
+    """`plan` with the weight fetches its stages need on `network` (plan_moves), when it names
+    none yet: a fresh ring's plan then predicts its fetches too. Moves a plan already names
+    (reselect's, costed on the survivors' served slices) are kept."""
+    if plan.moves:
+        return plan
+    moves, move_s = plan_moves(plan.stages, network, model, policy)
+    return dataclasses.replace(plan, moves=moves, move_s=move_s)
+
+
 def reselect(previous: Plan, network: Network, model: ModelSpec, workload: Workload,
              constraints: Constraints = Constraints(), policy: ChurnPolicy = ChurnPolicy()) -> Plan:
     """The best ring on `network` (the pool after churn) counting weight moves.

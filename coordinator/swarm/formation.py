@@ -20,7 +20,7 @@ from coordinator.swarm import seeding, topology
 from coordinator.swarm.topology import TopologyConfig
 from ring import (AssignError, Capacity, ChurnPolicy, Constraints, InfeasibleError, ModelSpec, Network, PeerId, Plan,
                   RingError, RoleKind, Stage, assign_roles, evaluate, plan_moves, reselect, select_ring,
-                  split_by_capacity)
+                  split_by_capacity, with_moves)
 from shard.layers import LayerRange
 from shard.options import option
 from shard.wire.dtypes import BY_CLI_NAME, BY_NAME, from_cli_name
@@ -227,6 +227,7 @@ def decide(snapshot: Snapshot, members: frozenset[PeerId], config: SwarmConfig,
         plan, network = choose(snapshot, members, config, model.spec)
     except RingError as exc:
         return NoRing(members, str(exc))
+    plan = with_moves(plan, network, model.spec, config.churn)  # what each stage must fetch first, predicted
     stages = tuple((s.peer, s.layers) for s in plan.stages)
     ring = snapshot.ring
     if ring is not None and ring.stages == stages:

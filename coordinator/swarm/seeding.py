@@ -22,7 +22,8 @@ from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from ring import ChurnPolicy, PeerId, Plan, RingError, fetch_seconds
+from coordinator.swarm import topology
+from ring import ChurnPolicy, PeerId, RingError, Stage, fetch_seconds, plan_moves
 from shard.errors import TransportError, WireError
 from shard.layers import LayerRange
 from shard.manifest import is_weight_file, layer_file, slice_files
@@ -101,7 +102,7 @@ class FetchRecord:
     bytes: int
     measured_s: float
     predicted_s: float | None  # ring.churn.fetch_seconds over the sources handed out
-    plan_move_s: float | None  # the plan's own Move for this peer and slice, when it had one
+    plan_move_s: float | None  # ring.churn.plan_moves for this peer and slice, as the selector costs it
     by_source: Mapping[str, int]
     excluded: Mapping[str, str]
     at_unix_s: float
@@ -129,11 +130,6 @@ class FetchLog:
                 for r in self.records]
 
 
-def plan_move_s(plan: Plan | None, peer: PeerId, layers: LayerRange) -> float | None:
-    moves = [m.seconds for m in (plan.moves if plan is not None else ()) if m.peer == peer and m.layers == layers]
-    return moves[0] if moves else None
-
-
 class Seeding:
     """Serves `/shard/sources/1.0.0` for `swarm` (its members, what they hold, the plan)
     and the coordinator's own `store` on `/shard/weights/1.0.0` (`self.server`)."""
@@ -145,7 +141,8 @@ class Seeding:
         self.signed = SignedManifest(manifest=self.manifest_json, signature=key.sign(manifest_signing_bytes(self.manifest_json)))
         self.server = WeightServer(store.root, store.manifest, WeightsConfig(seed_upload_share=1.0),
                                    upload_bytes_per_s=policy.origin_upload_bytes_per_s)
-        self._predicted: dict[PeerId, tuple[LayerRange, float | None]] = {}
+        # peer -> (layers, fetch_seconds over the sources handed out, the move plan's seconds)
+        self._predicted: dict[PeerId, tuple[LayerRange, float | None, float | None]] = {}
 
     async def handle(self, stream: FramedStream) -> None:
         """Answer one request. Error handling: a malformed one ends the stream (logged)."""
@@ -179,22 +176,40 @@ class Seeding:
         if req.layer_end > req.layer_start:
             download = asking.register.download_bytes_per_s if asking is not None else float("inf")
             nbytes = sum(manifest.files[f].bytes for f in files)
-            self._predicted[asker] = (LayerRange(req.layer_start, req.layer_end),
-                                      predicted_fetch_s(nbytes, chosen, download, uploads, coordinator, self.policy))
+            layers = LayerRange(req.layer_start, req.layer_end)
+            self._predicted[asker] = (layers, predicted_fetch_s(nbytes, chosen, download, uploads, coordinator,
+                                                                self.policy), self._plan_move_s(asker, layers))
         log.info("sources for %s's %d files: %s", asker[-8:], len(files),
                  ", ".join(sorted({p[-8:] for hs in chosen.values() for p in hs})) or "none")
         return Sources(holders=chosen, addrs=addrs,
                        upload_bytes_per_s={p: uploads.get(p, self.policy.origin_upload_bytes_per_s)
                                            for hs in chosen.values() for p in hs})
 
+    def _plan_move_s(self, peer: PeerId, layers: LayerRange) -> float | None:
+        """What the selector's move plan charges `peer` for taking `layers` (ring.churn.plan_moves
+        on the pool as formation sees it, weights on disk included); None if it cannot say."""
+        snap = self.swarm.snapshot()
+        if peer not in snap.registrations:
+            return None
+        regs = snap.registrations
+        try:
+            network = topology.build_network(snap.coordinator, regs, snap.links,
+                                             held_or_stored(regs, snap.held, self.swarm.model.num_layers),
+                                             self.swarm.config.topology, self.swarm.model)
+            moves, _ = plan_moves([Stage(peer, layers)], network, self.swarm.model, self.policy)
+        except RingError:
+            return None
+        return moves[0].seconds if moves else 0.0
+
     def record(self, peer: PeerId, report: FetchReport) -> None:
         if report.peer_id != peer or report.layer_end <= report.layer_start:
             log.warning("ignoring a fetch report from %s about %s", peer, report.peer_id)
             return
         layers = LayerRange(report.layer_start, report.layer_end)
-        predicted_layers, predicted = self._predicted.pop(peer, (None, None))
-        record = FetchRecord(peer, layers, report.files, report.bytes, report.seconds,
-                             predicted if predicted_layers == layers else None, plan_move_s(self.swarm.plan, peer, layers),
+        predicted_layers, predicted, planned = self._predicted.pop(peer, (None, None, None))
+        if predicted_layers != layers:
+            predicted = planned = None
+        record = FetchRecord(peer, layers, report.files, report.bytes, report.seconds, predicted, planned,
                              report.by_source, report.excluded, time.time(), report.error)
         self.fetches.add(record)
         if report.error:  # it cannot serve that slice: seat the ring without it (it sits out a backoff)

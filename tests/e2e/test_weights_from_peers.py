@@ -74,6 +74,7 @@ def test_a_node_with_an_empty_store_joins_a_3_stage_ring_fetching_only_its_slice
     assert abs(record["bytes"] - slice_bytes) <= 0.01 * slice_bytes
     assert record["layers"] == [layers.start, layers.end] and record["files"] == len(wanted)
     assert record["measured_s"] > 0 and record["predicted_s"] is not None and record["predicted_s"] > 0
+    assert record["plan_move_s"] is not None and record["plan_move_s"] > 0  # the selector's plan named this fetch
     assert set(record["by_source"]) <= {p for p, _ in ring.stages} - {newcomer} and not record["excluded"]
     ref = tiny_llama.model.generate(torch.tensor([PROMPT]), max_new_tokens=TOKENS, do_sample=False, pad_token_id=0)
     assert out == ref[0, len(PROMPT):].tolist()
