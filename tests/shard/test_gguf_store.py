@@ -32,7 +32,7 @@ from shard.stage import Stage
 from shard.store import TORCH_DTYPES, prepare
 
 U = 2.0 ** -8  # bf16's unit roundoff
-H, I, LAYERS = 256, 512, 2  # Q4_K's 256-input blocks need K % 256 == 0
+H, I, LAYERS, VOCAB = 256, 512, 2, 1024  # Q4_K's 256-input blocks need K % 256 == 0
 # arch -> (heads, kv heads, head dim): llama stores q/k rows permuted (transformers undoes
 # it), qwen3 does not and adds q/k norms; transformers reads qwen3's head dim as 128.
 FAMILIES = {"llama": (4, 2, 64), "qwen3": (2, 1, 128)}
@@ -67,12 +67,20 @@ def write_gguf(path, arch: str) -> str:
         getattr(w, f"add_{key}")(value)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_rope_freq_base(10000.0)
-    src = GGUFReader(str(locate_alias("smollm2-135m")))  # a real tokenizer, so transformers reads the file
+    # A real tokenizer (SmolLM2's), so transformers reads the file: its first VOCAB tokens and
+    # the merges among them (the whole 49k one costs a minute per load on the test machine).
+    src = GGUFReader(str(locate_alias("smollm2-135m")))
+    tokens = src.fields["tokenizer.ggml.tokens"].contents()[:VOCAB]
+    kept = set(tokens)
+    trimmed = {"tokenizer.ggml.tokens": tokens,
+               "tokenizer.ggml.token_type": src.fields["tokenizer.ggml.token_type"].contents()[:VOCAB],
+               "tokenizer.ggml.merges": [m for m in src.fields["tokenizer.ggml.merges"].contents()
+                                         if (lambda a, b: a in kept and b in kept and a + b in kept)(*m.split(" ", 1))]}
     for key, f in src.fields.items():
         if key.startswith("tokenizer."):
             sub = f.types[1] if f.types[0] == GGUFValueType.ARRAY else None
-            w.add_key_value(key, f.contents(), f.types[0], sub)
-    vocab = len(src.fields["tokenizer.ggml.tokens"].data)
+            w.add_key_value(key, trimmed.get(key, f.contents()), f.types[0], sub)
+    vocab = len(tokens)
     w.add_tensor("token_embd.weight", (rng.standard_normal((vocab, H)) * 0.5).astype(np.float16))
     w.add_tensor("output_norm.weight", np.ones(H, np.float32))
     for i, types in enumerate(TYPES):
