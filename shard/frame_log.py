@@ -79,6 +79,14 @@ class FrameLog:
                     log.ended_s = now
             self._evict_locked()
 
+    def sweep(self) -> int:
+        """Drop what is past its grace or bounds now, and return the bytes still held.
+        record and end_job do it too, but a stage with no traffic calls neither, and an
+        idle node kept every ended job's frames (up to max_bytes) for good (issue 21)."""
+        with self._lock:
+            self._evict_locked()
+            return self._nbytes
+
     def frames(self, job_id: str, epoch: int) -> list[FrameRecord]:
         """The job's frames on this epoch in processing order ([] if none are kept)."""
         with self._lock:

@@ -25,6 +25,7 @@ import trio
 from shard.assignment_rules import ACKNOWLEDGE, decide, public_key_of_peer, verify_assignment  # noqa: F401 (re-exported)
 from shard.errors import JobRef, ShardError, WireError
 from shard.frame_log import FrameLog
+from shard.heap import return_freed_heap
 from shard.layers import LayerRange
 from shard.linkprobe import PROBE_PROTOCOL
 from shard.node_links import NodeLinks
@@ -289,10 +290,13 @@ class Node:
         return True
 
     async def _sweep_idle_jobs(self) -> None:
-        """Every few seconds, free the KV of jobs idle past job_idle_timeout_s."""
+        """Every few seconds, free the KV of jobs idle past job_idle_timeout_s, drop the
+        frame logs past their grace, and hand the freed heap back to the OS."""
         while True:
             await trio.sleep(min(self.config.job_idle_timeout_s / 4, 10.0))
             await self.evict_idle_jobs()
+            self.frame_log.sweep()
+            return_freed_heap()
 
     async def evict_idle_jobs(self) -> list[str]:
         """Free idle jobs' KV now (under the compute limiter: no frame is mid-forward)."""
@@ -312,14 +316,12 @@ class Node:
         if isinstance(msg, Forward) and msg.epoch != state.assignment.epoch:
             await self._job_error(msg, "stale_epoch", f"frame for epoch {msg.epoch}, serving {state.assignment.epoch}")
             return
-        if isinstance(msg, Forward):
-            self.observer.stage_received(self.host.peer_id, msg)
-            rows = msg.positions.shape[0]
-        elif isinstance(msg, EndJob):
-            rows = 0
-        else:
+        if not isinstance(msg, (Forward, EndJob)):
             log.warning("ignoring %s on a ring stream", type(msg).__name__)
             return
+        if isinstance(msg, Forward):
+            self.observer.stage_received(self.host.peer_id, msg)
+        rows = msg.positions.shape[0] if isinstance(msg, Forward) else 0
         await self.scheduler.submit(Waiting(state, msg, received, msg.job_id, rows, len(received.obj)))  # .obj: the whole body
 
     async def _run_batch(self, state: EpochState, batch: list[Waiting]) -> None:

@@ -52,3 +52,18 @@ def test_job_count_bound_and_grace_period():
     for job in ("b", "c", "d"):
         log.record(job, 1, 1, b"i", b"o")
     assert log.frames("b", 1) == [] and log.frames("d", 1)  # oldest running job dropped at 3 > 2
+
+
+def test_an_idle_stage_drops_ended_jobs_after_their_grace():
+    # Bug guarded (issue 21): eviction ran only inside record/end_job/frames, so a node
+    # whose traffic stopped kept every ended job's frames (up to 512 MB) for good. Sound:
+    # after the job ends, no call but sweep is made; sweep before the grace keeps the
+    # frames (audits need them), sweep after it drops them.
+    now = [0.0]
+    log = FrameLog(FrameLogConfig(grace_s=300.0), clock=lambda: now[0])
+    log.record("j", 1, 1, b"i" * 1000, b"o" * 1000)
+    log.end_job("j")
+    now[0] = 299.0
+    assert log.sweep() == 2000
+    now[0] = 301.0
+    assert log.sweep() == 0 and log.frames("j", 1) == []
