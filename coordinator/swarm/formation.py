@@ -38,7 +38,9 @@ class SwarmConfig:
     wire_dtype: str = option("f32", "activation dtype on the wire", **WIRE_DTYPE_FLAG)
     aux_dtype: str | None = option(None, "dtype of the EAGLE aux features on the wire (default: the wire dtype; fp8 "
                                          "halves a draft row's aux bytes on a 16-bit wire)", **WIRE_DTYPE_FLAG)
-    ready_timeout_s: float = 300.0  # loading a slice can take a while on a slow disk
+    # Loading a slice can take a while on a slow disk; a ring whose plan has stages fetch
+    # weights first waits twice the predicted fetch time (plan.move_s) on top.
+    ready_timeout_s: float = 300.0
     # Before forming, wait this long at most for newcomers' link reports: a ring chosen
     # on estimated latencies is a worse ring, but a missing report must not stall it.
     probe_wait_s: float = 10.0

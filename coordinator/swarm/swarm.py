@@ -314,7 +314,7 @@ class Swarm:
             for a in assignments:
                 await self._send_assignment(a)
             await self._send_roles(decision)
-            with trio.fail_after(self.config.ready_timeout_s):
+            with trio.fail_after(self.config.ready_timeout_s + 2 * plan.move_s):  # stages fetch their moves first
                 while not all(a.peer_id in self.members and self.members[a.peer_id].ready_epoch >= epoch
                               for a in assignments):
                     if any(a.peer_id not in self.members for a in assignments):

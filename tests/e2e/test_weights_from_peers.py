@@ -135,3 +135,40 @@ def test_a_node_that_cannot_fetch_its_slice_sits_out_at_once_instead_of_stalling
     assert "could not fetch its slice" in sitting_out[newcomer] and "not_held" in sitting_out[newcomer]
     (record,) = [f for f in fetches if f["peer"] == newcomer]
     assert record["error"].startswith("cannot fetch ") and record["bytes"] == 0
+
+
+def test_formation_waits_for_a_stage_to_fetch_its_predicted_moves_past_the_ready_timeout(tiny_llama_store, tmp_path):
+    # Bug guarded: the coordinator giving up on a ring after SwarmConfig.ready_timeout_s while
+    # a stage is still fetching its slice (300 s is minutes of a home uplink, not a 70B
+    # slice), forming again and again. Sound: the only seeder's uplink is 1 Mbit/s, so the
+    # newcomer's fetch takes seconds, far past a 1 s ready timeout; the first epoch must be
+    # the one that forms, because the wait adds twice the plan's predicted move time.
+    store = tiny_llama_store
+
+    async def main():
+        tokenizer = AutoTokenizer.from_pretrained(str(store.tokenizer_dir))
+        config = CoordConfig(listen=LOOPBACK_ANY_PORT, min_nodes=2, swarm=SwarmConfig(ready_timeout_s=1.0),
+                             receipts=ReceiptConfig(enabled=False))
+        memory = memory_for_stages(store, 2)
+        async with open_coordinator(config, store, tokenizer, keypair_from_seed(os.urandom(32))) as coordinator:
+
+            async def run(full: bool, task_status=trio.TASK_STATUS_IGNORED) -> None:
+                async with open_host(keypair_from_seed(os.urandom(32))) as host:
+                    node_store = store if full else await open_fetched_store(host, coordinator.addr, tmp_path / "e")
+                    node = Node(NodeConfig(coordinator=coordinator.addr, model=store.manifest.name, probe_bytes=16 << 10,
+                                           max_memory_bytes=memory, link_upload_mbps=1.0 if full else 0.0),
+                                host, node_store)
+                    task_status.started(host.peer_id)
+                    await node.serve()
+
+            await coordinator.nursery.start(run, True)
+            newcomer = await coordinator.nursery.start(run, False)
+            with trio.fail_after(120):
+                ring = await coordinator.swarm.wait_ring()
+            fetches = coordinator.swarm.topology_info()["fetches"]
+            return ring, newcomer, fetches, coordinator.swarm.plan.move_s
+
+    ring, newcomer, fetches, move_s = trio.run(main)
+    (record,) = [f for f in fetches if f["peer"] == newcomer]
+    assert record["measured_s"] > 1.0 and move_s > 0.5  # the fetch outlasted the ready timeout, as predicted
+    assert ring.epoch == 1 and newcomer in dict(ring.stages)  # formed at the first try
