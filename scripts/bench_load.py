@@ -1,0 +1,290 @@
+"""Many users at once: closed-loop clients against a real 3-stage ring, batching on and off (issue 21).
+
+What a user runs: `shard-coord serve --local-nodes 3` (three `shard-node join` processes,
+one stage each, receipts checked, no drafter) on the default model (SmolLM2-135M-Instruct,
+f32), spoken to over HTTP by C closed-loop clients (C = 1, 4, 16, 32 by default), each
+sending its next streamed /v1/completions request as soon as the last one ends, for a
+fixed window per C. Requests cycle through a fixed mix: greedy and seeded sampled, 64-256
+new tokens, short prompts and ~2k-token ones. Rings: loopback, and the emulated WAN (25 ms
+one way, 50 Mbit/s uplinks on every edge); on each, node batching on (the default token
+budget) and off (--node-batch-token-budget 1), side by side in one run.
+
+Reported per ring and C: aggregate tok/s (content chunks received in the window: with no
+drafter each is one token), p50/p95 time to first token and inter-token gap, errors,
+and whether every request that finished equals the same request served alone (served
+once each, one at a time, first). A sustained run at the highest C records coordinator
+and node RSS every 10 s (--sustain-s). The machine's load average is recorded with each
+figure: the 2 cores are shared.
+
+    python scripts/bench_load.py --json OUT [--window-s 30] [--sustain-s 300] [--links loopback,wan]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import trio
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from scripts.bench_ringkit import git_revision  # noqa: E402
+from coordinator.jobs.engine import encode_chat  # noqa: E402
+from scripts import spec_prompts  # noqa: E402
+from shard.store import ModelStore, default_store_dir, prepare  # noqa: E402
+
+BANNER = re.compile(r"serving \S+ at (http://[0-9.]+:\d+)/v1")
+LINKS = {"loopback": [], "wan": ["--link-latency-ms", "25", "--link-upload-mbps", "50"]}
+BATCHING = {"on": [], "off": ["--node-batch-token-budget", "1"]}
+
+
+def request_mix(tokenizer) -> list[dict]:
+    """The fixed request mix: 8 kinds through the chat template, 1 in 4 with a ~2k-token
+    prompt (a passage repeated, then a question), 1 in 4 seeded sampling."""
+    short = [p for _, p in spec_prompts.prompt_set(1)]
+    filler = " ".join([spec_prompts.long_text()] * 6)
+    out = []
+    for i in range(8):
+        text = f"{filler}\n\nIn one paragraph, what is this text about? ({i})" if i % 4 == 2 else short[i % len(short)]
+        ids = encode_chat(tokenizer, spec_prompts.messages(text))
+        body = {"prompt": ids, "max_tokens": (64, 128, 192, 256)[i % 4], "temperature": 0.0}
+        if i % 4 == 1:
+            body.update(temperature=0.8, top_p=0.95, seed=100 + i)
+        out.append(body)
+    return out
+
+
+def rss_mb(pid: int) -> float | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None
+
+
+def children(pid: int) -> list[int]:
+    try:
+        return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+class Ring:
+    """One `shard-coord serve --local-nodes 3` process and its nodes; killed on close."""
+
+    def __init__(self, store: ModelStore, home: Path, extra: list[str], name: str) -> None:
+        self.log_path = home / f"{name}.log"
+        env = {**os.environ, "SHARD_HOME": str(home / "shard-home"), "OMP_NUM_THREADS": "1"}
+        with open(self.log_path, "w") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "coordinator.cli", "serve", "--model", "smollm2-135m", "--store-dir",
+                 str(store.root), "--local-nodes", "3", "--http", "127.0.0.1:0", "--listen", "/ip4/127.0.0.1/tcp/0",
+                 "--draft", "none", "--max-concurrent-jobs", "64", *extra],
+                stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        deadline = time.monotonic() + 300
+        try:
+            while time.monotonic() < deadline:
+                m = BANNER.search(self.log_path.read_text(errors="replace"))
+                if m:
+                    self.base = m.group(1)
+                    return
+                if self.proc.poll() is not None:
+                    break
+                time.sleep(0.5)
+        finally:
+            if not hasattr(self, "base"):
+                self.close()
+        raise RuntimeError(f"{name}: no banner:\n{self.log_path.read_text(errors='replace')[-3000:]}")
+
+    def rss(self) -> dict:
+        nodes = [p for p in children(self.proc.pid)]
+        return {"coordinator_mb": rss_mb(self.proc.pid), "nodes_mb": [rss_mb(p) for p in nodes]}
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+
+async def stream_one(client: httpx.AsyncClient, body: dict, on_chunk) -> str:
+    """The text of one streamed completion; `on_chunk(ttft_s, gap_s)` at each content chunk
+    (ttft_s on the first, gap_s on the others, the other None). Raises on any failure."""
+    t0 = time.monotonic()
+    last, text = None, []
+    async with client.stream("POST", "/v1/completions", json={"model": "smollm2-135m", "stream": True, **body}) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:200]!r}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                raise RuntimeError(f"stream error: {event['error']}")
+            piece = event["choices"][0]["text"] if event.get("choices") else ""
+            if not piece:
+                continue
+            now = time.monotonic()
+            on_chunk(now - t0 if last is None else None, None if last is None else now - last)
+            last = now
+            text.append(piece)
+    return "".join(text)
+
+
+def pct(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, max(0, math.ceil(q * len(xs)) - 1))]
+
+
+async def closed_loop(base: str, mix: list[dict], clients: int, window_s: float, refs: list[str] | None) -> dict:
+    """C clients, each sending its next request when the last ends, for window_s seconds;
+    requests still running at the end are cut off (their tokens so far count, their TTFT
+    and ITL too; they are not `requests_done` and not compared)."""
+    chunks, ttfts, gaps, errors, done, mismatches, started = [0], [], [], [], [0], [], [0]
+    deadline = time.monotonic() + window_s
+
+    def on_chunk(ttft, gap):
+        if time.monotonic() < deadline:
+            chunks[0] += 1
+        if ttft is not None:
+            ttfts.append(ttft)
+        if gap is not None:
+            gaps.append(gap)
+
+    async def client_loop(i: int, client: httpx.AsyncClient):
+        k = 0
+        while time.monotonic() < deadline:
+            kind = (i + k * clients) % len(mix)
+            k += 1
+            started[0] += 1
+            try:
+                text = await stream_one(client, mix[kind], on_chunk)
+            except Exception as exc:  # noqa: BLE001 - every failure is a counted error
+                errors.append(f"{type(exc).__name__}: {exc}"[:300])
+                continue
+            done[0] += 1
+            if refs is not None and text != refs[kind]:
+                mismatches.append(kind)
+
+    limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=clients + 4)
+    async with httpx.AsyncClient(base_url=base, timeout=600, limits=limits) as client:
+        t0 = time.monotonic()
+        with trio.move_on_at(trio.current_time() + window_s):  # requests in flight then are cut off
+            async with trio.open_nursery() as nursery:
+                for i in range(clients):
+                    nursery.start_soon(client_loop, i, client)
+        elapsed = time.monotonic() - t0
+    return {"clients": clients, "window_s": window_s, "wall_s": elapsed, "tokens": chunks[0],
+            "tok_per_s": chunks[0] / window_s, "requests_started": started[0], "requests_done": done[0],
+            "ttfts_measured": len(ttfts), "errors": len(errors),
+            "error_samples": errors[:3], "outputs_equal_alone": None if refs is None else not mismatches,
+            "mismatched_kinds": sorted(set(mismatches)), "ttft_p50_s": pct(ttfts, 0.5), "ttft_p95_s": pct(ttfts, 0.95),
+            "itl_p50_s": pct(gaps, 0.5), "itl_p95_s": pct(gaps, 0.95), "load_average": list(os.getloadavg())}
+
+
+async def alone(base: str, mix: list[dict]) -> list[str]:
+    async with httpx.AsyncClient(base_url=base, timeout=600) as client:
+        return [await stream_one(client, body, lambda ttft, gap: None) for body in mix]
+
+
+async def sustained(ring: Ring, mix: list[dict], clients: int, seconds: float, refs: list[str]) -> dict:
+    samples = [{"t_s": 0.0, **ring.rss()}]
+    t0 = time.monotonic()
+
+    async def sample():
+        while True:
+            await trio.sleep(10)
+            samples.append({"t_s": time.monotonic() - t0, **ring.rss()})
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(sample)
+        result = await closed_loop(ring.base, mix, clients, seconds, refs)
+        nursery.cancel_scope.cancel()
+    await trio.sleep(5)
+    samples.append({"t_s": time.monotonic() - t0, "after_idle_5s": True, **ring.rss()})
+    return {**result, "rss": samples}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--concurrency", default="1,4,16,32")
+    ap.add_argument("--window-s", type=float, default=30.0, help="closed-loop window per concurrency")
+    ap.add_argument("--sustain-s", type=float, default=300.0, help="sustained run at the highest concurrency (0: none)")
+    ap.add_argument("--links", default="loopback,wan")
+    ap.add_argument("--wan-concurrency", default=None, help="levels on the WAN ring (default: --concurrency)")
+    ap.add_argument("--batching", default="on,off")
+    ap.add_argument("--kinds", default="0,1,2,3,4,5,6,7", help="which request kinds of the mix to send (indices)")
+    args = ap.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))  # rings closed on kill
+    from transformers import AutoTokenizer
+
+    out_dir = default_store_dir("smollm2-135m")
+    prepare("smollm2-135m", out_dir, progress=False)
+    store = ModelStore.open(out_dir)
+    mix = request_mix(AutoTokenizer.from_pretrained(str(store.tokenizer_dir)))
+    mix = [mix[int(i)] for i in args.kinds.split(",")]
+    levels = [int(c) for c in args.concurrency.split(",")]
+    result = {"conditions": {
+        "model": "smollm2-135m", "manifest_digest": store.digest, "ring": "shard-coord serve --local-nodes 3 "
+        "(one stage per node, 10 layers each), receipts on, --draft none, f32 wire, 1 torch thread per node",
+        "requests": [{"prompt_tokens": len(b["prompt"]), "max_tokens": b["max_tokens"],
+                      "temperature": b["temperature"]} for b in mix],
+        "window_s": args.window_s, "sustain_s": args.sustain_s, "cpus": os.cpu_count(),
+        "tokens": "content chunks of the stream received within the window (no drafter: one token a round)",
+        "git_revision": git_revision(), "started_load_average": list(os.getloadavg())}, "runs": []}
+    home = Path(tempfile.mkdtemp(prefix="bench_load_"))
+    refs = None
+    try:
+        for link in args.links.split(","):
+            for batching in args.batching.split(","):
+                name = f"{link}-batching-{batching}"
+                ring = Ring(store, home, LINKS[link] + BATCHING[batching], name)
+                try:
+                    run = {"link": link, "batching": batching, "rss_start": ring.rss(), "levels": []}
+                    if refs is None:
+                        refs = trio.run(alone, ring.base, mix)
+                        result["conditions"]["reference"] = f"each request alone on {name}, first"
+                    for c in (levels if link != "wan" or not args.wan_concurrency
+                              else [int(x) for x in args.wan_concurrency.split(",")]):
+                        row = trio.run(closed_loop, ring.base, mix, c, args.window_s, refs)
+                        print(f"{name:28s} C={c:3d}  {row['tok_per_s']:6.1f} tok/s  TTFT p50/p95 "
+                              f"{row['ttft_p50_s'] or 0:.2f}/{row['ttft_p95_s'] or 0:.2f} s  ITL p50/p95 "
+                              f"{row['itl_p50_s'] or 0:.3f}/{row['itl_p95_s'] or 0:.3f} s  errors {row['errors']}  "
+                              f"equal alone {row['outputs_equal_alone']}  load {row['load_average'][0]:.1f}", flush=True)
+                        run["levels"].append(row)
+                    run["rss_end"] = ring.rss()
+                    if args.sustain_s and link == "loopback" and batching == "on":
+                        run["sustained"] = trio.run(sustained, ring, mix, max(levels), args.sustain_s, refs)
+                        s = run["sustained"]["rss"]
+                        print(f"{name}: sustained {args.sustain_s:.0f} s at C={max(levels)}: coordinator "
+                              f"{s[0]['coordinator_mb']:.0f} -> {s[-1]['coordinator_mb']:.0f} MB, nodes "
+                              f"{[round(x) for x in s[0]['nodes_mb']]} -> {[round(x) for x in s[-1]['nodes_mb']]} MB",
+                              flush=True)
+                    result["runs"].append(run)
+                finally:
+                    ring.close()
+                    if args.json:
+                        Path(args.json).write_text(json.dumps(result, indent=2))
+    finally:
+        result["conditions"]["ended_load_average"] = list(os.getloadavg())
+        if args.json:
+            Path(args.json).write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
