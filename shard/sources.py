@@ -187,7 +187,26 @@ def checkpoint_state(model: Any) -> dict[str, torch.Tensor]:
         return state
     from transformers.core_model_loading import revert_weight_conversion
 
-    return dict(revert_weight_conversion(model, state))
+    return _split_fused_experts(dict(revert_weight_conversion(model, state)))
+
+
+def _split_fused_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Experts the revert leaves fused (a model loaded from a GGUF records no conversion to
+    revert), split as Qwen-MoE checkpoints name them: `mlp.experts.gate_up_proj` (E, 2I, H),
+    gate rows first, and `mlp.experts.down_proj` (E, H, I) -> `mlp.experts.{e}.*_proj.weight`."""
+    out = {}
+    for name, t in state.items():
+        stem, _, last = name.rpartition(".")
+        if not stem.endswith(".mlp.experts") or last not in ("gate_up_proj", "down_proj"):
+            out[name] = t
+            continue
+        for e in range(t.shape[0]):
+            if last == "down_proj":
+                out[f"{stem}.{e}.down_proj.weight"] = t[e]
+            else:
+                gate, up = t[e].chunk(2)  # (I, H) each
+                out[f"{stem}.{e}.gate_proj.weight"], out[f"{stem}.{e}.up_proj.weight"] = gate, up
+    return out
 
 
 def open_source(model: str) -> HFDirSource | GGUFSource:

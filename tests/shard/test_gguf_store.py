@@ -35,7 +35,8 @@ U = 2.0 ** -8  # bf16's unit roundoff
 H, I, LAYERS, VOCAB = 256, 512, 2, 1024  # Q4_K's 256-input blocks need K % 256 == 0
 # arch -> (heads, kv heads, head dim): llama stores q/k rows permuted (transformers undoes
 # it), qwen3 does not and adds q/k norms; transformers reads qwen3's head dim as 128.
-FAMILIES = {"llama": (4, 2, 64), "qwen3": (2, 1, 128)}
+FAMILIES = {"llama": (4, 2, 64), "qwen3": (2, 1, 128), "qwen3moe": (2, 1, 128)}
+EXPERTS, EXPERT_I = 4, 768  # qwen3moe: transformers reads no expert width from a GGUF (its default 768)
 TYPES = [  # per layer: q, k, v, o, gate, up, down
     dict(attn_q="Q4_0", attn_k="Q4_0", attn_v="Q4_0", attn_output="Q8_0", ffn_gate="Q4_1", ffn_up="Q4_1", ffn_down="Q4_K"),
     dict(attn_q="Q4_K", attn_k="Q4_1", attn_v="F16", attn_output="Q4_1", ffn_gate="Q8_0", ffn_up="Q8_0", ffn_down="Q4_0"),
@@ -67,6 +68,9 @@ def write_gguf(path, arch: str) -> str:
         getattr(w, f"add_{key}")(value)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_rope_freq_base(10000.0)
+    if arch == "qwen3moe":
+        w.add_expert_count(EXPERTS)
+        w.add_expert_used_count(EXPERTS)  # every expert runs: no top-k choice for bf16 rounding to flip
     # A real tokenizer (SmolLM2's), so transformers reads the file: its first VOCAB tokens and
     # the merges among them (the whole 49k one costs a minute per load on the test machine).
     src = GGUFReader(str(locate_alias("smollm2-135m")))
@@ -86,11 +90,21 @@ def write_gguf(path, arch: str) -> str:
     for i, types in enumerate(TYPES):
         w.add_tensor(f"blk.{i}.attn_norm.weight", (1 + 0.1 * rng.standard_normal(H)).astype(np.float32))
         w.add_tensor(f"blk.{i}.ffn_norm.weight", (1 + 0.1 * rng.standard_normal(H)).astype(np.float32))
-        if arch == "qwen3":
+        if arch == "qwen3moe":
+            w.add_tensor(f"blk.{i}.ffn_gate_inp.weight", (0.1 * rng.standard_normal((EXPERTS, H))).astype(np.float32))
+        if arch in ("qwen3", "qwen3moe"):
             for qk in ("attn_q_norm", "attn_k_norm"):
                 w.add_tensor(f"blk.{i}.{qk}.weight", (1 + 0.1 * rng.standard_normal(d)).astype(np.float32))
         for name, kind in types.items():
             n, k = _shapes(arch)[name]
+            if arch == "qwen3moe" and name.startswith("ffn_"):  # every expert's, as one (E, N, K) tensor
+                n, k = (EXPERT_I, H) if name != "ffn_down" else (H, EXPERT_I)
+                qt = GGMLQuantizationType[kind]
+                experts = [_q4_k(rng, n, k) if kind == "Q4_K" else
+                           quants.quantize((rng.standard_normal((n, k)) * 0.08).astype(np.float32), qt)
+                           for _ in range(EXPERTS)]
+                w.add_tensor(f"blk.{i}.{name}_exps.weight", np.stack(experts), raw_dtype=qt)
+                continue
             if kind == "Q4_K":
                 w.add_tensor(f"blk.{i}.{name}.weight", _q4_k(rng, n, k), raw_dtype=GGMLQuantizationType.Q4_K)
                 continue
@@ -242,3 +256,45 @@ def test_serve_refuses_local_nodes_a_quantisation_the_store_cannot_run(tiny_gguf
     assert capsys.readouterr().err == ("shard-coord serve: error: --quant int8 on a store kept quantised as int4 (use "
                                        "--quant none or int4, or prepare the model from a float source) (limit int4, got "
                                        "int8)\n")
+
+
+def test_a_qwen3_moe_gguf_keeps_each_experts_blocks(tmp_path):
+    """Qwen3-MoE: each (E, N, K) expert tensor is split per expert under the checkpoint's
+    names (transformers leaves a GGUF's experts fused: shard.sources splits them, gate rows
+    first), each expert's grid equals transformers' weight, the router stays f32, and the
+    quantised MoE stage stays within the bf16 bound of f32 on its dequantised grids."""
+    path = write_gguf(tmp_path / "tiny-qwen3moe.gguf", "qwen3moe")
+    store = prepare(path, tmp_path / "s", progress=False).store
+    cfg = store.config
+    assert (cfg.model_type, cfg.num_experts, store.manifest.quant) == ("qwen3_moe", EXPERTS, "int4")
+    state = _transformers_state(path)
+    for i, types in enumerate(TYPES):
+        tensors = store.load_layers(LayerRange(i, i + 1))[i]
+        assert torch.equal(tensors["mlp.gate.weight"], state[f"model.layers.{i}.mlp.gate.weight"])  # the router: f32
+        for gg, proj in (("ffn_gate", "gate_proj"), ("ffn_up", "up_proj"), ("ffn_down", "down_proj")):
+            for e in range(EXPERTS):
+                name = f"mlp.experts.{e}.{proj}.weight"
+                grid = QuantWeight.from_tensors(tensors, name)
+                assert grid.kind == ("int8" if types[gg] == "Q8_0" else "int4"), name
+                s, z = grid.scales.float(), grid.zeros
+                slack = (s[:, None] / 2 * 1.001 if z is None else
+                         ((8 * s.abs() + z.float().abs()) * U).repeat_interleave(32, dim=1) * 1.01) + 1e-7
+                assert ((grid.dequantised() - state[f"model.layers.{i}.{name}"]).abs() <= slack).all(), (i, name)
+    r = LayerRange(0, cfg.num_layers)
+    stage = quantise_stage(Stage(cfg, r, store.load_layers(r), embedding=store.load_embedding()), SCHEMES["int4"])
+    reference = Stage(cfg, r, store.load_layers(r), embedding=store.load_embedding())
+    for qw, rw in zip(stage.blocks, reference.blocks):
+        rw.qkv, rw.o = Linear(qw.qkv.dequantised()), Linear(qw.o.dequantised())
+        for qe, re_ in zip(qw.mlp.experts, rw.mlp.experts):
+            re_.gate_up, re_.down = Linear(qe.gate_up.dequantised()), Linear(qe.down.dequantised())
+    assert isinstance(stage.blocks[0].mlp.router, Linear)
+    outs = []
+    for st in (stage, reference):
+        job = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, torch.float32, 1 << 24).open("j", 32)
+        out, _ = st.forward(job, torch.arange(5, 21), ctx_len=0, positions=torch.arange(16))
+        outs.append(out)
+    got, want = outs
+    rms = want.pow(2).mean(dim=1, keepdim=True).sqrt()
+    # Every token runs every expert (top-k = E), so the comparison has no routing choice
+    # that bf16 rounding could flip; the router's weights are continuous in its input.
+    assert ((got - want).abs() <= 4 * 2 * U * cfg.num_layers * rms).all(), float(((got - want).abs() / rms).max())
