@@ -35,7 +35,8 @@ def run_prepare(args: argparse.Namespace) -> int:
     result = prepare(args.model, args.out, force=args.force, progress=not args.quiet)
     m = result.store.manifest
     what = "prepared" if result.created else "already prepared, digests verified, nothing to do:"
-    print(f"{what} {m.name} ({m.model_type}, {m.num_layers} layers, {m.dtype}) at {result.store.root}")
+    kept = f", matmuls kept as {m.quant}" if m.quant != "none" else ""  # a GGUF's blocks (docs/quantisation.md)
+    print(f"{what} {m.name} ({m.model_type}, {m.num_layers} layers, {m.dtype}{kept}) at {result.store.root}")
     print(f"digest {m.digest}")
     return 0
 

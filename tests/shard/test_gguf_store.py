@@ -298,3 +298,12 @@ def test_a_qwen3_moe_gguf_keeps_each_experts_blocks(tmp_path):
     # Every token runs every expert (top-k = E), so the comparison has no routing choice
     # that bf16 rounding could flip; the router's weights are continuous in its input.
     assert ((got - want).abs() <= 4 * 2 * U * cfg.num_layers * rms).all(), float(((got - want).abs() / rms).max())
+
+
+def test_prepare_says_the_matmuls_are_kept_quantised(tiny_gguf, stored, capsys):
+    from shard.cli import main
+
+    assert main(["prepare", "--model", tiny_gguf, "--out", str(stored.root), "--quiet"]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first == (f"already prepared, digests verified, nothing to do: tiny-mixed (llama, 2 layers, F32, matmuls kept "
+                     f"as int4) at {stored.root}")
