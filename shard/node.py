@@ -96,8 +96,7 @@ class Node:
     reconnect: ReconnectPolicy = ReconnectPolicy()
 
     def __post_init__(self) -> None:
-        # A store kept quantised (a GGUF's blocks) runs its own grid whatever --quant says
-        # ("none" gets it; another scheme is refused): what the node declares, sizes and loads.
+        # A store kept quantised runs its own grid: what the node declares, sizes and loads.
         self.config = replace(self.config, quant=effective_scheme(self.store.manifest.quant, self.config.quant).name)
         cfg = self.config
         self.links = NodeLinks(self.host, self._send_control, cfg.link_latency_ms, cfg.link_upload_mbps,
