@@ -1,12 +1,17 @@
 """Rings across the namespace test bed (tests/netbed.py), timed as a user sees them.
 
-Real `shard-coord serve` and `shard-node join` processes, one per namespace, uploads shaped
-with tbf. Measures, side by side in one run: time to first token and time per token of
-a direct ring; the time from kill -9 of the coordinator (restarted with the same key and
-listen address) to the first served token; the time from a stage's death (kill -9 of the
-tail mid-stream) to the resumed request's next token. Relayed and hole-punched hops are
-not measured: shard has no circuit relay yet (issue 19), and the JSON says so rather
-than leaving them out. Needs root.
+Real `shard-coord serve` and `shard-node join` processes, one per namespace, every upload
+shaped with the same tbf rate. Measures, side by side in one run: time to first token and
+time per token of three 2-stage rings whose middle hop (head -> tail) is direct (two
+public hosts), hole-punched (two hosts behind two port-keeping NATs) or relayed through
+the coordinator (one of the two NATs gives random ports); the time from kill -9 of the
+coordinator (restarted with the same key and listen address) to the first served token;
+the time from a stage's death (kill -9 of the tail mid-stream) to the resumed request's
+next token. A relayed hop is also set against the two legs it crosses with no model in
+the way (a ring's TTFT on 2 shared cores swings by more than a leg): one prefill chunk's
+activations from a host behind the random-port NAT to the other home through the relay,
+and over each leg alone (sender -> relay, relay -> destination); target: the relayed
+transfer within 110% of the two legs' sum. Needs root.
 
   sudo .venv/bin/python scripts/bench_internet.py --json docs/results/bench_internet.json
 """
@@ -33,9 +38,9 @@ from tests.netbed import Netbed  # noqa: E402
 # each token (perf_counter, from sending), and optionally kill -9 a pid after K tokens.
 CLIENT = r"""
 import httpx, json, os, signal, sys, time
+PROMPT = os.environ["BENCH_PROMPT"]
 url, model, max_tokens, kill_pid, kill_after = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
-body = {"model": model, "prompt": "The history of the printing press", "max_tokens": max_tokens, "temperature": 0,
-        "stream": True}
+body = {"model": model, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "stream": True}
 t0, times, killed = time.perf_counter(), [], None
 with httpx.stream("POST", url + "/v1/completions", json=body, timeout=300) as r:
     for line in r.iter_lines():
@@ -50,9 +55,13 @@ print(json.dumps({"status": r.status_code, "times": times, "killed_at": killed})
 """
 
 
+# The same prompt for every ring: ~200 tokens, so the prefill chunk's transfer shows in TTFT.
+PROMPT = " ".join(["The history of the printing press begins with movable type in East Asia and"] * 14)
+
+
 def client(host, base: str, model: str, max_tokens: int, kill_pid: int = 0, kill_after: int = 0) -> dict:
-    got = subprocess.run([*host.prefix, sys.executable, "-c", CLIENT, base, model, str(max_tokens), str(kill_pid),
-                          str(kill_after)], capture_output=True, text=True, timeout=600)
+    got = subprocess.run(["env", f"BENCH_PROMPT={PROMPT}", *host.prefix, sys.executable, "-c", CLIENT, base, model,
+                          str(max_tokens), str(kill_pid), str(kill_after)], capture_output=True, text=True, timeout=600)
     if got.returncode != 0:
         raise RuntimeError(got.stderr[-2000:])
     return json.loads(got.stdout.strip().splitlines()[-1])
@@ -91,45 +100,169 @@ def layers(proc) -> list[str]:
     return re.findall(r"serving layers (\[\d+, \d+\))", proc.text())
 
 
+# One libp2p host per namespace (shard.transport, no model): `relay` relays and echoes;
+# `dest` reserves a slot on it and echoes; `send` times sized frames to a peer (each
+# answered by a 1-byte ack once read whole) and prints the best of N seconds per frame.
+HOST = r"""
+import json, os, sys, time, trio
+sys.path.insert(0, os.getcwd())
+from shard.identity import keypair_from_seed
+from shard.transport import open_host
+role, workdir, nbytes, n = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+PROTO = "/bench/transfer/1"
+
+async def ack(stream):
+    while True:
+        await stream.recv_frame(nbytes + 16)
+        await stream.send_frame(b"k")
+
+async def send(host, peer):
+    stream = await host.open_stream(peer, PROTO)
+    best = float("inf")
+    for _ in range(n):
+        t0 = trio.current_time()
+        await stream.send_frame(bytes(nbytes))
+        await stream.recv_frame(16)
+        best = min(best, trio.current_time() - t0)
+    return best, host.path_of(stream)
+
+def wait_file(name):
+    while not os.path.exists(os.path.join(workdir, name)):
+        time.sleep(0.05)
+    return open(os.path.join(workdir, name)).read()
+
+async def main():
+    async with open_host(keypair_from_seed(os.urandom(32)), "/ip4/0.0.0.0/tcp/0", relay_hop=(role == "relay")) as host:
+        host.set_handler(PROTO, ack)
+        if role == "relay":
+            open(os.path.join(workdir, "relay"), "w").write(host.addrs[0])
+            dest = await trio.to_thread.run_sync(wait_file, "dest")
+            await trio.to_thread.run_sync(wait_file, "measure")  # after the sender's runs: one transfer at a time
+            best, path = await send(host, dest.rsplit("/", 1)[1])  # over the dest's own connection
+            print(json.dumps({"s": best, "path": path}), flush=True)
+            await trio.to_thread.run_sync(wait_file, "done")
+        elif role == "dest":
+            relay = await trio.to_thread.run_sync(wait_file, "relay")
+            await host.connect(relay)
+            circuit = await host.reach.reserve(relay)
+            open(os.path.join(workdir, "dest"), "w").write(circuit)
+            await trio.to_thread.run_sync(wait_file, "done")
+        else:
+            target = await trio.to_thread.run_sync(wait_file, role.split(":")[1])
+            await host.connect(target)
+            peer = target.rsplit("/", 1)[1]
+            best, path = await send(host, peer)
+            print(json.dumps({"s": best, "path": path}), flush=True)
+
+trio.run(main)
+"""
+
+
+def hop_transfers(bed_hosts: dict, nbytes: int, tmp: Path, runs: int = 5) -> dict:
+    """Seconds to move one `nbytes` frame over each path (best of `runs`, a 1-byte ack
+    back): sender -> relay and relay -> destination (the two legs, each a direct
+    connection), and sender -> destination through the relay (a symmetric NAT in front of
+    the sender: no punching)."""
+    work = tmp / "hops"
+    work.mkdir()
+    args = [str(work), str(nbytes), str(runs)]
+    relay = subprocess.Popen([*bed_hosts["relay"].prefix, sys.executable, "-c", HOST, "relay", *args],
+                             stdout=subprocess.PIPE, text=True)
+    dest = subprocess.Popen([*bed_hosts["dest"].prefix, sys.executable, "-c", HOST, "dest", *args],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        legs = {}
+        for name, role in (("sender_to_relay", "send:relay"), ("through_relay", "send:dest")):
+            got = subprocess.run([*bed_hosts["sender"].prefix, sys.executable, "-c", HOST, role, *args],
+                                 capture_output=True, text=True, timeout=300)
+            legs[name] = json.loads(got.stdout.strip().splitlines()[-1]) if got.returncode == 0 else got.stderr[-500:]
+        (work / "measure").write_text("")
+        legs["relay_to_dest"] = json.loads(relay.stdout.readline())
+    finally:
+        (work / "done").write_text("")
+        for proc in (relay, dest):
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    two_legs = legs["sender_to_relay"]["s"] + legs["relay_to_dest"]["s"]
+    return {"frame_bytes": nbytes, "best_of": runs, **legs, "two_legs_s": two_legs,
+            "ratio_to_two_legs": legs["through_relay"]["s"] / two_legs, "target": "<= 1.10",
+            "met": legs["through_relay"]["s"] <= 1.10 * two_legs}
+
+
+def ring_info(host, base: str) -> dict:
+    return json.loads(subprocess.run([*host.prefix, sys.executable, "-c", "import httpx, sys; "
+                                      "print(httpx.get(sys.argv[1] + '/v1/ring').text)", base],
+                                     capture_output=True, text=True, timeout=60).stdout)
+
+
+def timed(coord_host, base: str, model: str, tokens: int, runs: int = 3) -> dict:
+    """Best of `runs` streamed completions: TTFT, time per token, and each hop's path."""
+    got = [client(coord_host, base, model, tokens) for _ in range(runs)]
+    t = min(got, key=lambda r: r["times"][-1])["times"]
+    info = ring_info(coord_host, base)
+    hops = info["topology"]["plan"]["hops"]
+    return {"ttft_s": t[0], "s_per_token": (t[-1] - t[0]) / max(len(t) - 1, 1), "tokens": len(t), "best_of": runs,
+            "stages": [m["layers"] for m in info["members"]], "hop_paths": [h["path"] for h in hops]}
+
+
+def serve_ring(ring: ProcRing, coord_host, nodes, model: str, store_dir: str, home: Path, memory: int):
+    """A coordinator on `coord_host` and a node on each of `nodes`; returns once it serves."""
+    coord_cmd = coordinator_args(model, store_dir, "/ip4/0.0.0.0/tcp/4001", str(home / "coord.key"), min_nodes=2,
+                                 http="127.0.0.1:8000")
+    coord = ring.spawn("coord", coord_cmd, prefix=coord_host.prefix)
+    addr = coord.wait_for(JOIN, 600).group(1)
+    procs = [ring.spawn(h.name, node_args(addr, model, store_dir, memory, ["--listen", "/ip4/0.0.0.0/tcp/0"]),
+                        prefix=h.prefix) for h in nodes]
+    wait_served(coord_host, "http://127.0.0.1:8000", model, 600)
+    return coord, coord_cmd, procs
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", required=True, help="where to write the figures and their conditions")
     p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--upload-mbit", type=float, default=20.0, help="tbf upload of every host")
+    p.add_argument("--upload-mbit", type=float, default=20.0, help="tbf upload of every host and home router")
     p.add_argument("--tokens", type=int, default=32)
     args = p.parse_args()
     out: dict = {"conditions": {
-        "model": args.model, "hosts": "coordinator + 3 nodes, one network namespace each on one bridge",
+        "model": args.model, "hosts": "a coordinator and 2-3 nodes per ring, one network namespace each on one "
+        "bridge; homes behind a MASQUERADE router namespace (port-keeping, or --random-fully for the relayed ring)",
         "upload_mbit_each": args.upload_mbit, "latency": "none (netem unavailable)", "drafter": "none",
-        "wire_dtype": "f32", "decode_tokens": args.tokens, "machine": "2 shared CPU cores, one torch thread a node",
+        "wire_dtype": "f32", "decode_tokens": args.tokens, "prompt": "196 tokens (SmolLM2's tokenizer), the same for every ring",
+        "machine": "2 shared CPU cores, one torch thread a node; rings run one after another",
         "git": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()}}
     with tempfile.TemporaryDirectory() as tmp, Netbed() as bed:
         home = Path(tmp)
         coord_host = bed.add_public("coord", args.upload_mbit)
         hosts = [bed.add_public(f"n{i}", args.upload_mbit) for i in range(3)]
-        ring = ProcRing(home)
+        punched = bed.add_home("r1", ["h1"], args.upload_mbit) + bed.add_home("r2", ["h2"], args.upload_mbit)
+        relayed = bed.add_home("r3", ["h3"], args.upload_mbit, symmetric=True) + bed.add_home("r4", ["h4"],
+                                                                                              args.upload_mbit)
         base = "http://127.0.0.1:8000"
         store_dir = str(default_store_dir(args.model))
         prepare(args.model, store_dir, progress=False)
-        memory = memory_for_stages(ModelStore.open(store_dir), 2)
-        coord_cmd = coordinator_args(args.model, store_dir, "/ip4/0.0.0.0/tcp/4001", str(home / "coord.key"),
-                                     min_nodes=2, http="127.0.0.1:8000")
+        store = ModelStore.open(store_dir)
+        memory = memory_for_stages(store, 2)  # each node holds about half the model: 2 stages
+        # The relay's cost with no model in the way: a prefill chunk's activations (256
+        # tokens, f32) from the symmetric-NAT host to the other home, through the relay.
+        out["relayed_hop_vs_two_legs"] = hop_transfers(
+            {"relay": coord_host, "sender": relayed[0], "dest": relayed[1]}, 256 * store.config.hidden_size * 4, home)
+        print(json.dumps(out["relayed_hop_vs_two_legs"]), flush=True)
+        for name, nodes in (("hole_punched", punched), ("relayed", relayed)):
+            (home / name).mkdir()
+            ring = ProcRing(home / name)
+            try:
+                serve_ring(ring, coord_host, nodes, args.model, store_dir, home / name, memory)
+                out[name] = timed(coord_host, base, args.model, args.tokens)
+            finally:
+                ring.close()
+        ring = ProcRing(home)
         try:
-            coord = ring.spawn("coord", coord_cmd, prefix=coord_host.prefix)
-            addr = coord.wait_for(JOIN, 600).group(1)
-            # Each node can hold about half the model: a 2-stage ring and a spare to resume on.
-            nodes = [ring.spawn(h.name, node_args(addr, args.model, store_dir, memory,
-                                                  ["--listen", "/ip4/0.0.0.0/tcp/0"]), prefix=h.prefix) for h in hosts]
-            wait_served(coord_host, base, args.model, 600)
-            runs = [client(coord_host, base, args.model, args.tokens) for _ in range(3)]
-            best = min(runs, key=lambda r: r["times"][-1])
-            t = best["times"]
-            ring_info = json.loads(subprocess.run([*coord_host.prefix, sys.executable, "-c", "import httpx, sys; "
-                                                   "print(httpx.get(sys.argv[1] + '/v1/ring').text)", base],
-                                                  capture_output=True, text=True, timeout=60).stdout)
-            out["direct"] = {"ttft_s": t[0], "s_per_token": (t[-1] - t[0]) / max(len(t) - 1, 1), "tokens": len(t),
-                             "stages": [m["layers"] for m in ring_info["members"]], "best_of": len(runs)}
-            out["relayed"] = out["hole_punched"] = {"measured": False, "why": "no circuit relay / DCUtR in shard yet"}
+            # Three public nodes: a 2-stage ring and a spare to resume on.
+            coord, coord_cmd, nodes = serve_ring(ring, coord_host, hosts, args.model, store_dir, home, memory)
+            out["direct"] = timed(coord_host, base, args.model, args.tokens)
 
             before = [layers(n)[-1:] for n in nodes]
             coord.kill9()

@@ -102,3 +102,76 @@ def test_a_stage_behind_a_symmetric_nat_is_reached_through_the_relay(bed, tiny_l
     assert _hop(plan, head, tail)["path"] == "relayed", (plan["hops"], logs)
     coordinator = plan["hops"][0]["src"]
     assert {_hop(plan, coordinator, head)["path"], _hop(plan, tail, coordinator)["path"]} == {"direct"}
+
+
+# Inside the coordinator's namespace: stream a greedy completion of token ids, kill -9 a
+# pid once `kill_after` tokens arrived; prints the status, the text and when the kill was.
+STREAM_AND_KILL = r"""
+import httpx, json, os, signal, sys, time
+url, model, prompt, max_tokens, pid, kill_after = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6])
+body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+text, n, killed = [], 0, False
+with httpx.stream("POST", url + "/v1/completions", json=body, timeout=180) as r:
+    for line in r.iter_lines():
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        piece = json.loads(line[6:])["choices"][0].get("text") or ""
+        text.append(piece)
+        n += 1
+        if not killed and n >= kill_after:
+            os.kill(pid, signal.SIGKILL)
+            killed = True
+print(json.dumps({"status": r.status_code, "text": "".join(text), "killed": killed}))
+"""
+
+
+def test_kill_9_of_a_natted_stage_mid_request_resumes_with_the_same_text(bed, tiny_llama, tiny_llama_store, tmp_path):
+    # Two NATed nodes and a public one, each holding half the model: a 2-stage ring and a
+    # spare. A NATed stage dies mid-stream; the job resumes on the re-formed ring and the
+    # whole text equals an uninterrupted greedy run (DESIGN: a death costs time, not tokens).
+    import json
+    import subprocess
+    import sys
+
+    import torch
+    from transformers import AutoTokenizer
+
+    from coordinator.jobs.engine import IncrementalDetokenizer
+
+    store, model, tokens = tiny_llama_store, str(tiny_llama.path), 24
+    coord_host = bed.add_public("coord")
+    (pub,) = [bed.add_public("n0")]
+    (h1,) = bed.add_home("r1", ["h1"])
+    (h2,) = bed.add_home("r2", ["h2"])
+    ring = ProcRing(tmp_path)
+    try:
+        coord = ring.spawn("coord", coordinator_args(model, str(store.root), "/ip4/0.0.0.0/tcp/4001",
+                                                     str(tmp_path / "coord.key"), min_nodes=2,
+                                                     http="127.0.0.1:8000"), prefix=coord_host.prefix)
+        addr = coord.wait_for(JOIN, 120).group(1)
+        procs = {h.name: ring.spawn(h.name, node_args(addr, model, str(store.root), memory_for_stages(store, 2),
+                                                      ["--listen", "/ip4/0.0.0.0/tcp/0"]), prefix=h.prefix)
+                 for h in (h1, h2, pub)}
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            _, info = in_ns(coord_host, "GET", f"{BASE}/v1/ring", timeout_s=5)
+            if info.get("ready") and info.get("registered_nodes") == 3:
+                break
+            time.sleep(0.5)
+        peers = {name: p.wait_for(JOIN_LINE, 5).group(1) for name, p in procs.items()}
+        members = {m["peer_id"] for m in info["members"]}
+        victim = next(name for name in ("h1", "h2") if peers[name] in members)
+        got = subprocess.run([*coord_host.prefix, sys.executable, "-c", STREAM_AND_KILL, BASE, store.manifest.name,
+                              json.dumps(PROMPT), str(tokens), str(procs[victim].popen.pid), "3"],
+                             capture_output=True, text=True, timeout=300)
+    finally:
+        ring.close()
+    with torch.no_grad():
+        ids = tiny_llama.model.generate(torch.tensor([PROMPT]), max_new_tokens=tokens, min_new_tokens=tokens,
+                                        do_sample=False)[0, len(PROMPT):].tolist()
+    detok = IncrementalDetokenizer(AutoTokenizer.from_pretrained(str(store.tokenizer_dir)), PROMPT)
+    expected = "".join(detok.push(t) for t in ids) + detok.flush()
+    assert got.returncode == 0, (got.stderr[-2000:], tails(ring))
+    result = json.loads(got.stdout.strip().splitlines()[-1])
+    assert result["status"] == 200 and result["killed"], (result, tails(ring))
+    assert result["text"] == expected, (result, expected, tails(ring))
