@@ -264,10 +264,10 @@ async def serve_and_attack(args, config, store, tokenizer, api, out: dict, nodes
                 answer, took_s = await ask(client, args.tokens)
                 engine.round_missed = blame
                 out_at = trio.current_time()
-                ring = {p for p, _ in swarm.ring.stages}
                 nodes.stop("staller")  # or it rejoins when its sit-out ends, into the next attack
+                struck = [swarm.unreachable.table.get(p) for p in staller]
                 return {"request_s": round(took_s, 2), "answer_equals_reference": answer == reference,
-                        "staller_out_of_ring": not (staller & ring),
+                        "staller_struck_as_stalled": all(s is not None and s.kind == "stalled" for s in struck),
                         "s_from_missed_deadline_to_served_without_it": round(out_at - missed[0], 2) if missed else None,
                         "exclusion": {p[-6:]: dataclasses.asdict(s) for p, s in swarm.unreachable.table.items()}}
 
