@@ -46,6 +46,7 @@ ROUND = Int()
 RECEIPTS = ListOf(Bytes(MAX_RECEIPT_BYTES), max_items=MAX_RECEIPTS)
 COMPUTE_TIMES = ListOf(Float(), max_items=MAX_RECEIPTS)  # one per stage, like receipts
 CLOCK_TIMES = ListOf(Float(), max_items=2 * MAX_RECEIPTS)  # two per stage
+MAX_CLOCK_S = 1e11  # a wall clock past this (year ~5138) is no clock
 FLOATS = frozenset(FLOAT_NAMES)
 INTS = frozenset({"i32", "i64"})
 F32 = frozenset({"f32"})
@@ -283,15 +284,19 @@ class Ping:
 
 @dataclass(frozen=True, kw_only=True)
 class Pong:
-    """Answer to a Ping: echoes its nonce and sent_ns; payload is `reply_bytes` zero bytes."""
+    """Answer to a Ping: echoes its nonce and sent_ns; payload is `reply_bytes` zero bytes.
+    `clock_s`: the answerer's wall clock (Unix s) when it answered, for the coordinator's
+    clock-offset estimate (coordinator.swarm.clock_offset); None from a node predating it."""
 
     KIND: ClassVar[str] = "pong"
     nonce: int = spec(Int())
     sent_ns: int = spec(Int())
     payload: bytes = spec(Bytes(MAX_PAYLOAD_BYTES), default=b"")
+    clock_s: float | None = spec(OptionalOf(Float()), default=None)
 
     def check(self, limits: Limits) -> None:
-        pass
+        if self.clock_s is not None and self.clock_s > MAX_CLOCK_S:
+            raise WireError("field 'clock_s'", f"<= {MAX_CLOCK_S:.0f} (Unix seconds)", self.clock_s)
 
 
 @dataclass(frozen=True, kw_only=True)

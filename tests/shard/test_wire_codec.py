@@ -519,3 +519,19 @@ def test_limits_for_model_admit_the_largest_legal_forward():
     assert "tensor elements" in str(_refuse(encode(bigger, Limits()), limits))
     with pytest.raises(ValueError):
         Limits(max_frame_bytes=1 << 32)
+
+
+def test_pong_clock_is_optional_finite_and_bounded():
+    # Bug guarded: a node's Pong clock feeds every hop time through the coordinator's
+    # clock-offset estimate, so a NaN, negative or absurd clock must cost that Pong, not
+    # poison the medians; a Pong without one (a node predating the field) still decodes.
+    stamped = Pong(nonce=3, sent_ns=5, clock_s=1.7e9 + 0.125)
+    assert decode(encode(stamped), LIMITS) == stamped
+    assert decode(encode(Pong(nonce=3, sent_ns=5)), LIMITS).clock_s is None
+    header, tail = _split(encode(stamped))
+    for junk, want in ((float("nan"), "range (limit finite >= 0.0, got nan)"),
+                       (float("inf"), "range (limit finite >= 0.0, got inf)"),
+                       (-1.0, "range (limit finite >= 0.0, got -1.0)"),
+                       ("now", "type (limit float, got str)"),
+                       (2e11, "(limit <= 100000000000 (Unix seconds), got 200000000000.0)")):
+        assert str(_refuse(_frame({**header, "clock_s": junk}, tail))).endswith(want), junk
