@@ -16,9 +16,9 @@ from shard.transport import (
     DialError,
     FramedStream,
     StreamClosedError,
-    memory_stream_pair,
     open_host,
 )
+from shard.memory_stream import memory_stream_pair
 
 ECHO = "/shard-test/echo/1"
 MAX_FRAME = 1 << 20
