@@ -1,12 +1,13 @@
-"""A pool whose spare nodes hold nothing forms and serves: a weight seeder and a relay.
+"""A pool whose spare nodes hold nothing forms and serves: weight seeders or relays.
 
 Two nodes with memory for the tiny model's layers make the ring; two more have memory for
-no layer (so the selector cannot seat them or have them keep a slice warm): one with an
-unshaped loopback uplink, which makes it a weight seeder, and one shaped to 10 Mbit/s,
-which makes it a relay. Guards the crash issue 24 reported: the coordinator built the
-role assignment of a node that holds nothing as LayerRange(0, 0), which raises, so such
-a pool could not form; and each such node must take its role (Ready, holding nothing)
-while the ring serves.
+no layer (so the selector cannot seat them or have them keep a slice warm), which makes
+each a weight seeder or a relay by its measured uplink (>= 100 Mbit/s seeds; loopback
+under load measures 40-80 Mbit/s, so which one is not fixed here: the decision itself is
+pinned in tests/coordinator/swarm/test_formation.py). Guards the crash issue 24 reported:
+the coordinator built the role assignment of a node that holds nothing as
+LayerRange(0, 0), which raises, so such a pool could not form; and each such node must
+take its role (Ready, holding nothing) while the ring serves.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from tests.e2e.ringkit import _run_node, generate_greedy, memory_for_stages
 PROMPT = [1, 3 + ord("h"), 3 + ord("i"), 3 + ord("!"), 5, 9, 17]
 
 
-def test_a_pool_with_a_seeder_and_a_relay_forms_and_serves(tiny_llama_store):
+def test_a_pool_with_nodes_that_hold_nothing_forms_and_serves(tiny_llama_store):
     store = tiny_llama_store
     per_node = memory_for_stages(store, 2)
     no_layer = memory_for_stages(store, store.num_layers) // 4  # below one layer and its K/V
@@ -51,8 +52,8 @@ def test_a_pool_with_a_seeder_and_a_relay_forms_and_serves(tiny_llama_store):
 
     ring, assignments, ids, held, tokens = trio.run(run)
     assert {p for p, _ in ring.stages} == set(ids[:2])
-    seeder, relay = assignments[ids[2]], assignments[ids[3]]
-    assert (seeder.role, seeder.layer_start, seeder.layer_end) == (ROLE_WEIGHT_SEEDER, 0, 0)
-    assert (relay.role, relay.layer_start, relay.layer_end) == (ROLE_RELAY, 0, 0)
+    for a in (assignments[ids[2]], assignments[ids[3]]):
+        assert a.role in (ROLE_WEIGHT_SEEDER, ROLE_RELAY) and (a.layer_start, a.layer_end) == (0, 0), a
+    assert assignments[ids[3]].role == ROLE_RELAY  # 10 Mbit/s is no seeder's uplink
     assert ids[2] not in held and ids[3] not in held  # holding nothing, as their roles say
     assert len(tokens) == 8
