@@ -26,6 +26,7 @@ Knows nothing of rings, frames or the coordinator's protocol.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import weakref
 from dataclasses import dataclass
@@ -44,6 +45,7 @@ from libp2p.relay.circuit_v2.resources import RelayLimits
 from libp2p.relay.circuit_v2.transport import CircuitV2Transport
 from libp2p.tools.anyio_service import background_trio_service
 
+from shard.addresses import ip_of, this_machines_ips
 from shard.errors import DialError
 
 log = logging.getLogger(__name__)
@@ -123,9 +125,31 @@ class _Upgrades(INotifee):
 
 
 class _DialBackAutoNAT(AutoNATService):
-    """AutoNAT whose dial-back opens a new connection (see the module docstring)."""
+    """AutoNAT whose dial-back opens a new connection (see the module docstring), and
+    which dials a requester on this machine (it came over loopback or from one of this
+    machine's own addresses) at its loopback addresses too, as shard.addresses hands them
+    to its peers: a local node listening on 127.0.0.1 is reachable, not behind a NAT."""
 
     dial_back_timeout_s = ReachConfig.dial_back_timeout_s
+
+    @staticmethod
+    def _filter_by_observed_ip(addrs: list[bytes], observed_ip: str | None) -> list[bytes]:
+        dialable = AutoNATService._filter_by_observed_ip(addrs, observed_ip)
+        try:
+            observed = ipaddress.ip_address(observed_ip) if observed_ip else None
+        except ValueError:
+            observed = None
+        if observed is None or not (observed.is_loopback or observed in this_machines_ips()):
+            return dialable
+        local = []
+        for raw in addrs:
+            try:
+                ip = ip_of(multiaddr.Multiaddr(raw))
+            except Exception:  # noqa: BLE001 (a malformed address is not dialled)
+                continue
+            if ip is not None and ip.is_loopback and raw not in dialable:
+                local.append(raw)
+        return dialable + local
 
     async def _try_dial(self, peer_id: ID, addrs: list[bytes]) -> bytes | None:
         network = self.host.get_network()

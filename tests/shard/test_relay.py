@@ -143,3 +143,23 @@ def test_a_host_its_relay_cannot_dial_reserves_and_advertises_a_circuit():
     trio.run(main)
     (addrs,) = got
     assert is_circuit(addrs[0]) and addrs[0].endswith("/p2p-circuit/p2p/" + addrs[0].rsplit("/", 1)[1])
+
+
+def test_a_node_on_the_relays_machine_listening_on_loopback_is_reachable():
+    # A --local-nodes node listens on 127.0.0.1 and may dial the coordinator at one of
+    # the machine's interface addresses: AutoNAT's observed-IP rule alone would find no
+    # address to dial back and call it private, and its peers would reach it through the
+    # relay. Sound: whichever address the relay advertises first, the node is on its machine.
+    got = []
+
+    async def main():
+        async with (open_host(_key(), "/ip4/0.0.0.0/tcp/0", relay_hop=True) as relay,
+                    open_host(_key(), "/ip4/127.0.0.1/tcp/0") as node):
+            node.reach.use_relay(relay.addrs[0])
+            with trio.fail_after(60):
+                await node.connect(relay.addrs[0])
+            got.append((relay.addrs[0], node.addrs))
+
+    trio.run(main)
+    (relay_addr, addrs) = got[0]
+    assert not any(map(is_circuit, addrs)), (relay_addr, addrs)
