@@ -37,7 +37,7 @@ from shard.ring_inbox import InboxConfig, RingInbox
 from shard.ring_observer import NO_OBSERVER, RingObserver
 from shard.stage import Stage
 from shard.stage_scheduler import SchedulerConfig, StageScheduler, Waiting
-from shard.stage_worker import StageWorker, WorkerConfig
+from shard.stage_worker import StageWorker, WallClock, WorkerConfig
 from shard.store import ModelStore, stored_weight_files
 from shard.transport import FramedStream, Host, TransportError
 from shard.verifier import Verifier
@@ -94,6 +94,7 @@ class Node:
     observer: RingObserver = NO_OBSERVER  # what a benchmark watches of this node's frames
     inbox_config: InboxConfig = InboxConfig()
     reconnect: ReconnectPolicy = ReconnectPolicy()
+    wall_clock: WallClock = time.time  # its clock_s stamps and Pongs (a test skews it as another machine's)
 
     def __post_init__(self) -> None:
         # A store kept quantised runs its own grid: what the node declares, sizes and loads.
@@ -182,7 +183,7 @@ class Node:
             elif isinstance(msg, Pong):
                 self.links.pong(msg.nonce)
             elif isinstance(msg, Ping):
-                await self._send_control(Pong(nonce=msg.nonce, sent_ns=msg.sent_ns, payload=bytes(msg.reply_bytes)))
+                await self._send_control(Pong(nonce=msg.nonce, sent_ns=msg.sent_ns, payload=bytes(msg.reply_bytes), clock_s=self.wall_clock()))
             elif isinstance(msg, ProbePeers):
                 self._tasks.start_soon(self.links.report, msg, self.coordinator_id)
             elif isinstance(msg, AuditRequest):
@@ -244,10 +245,9 @@ class Node:
         worker = StageWorker(stage, WorkerConfig(
             wire_dtype=a.wire_dtype, aux_dtype=a.aux_dtype, is_tail=a.successor is None,
             max_context_tokens=self.store.config.max_context_tokens,
-            max_kv_bytes=max(self.config.max_memory_bytes - (len(r) * self._bytes_per_layer() or self.store.layer_bytes(r)),
-                             64 << 20),
+            max_kv_bytes=max(self.config.max_memory_bytes - (len(r) * self._bytes_per_layer() or self.store.layer_bytes(r)), 64 << 20),
             job_idle_timeout_s=self.config.job_idle_timeout_s,
-        ), signer=signer)
+        ), signer=signer, wall_clock=self.wall_clock)
         self.state = EpochState(a, worker, a.predecessor or self.coordinator_id, a.successor or self.coordinator_id)
         self.held = a
         self._out_streams.clear()
@@ -275,7 +275,7 @@ class Node:
             log.warning("refused a frame from %s: not the predecessor of epoch %s",
                         remote, state.assignment.epoch if state else "-")
             return False
-        received_at_s = time.time()  # wall clock: where the hop from the predecessor ends (Forward.clock_s)
+        received_at_s = self.wall_clock()  # wall clock: where the hop from the predecessor ends (Forward.clock_s)
         try:
             msg, canonical_len = decode_frame(body, self.limits)
         except WireError as exc:

@@ -49,14 +49,15 @@ class WorkerConfig:
 # to be sent) to produce a signed receipt; None = receipts off. Kept abstract so this
 # module stays free of key handling.
 ReceiptSigner = Callable[[Forward, "bytes | memoryview", bytes], bytes]
+WallClock = Callable[[], float]  # Unix seconds (time.time): where a stage's clock_s stamps and Pongs read the time
 
 
 class StageWorker:
     """`clock()`: seconds, monotonic; when each job last ran a frame (for evict_idle)."""
 
     def __init__(self, stage: Stage, config: WorkerConfig, signer: ReceiptSigner | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self.stage, self.config, self.signer, self.clock = stage, config, signer, clock
+                 clock: Callable[[], float] = time.monotonic, wall_clock: WallClock = time.time) -> None:
+        self.stage, self.config, self.signer, self.clock, self.wall_clock = stage, config, signer, clock, wall_clock
         cfg = stage.cfg
         self.cache = KVCache(len(stage.layers), cfg.num_kv_heads, cfg.head_dim, stage.dtype,
                              config.max_kv_bytes, stage.device)
@@ -108,7 +109,7 @@ class StageWorker:
             if self.signer is not None:
                 receipt = self.signer(fwd, received, body)
                 out = dataclasses.replace(out, receipts=(*fwd.receipts, receipt))
-            out = dataclasses.replace(out, clock_s=(*out.clock_s, time.time()))  # handed on now (wall clock)
+            out = dataclasses.replace(out, clock_s=(*out.clock_s, self.wall_clock()))  # handed on now (wall clock)
             outs[i] = (out, body + encode_trailer(out))
         return outs
 

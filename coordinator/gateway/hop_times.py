@@ -7,12 +7,16 @@ coordinator) is its receiver's take-in less its sender's hand-off: the sender's 
 wait, serialisation on its uplink, the link's latency and the receiver's read. A stage's
 queueing and compute fall between its own two stamps, outside every hop.
 
-Clocks: each stamp is its machine's wall clock. A hop's figure carries the offset between
-its two ends' clocks (a stage whose clock runs 3 ms ahead adds 3 ms to the hop into it and
-takes 3 ms from the hop out of it); their sum carries none, so it equals the traversal less
-the stages' own time exactly. On one machine (`--local-nodes`, tests) every figure is exact.
-A figure may come out below zero when clocks differ by more than the hop takes: reported
-as measured in /v1/ring, clamped at 0 in the histogram (see metrics.py).
+Clocks: each stamp is its machine's wall clock. Uncorrected, a hop's figure carries the
+offset between its two ends' clocks (a stage whose clock runs 3 s ahead adds 3 s to the hop
+into it and takes 3 s from the hop out of it); their sum carries none. So each stage's
+stamps are first put on the coordinator's clock by subtracting that stage's offset
+(`offsets_s`: coordinator.swarm.clock_offset's NTP-style estimate, applied only where the
+round trips tell the clocks apart; the coordinator's own stamps have offset 0): a hop's
+figure is then off by at most its two ends' estimate uncertainties (rtt/2 each), and the
+sum is unchanged. On one machine (`--local-nodes`, tests) every figure is exact. A figure
+may still come out below zero when the residual exceeds the hop: reported as measured in
+/v1/ring, clamped at 0 in the histogram (see metrics.py).
 
 `hop_transfers_s` is the pure arithmetic; `HopWindow` keeps recent frames of the current
 ring for medians; `with_measured_hops` folds them into /v1/ring's plan hops. Knows nothing
@@ -34,13 +38,16 @@ KINDS = {"prefill": "prefill", "decode": "decode", "verify": "decode"}
 
 
 def hop_transfers_s(sent_at_s: float, clock_s: Sequence[float], arrived_at_s: float,
-                    stages: int) -> tuple[float, ...] | None:
+                    stages: int, offsets_s: Sequence[float] | None = None) -> tuple[float, ...] | None:
     """The N+1 hops' transfer seconds of one frame through N stages, or None when its
     stamps do not fit the ring (not two per stage: a stage that does not stamp, or a
-    frame that did not cross the ring this Result says it did)."""
+    frame that did not cross the ring this Result says it did). `offsets_s`: each stage's
+    clock less the coordinator's, in ring order (None, or not one per stage: all 0)."""
     if stages < 1 or len(clock_s) != 2 * stages:
         return None
-    took_in, handed_on = clock_s[0::2], clock_s[1::2]
+    offsets = offsets_s if offsets_s is not None and len(offsets_s) == stages else (0.0,) * stages
+    took_in = [t - off for t, off in zip(clock_s[0::2], offsets)]  # on the coordinator's clock
+    handed_on = [t - off for t, off in zip(clock_s[1::2], offsets)]
     starts = (sent_at_s, *handed_on)  # each hop's sender's hand-off
     ends = (*took_in, arrived_at_s)  # each hop's receiver's take-in
     return tuple(end - start for start, end in zip(starts, ends))

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -100,12 +100,16 @@ class GatewayMetrics(RingObserver):
         self._ring_info: Callable[[], dict[str, Any]] = dict
         self._trust: Callable[[], dict[str, Any]] = dict
         self._slots: Any = None  # the API's JobQueue (coordinator.gateway.job_queue), when known
+        self._clock_offsets: Callable[[int], Sequence[float] | None] = lambda epoch: None
         r.register(_ScrapeCollector(self))
 
     def set_sources(self, ring_info: Callable[[], dict[str, Any]], trust: Callable[[], dict[str, Any]],
-                    slots: Any = None) -> None:
-        """What a scrape reads: the engine's info(), the trust report and the API's job slots."""
+                    slots: Any = None, clock_offsets: Callable[[int], Sequence[float] | None] | None = None) -> None:
+        """What a scrape reads: the engine's info(), the trust report and the API's job slots;
+        `clock_offsets(epoch)`: that ring's stages' clock offsets (RingEngine.clock_offsets_s)
+        that hop times correct stamps by (None: an engine without stages, none to correct)."""
         self._ring_info, self._trust, self._slots = ring_info, trust, slots
+        self._clock_offsets = clock_offsets or (lambda epoch: None)
 
     def ring_info(self) -> dict[str, Any]:
         """The engine's info with each plan hop's measured transfer (GET /v1/ring)."""
@@ -153,7 +157,8 @@ class GatewayMetrics(RingObserver):
         traversal_s = time.monotonic() - sent[0]
         self.traversal_s.labels(sent[1]).observe(traversal_s)
         self.transport_s.observe(max(0.0, traversal_s - sum(result.compute_s)))
-        hops = hop_transfers_s(sent[2], result.clock_s, time.time(), len(result.compute_s))
+        hops = hop_transfers_s(sent[2], result.clock_s, time.time(), len(result.compute_s),
+                               self._clock_offsets(result.epoch))
         if hops is not None:
             self.hops.add(result.epoch, sent[1], hops)
             for i, hop_s in enumerate(hops):
@@ -198,6 +203,7 @@ class _ScrapeCollector(Collector):
         yield hop_latency
         yield hop_send
         yield hop_paths(plan.get("hops") or ())
+        yield from clock_offsets((info.get("topology") or {}).get("clocks") or {})
         trust = self.metrics._trust() or {}
         audits = trust.get("audits") or {}
         yield _counter("shard_audits", "stage audits done (replayed and compared)", audits.get("audits", 0))
@@ -219,6 +225,20 @@ def hop_paths(hops: Iterable[dict[str, Any]]) -> GaugeMetricFamily:
         if hop.get("path"):
             family.add_metric([str(i), str(hop["path"])], 1)
     return family
+
+
+def clock_offsets(clocks: dict[str, dict[str, Any]]) -> Iterator[GaugeMetricFamily]:
+    """Each node's estimated wall-clock offset against the coordinator and its bound
+    (coordinator.swarm.clock_offset; /v1/ring's topology.clocks)."""
+    offset = GaugeMetricFamily("shard_node_clock_offset_seconds", "a node's wall clock less the coordinator's, "
+                               "estimated from its minimum-RTT Ping/Pong", labels=["peer"])
+    bound = GaugeMetricFamily("shard_node_clock_offset_uncertainty_seconds", "the bound on that estimate's error "
+                              "(half its round trip)", labels=["peer"])
+    for peer, clock in sorted(clocks.items()):
+        offset.add_metric([peer], clock["offset_s"])
+        bound.add_metric([peer], clock["uncertainty_s"])
+    yield offset
+    yield bound
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

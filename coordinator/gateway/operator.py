@@ -49,7 +49,7 @@ def create_gateway(engine: Engine, config: ApiConfig = ApiConfig(), *, metrics: 
     metrics = metrics if metrics is not None else GatewayMetrics()
     recent = RecentRequests()
     api = create_app(MeteredEngine(engine, [metrics, recent]), config)
-    metrics.set_sources(engine.info, trust, api.state.slots)
+    metrics.set_sources(engine.info, trust, api.state.slots, getattr(engine, "clock_offsets_s", None))  # ring engines only
     routes = [*status_routes(recent, trust, metrics.ring_info), Route("/metrics", metrics.endpoint, methods=["GET"]),
               Mount("", app=api)]
     app = Starlette(routes=routes)

@@ -157,6 +157,12 @@ class RingEngine:
                 "members": members, "registered_nodes": len(self.swarm.members), "active_jobs": len(self._jobs),
                 "wire_dtype": self.swarm.config.wire_dtype, "topology": self.swarm.topology_info()}
 
+    def clock_offsets_s(self, epoch: int) -> tuple[float, ...] | None:
+        """Ring `epoch`'s stages' clock offsets against ours, in ring order (hop_times
+        corrects their stamps by them); None once that ring is gone."""
+        ring = self.swarm.ring
+        return self.swarm.clocks.stage_offsets_s([p for p, _ in ring.stages]) if ring and ring.epoch == epoch else None
+
     # -- frames ----------------------------------------------------------------------------
     async def send_body(self, ring: RingState, body: bytes) -> None:
         """Send an encoded frame body to the ring's head."""

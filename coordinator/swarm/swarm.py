@@ -25,7 +25,7 @@ import trio
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
-from coordinator.swarm import admission, formation, seeding, status, topology, unreachable
+from coordinator.swarm import admission, clock_offset, formation, seeding, status, topology, unreachable
 from coordinator.swarm.formation import Formation, ModelIdentity, NoRing, RingState, Snapshot, SwarmConfig
 from coordinator.swarm.topology import Traversal, TraversalLog
 from ring import Network, PeerId, Plan, RingError
@@ -103,7 +103,7 @@ class Swarm:
         self.held: dict[PeerId, LayerRange] = {}  # layers each node reported Ready with
         self.plan: Plan | None = None
         self.network: Network | None = None  # what `plan` was chosen on
-        self.traversals, self.fetches = TraversalLog(), seeding.FetchLog()  # measured against predicted
+        self.traversals, self.fetches, self.clocks = TraversalLog(), seeding.FetchLog(), clock_offset.ClockOffsets()  # measured against predicted; nodes' clocks against ours
         self._awaiting_reports: set[PeerId] = set()
         self._formed_for: frozenset[PeerId] | None = None  # eligible members at the last formation
 
@@ -118,8 +118,9 @@ class Swarm:
                 msg = decode(await stream.recv_frame(self.control_limits.max_frame_bytes), self.control_limits)
                 if isinstance(msg, Ping):
                     async with lock:
-                        await stream.send_frame(encode(Pong(nonce=msg.nonce, sent_ns=msg.sent_ns,
-                                                            payload=bytes(msg.reply_bytes))))
+                        await stream.send_frame(encode(Pong(nonce=msg.nonce, sent_ns=msg.sent_ns, payload=bytes(msg.reply_bytes))))
+                elif isinstance(msg, Pong):  # answers our clock Ping (clock_offset.keep_measuring)
+                    self.clocks.pong(peer, msg)
                 elif isinstance(msg, Register):
                     in_use = (held := self.members.get(peer)) is not None and held.control is not stream
                     refused = admission.refusal(msg, identity_in_use=in_use, model_name=self.store.manifest.name,
@@ -241,10 +242,11 @@ class Swarm:
 
     # -- formation -------------------------------------------------------------------
     async def serve_formation(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        """Re-form the ring whenever the eligible membership changes, and re-measure links
-        every `probe_interval_s`. Never returns."""
+        """Re-form the ring whenever the eligible membership changes, re-measure links every
+        `probe_interval_s` and nodes' clocks every few seconds (clock_offset). Never returns."""
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._serve_probe_refresh)
+            nursery.start_soon(clock_offset.keep_measuring, self.clocks, lambda: list(self.members), self.send_control)
             task_status.started()
             rejoin_until = trio.current_time() + self.config.rejoin_wait_s
             while True:
@@ -374,7 +376,7 @@ class Swarm:
     def topology_info(self) -> dict[str, Any]:
         """The plan, its predictions, measured rounds, roles and each node's measured links."""
         info = status.topology_info(self.snapshot(), self.traversals, self.config.topology, self.model)
-        return {**info, "fetches": self.fetches.summary()}  # weight fetches nodes reported (seeding)
+        return {**info, "fetches": self.fetches.summary(), "clocks": self.clocks.summary()}  # weight fetches (seeding), clock offsets
 
     def _set_ring(self, ring: RingState | None) -> None:
         self.ring = ring

@@ -7,11 +7,17 @@ must read its sender's latency plus loopback and framing, never a neighbour's an
 stage's compute. Sound because any two senders' latencies differ by at least 20 ms while the
 tolerance is 15 ms, so a figure attributed to another hop or missing its latency fails; all
 the processes share one clock, so the stamps carry no clock offset.
+
+The second test runs the same ring with the first node's clock (its `wall_clock`, what it
+stamps frames and Pongs with) set 7 s ahead, as another machine's may be: the hops into and
+out of it would read +7 s and -7 s uncorrected; corrected by the coordinator's Ping/Pong
+estimate (coordinator.swarm.clock_offset) they must read their senders' latencies again.
 """
 
 from __future__ import annotations
 
 import os
+import time
 
 import trio
 from transformers import AutoTokenizer
@@ -33,18 +39,26 @@ NODE_MS = (4.0, 24.0, 44.0)
 SLACK_MS = 15.0
 
 
-async def _node(store, coordinator_addr: str, latency_ms: float, peers: dict, task_status=trio.TASK_STATUS_IGNORED):
+# The 4 ms node's clock in the second test: its offset estimate's bound is half its round
+# trip (~2 ms: the emulated 4 ms are all on its way back), far inside the tolerance.
+SKEW_S = 7.0
+
+
+async def _node(store, coordinator_addr: str, latency_ms: float, peers: dict, skew_s: float,
+                task_status=trio.TASK_STATUS_IGNORED):
     async with open_host(keypair_from_seed(os.urandom(32)), "/ip4/127.0.0.1/tcp/0") as host:
         peers[host.peer_id] = latency_ms
         node = Node(NodeConfig(coordinator=coordinator_addr, model=store.manifest.name, link_latency_ms=latency_ms,
-                               max_memory_bytes=memory_for_stages(store, len(NODE_MS))), host, store)
+                               max_memory_bytes=memory_for_stages(store, len(NODE_MS))), host, store,
+                    wall_clock=lambda: time.time() + skew_s)
         async with trio.open_nursery() as nursery:
             await nursery.start(node.serve)
             task_status.started()
 
 
-def test_each_hop_reads_its_own_senders_latency(tiny_llama_store):
-    store = tiny_llama_store
+def _run_ring(store, skews_s: tuple[float, ...]):
+    """A 3-stage ring (node i: NODE_MS[i] latency, clock skews_s[i] ahead) that generates 12
+    greedy tokens once every node's clock has been measured; /v1/ring's info after."""
     tokenizer = AutoTokenizer.from_pretrained(str(store.tokenizer_dir))
     config = CoordConfig(listen=LOOPBACK_ANY_PORT, min_nodes=len(NODE_MS), receipts=ReceiptConfig(enabled=False),
                          engine=EngineConfig(draft="none", link_latency_ms=COORDINATOR_MS))
@@ -54,17 +68,25 @@ def test_each_hop_reads_its_own_senders_latency(tiny_llama_store):
         with trio.fail_after(180):
             async with open_coordinator(config, store, tokenizer, keypair_from_seed(os.urandom(32)),
                                         observer=metrics) as coordinator:
-                for latency_ms in NODE_MS:
-                    await coordinator.nursery.start(_node, store, coordinator.addr, latency_ms, peers)
-                while coordinator.swarm.ring is None or len(coordinator.swarm.ring.stages) < len(NODE_MS):
-                    await coordinator.swarm.wait_ring()
-                    await trio.sleep(0.01)
-                metrics.set_sources(coordinator.engine.info, dict)
+                for latency_ms, skew_s in zip(NODE_MS, skews_s):
+                    await coordinator.nursery.start(_node, store, coordinator.addr, latency_ms, peers, skew_s)
+                swarm = coordinator.swarm
+                while (swarm.ring is None or len(swarm.ring.stages) < len(NODE_MS)
+                       or any(swarm.clocks.get(p) is None for p in peers)):
+                    await trio.sleep(0.05)  # the ring forms, and the clock Pings (every 2 s) come back
+                metrics.set_sources(coordinator.engine.info, dict, clock_offsets=coordinator.engine.clock_offsets_s)
                 prompt = tokenizer("the ring of stages", add_special_tokens=False)["input_ids"]
                 await generate_greedy(coordinator.engine, prompt, 12)
                 return metrics.ring_info(), peers, metrics
 
-    info, peers, metrics = trio.run(main)
+    return trio.run(main)
+
+
+def test_each_hop_reads_its_own_senders_latency(tiny_llama_store):
+    info, peers, metrics = _run_ring(tiny_llama_store, (0.0,) * len(NODE_MS))
+    # One clock for all: no correction is applied (a midpoint would add each link's
+    # asymmetry, up to 22 ms here, to stamps that carry no error).
+    assert [c["applied_s"] for c in info["topology"]["clocks"].values()] == [0.0] * len(NODE_MS)
     hops = info["topology"]["plan"]["hops"]
     senders = [m["peer_id"] for m in info["members"]]
     assert [h["dst"] for h in hops[:-1]] == senders and len(hops) == len(NODE_MS) + 1
@@ -85,3 +107,28 @@ def test_each_hop_reads_its_own_senders_latency(tiny_llama_store):
     # own encode and decode).
     decode = info["topology"]["measured"]["decode"]
     assert sum(decode_ms) + sum(s * 1e3 for s in decode["measured_stage_compute_s"]) < decode["measured_traversal_s"] * 1e3
+
+
+def test_a_node_whose_clock_is_seconds_ahead_still_reads_the_emulated_latencies(tiny_llama_store):
+    # Bug guarded: hop times across machines carrying the difference of their clocks (here
+    # +7 s into the skewed node and -7 s out of it), or a correction applied to the wrong
+    # stage. Sound: uncorrected, hops 0 and 1 miss their window by seconds; the correction
+    # is off by at most the skewed node's stated bound (rtt/2), added to the tolerance of the
+    # two hops it ends, and the unskewed nodes must get no correction at all.
+    info, peers, metrics = _run_ring(tiny_llama_store, (SKEW_S, 0.0, 0.0))
+    hops = info["topology"]["plan"]["hops"]
+    senders = [m["peer_id"] for m in info["members"]]
+    clocks = info["topology"]["clocks"]
+    skewed = next(p for p in peers if peers[p] == NODE_MS[0])
+    bound_s = clocks[skewed]["uncertainty_s"]
+    assert abs(clocks[skewed]["applied_s"] - SKEW_S) <= bound_s < 0.015, clocks[skewed]
+    assert all(clocks[p]["applied_s"] == 0.0 for p in peers if p != skewed), clocks
+    # The gauge shows the same estimate.
+    assert metrics.registry.get_sample_value("shard_node_clock_offset_seconds", {"peer": skewed}) == (
+        clocks[skewed]["offset_s"])
+    expected_ms = [COORDINATOR_MS] + [peers[p] for p in senders]
+    decode_ms = [h["measured"]["transfer_s"]["decode"] * 1e3 for h in hops]
+    ends = [(None, senders[0]), *zip(senders, [*senders[1:], None])]  # each hop's (sender, receiver)
+    extra_ms = [bound_s * 1e3 * sum(p == skewed for p in end) for end in ends]
+    assert all(w - x <= g < w + SLACK_MS + x for g, w, x in zip(decode_ms, expected_ms, extra_ms)), (
+        decode_ms, expected_ms, extra_ms)

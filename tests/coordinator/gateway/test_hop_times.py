@@ -36,6 +36,10 @@ def test_hops_are_the_gaps_between_hand_off_and_take_in_and_their_sum_is_clock_f
     assert sum(measured) == pytest.approx(arrived - 100.0 - residences)
     # A hop carries the offset of its receiver less its sender's.
     assert measured[0] == pytest.approx(hops[0] + offsets[0])
+    # Given each stage's offset, the stamps are put back on the coordinator's clock.
+    assert hop_transfers_s(100.0, skewed, arrived, n, offsets[:n]) == pytest.approx(hops)
+    # Offsets that do not name every stage correct nothing (never a neighbour's offset).
+    assert hop_transfers_s(100.0, skewed, arrived, n, (*offsets[:n], 0.0)) == pytest.approx(measured)
 
 
 def test_stamps_that_do_not_fit_the_ring_give_nothing():
