@@ -392,7 +392,8 @@ class Node:
                 except TransportError as exc:
                     log.info("could not dial successor at %s: %s", addr, exc)
             stream = await self.host.open_stream(target, RING_PROTOCOL)
-            await self._send_control(HopPath(peer_id=self.host.peer_id, successor=target, path=self.host.path_of(stream)))
+            if target != self.coordinator_id:  # the coordinator reads the tail's path off its own end
+                await self._send_control(HopPath(peer_id=self.host.peer_id, successor=target, path=self.host.path_of(stream)))
             stream = await self.links.emulate(stream)
             self._out_streams[target] = stream
         self.observer.frame_sent(self.host.peer_id, len(body) + 4)

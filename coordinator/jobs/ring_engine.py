@@ -213,6 +213,7 @@ class RingEngine:
         """Results from the tail. Frames from any other peer are refused (and logged)."""
         remote = stream.remote_peer_id
         limits = self.swarm.limits
+        reported = False
         try:
             while True:
                 body = await stream.recv_frame(limits.max_frame_bytes)
@@ -220,6 +221,9 @@ class RingEngine:
                 if ring is None or remote != ring.tail:
                     log.warning("refused a frame from %s: not the tail of the current ring", remote)
                     return
+                if not reported:  # the tail's hop: the path of the connection this stream crosses
+                    self.swarm.traversals.paths[(PeerId(remote), self.swarm.peer_id)] = self.host.path_of(stream)
+                    reported = True
                 try:
                     msg, canonical_len = decode_frame(body, limits)
                 except WireError as exc:
