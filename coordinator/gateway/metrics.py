@@ -89,7 +89,8 @@ class GatewayMetrics(RingObserver):
                                          "index in the ring", ["stage"], buckets=LATENCY_BUCKETS_S, registry=r)
         self.hop_transfer_s = Histogram("shard_hop_transfer_seconds", "a frame's transfer over one hop of the ring "
                                         "(0: coordinator to head, last: tail to coordinator), sender's hand-off to "
-                                        "receiver's take-in by their wall clocks, clamped at 0", ["hop", "phase"],
+                                        "receiver's take-in by their wall clocks, each node's corrected by its estimated offset "
+                                        "(shard_node_clock_offset_seconds), clamped at 0", ["hop", "phase"],
                                         buckets=LATENCY_BUCKETS_S, registry=r)
         self.lm_head_s = Histogram("shard_lm_head_seconds", "the coordinator's final norm and LM head over a batch",
                                    buckets=LATENCY_BUCKETS_S, registry=r)

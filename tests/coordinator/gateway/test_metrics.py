@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import httpx
@@ -183,6 +184,28 @@ def test_ring_observer_splits_each_frame_into_its_hops():
     assert _count(m, "shard_hop_transfer_seconds", {"hop": "0", "phase": "decode"}) == 1
     assert m.registry.get_sample_value("shard_hop_transfer_seconds_sum", {"hop": "0", "phase": "prefill"}) == 0.0
     assert m.hops.summary()[0]["transfer_s"]["prefill"] < -9  # /v1/ring reports it as measured
+
+
+def test_hops_are_corrected_by_the_ring_stages_clock_offsets_and_the_offsets_are_gauges():
+    # Bug guarded: a stage's clock offset applied to the wrong stage or to another ring's
+    # frames, or the estimate missing from /metrics. Sound: s1's stamps are made 7 s ahead
+    # and its offset is given for epoch 1 only; the epoch-2 frame must stay uncorrected.
+    m = GatewayMetrics()
+    clocks = {"s0": {"offset_s": 0.0, "uncertainty_s": 0.001}, "s1": {"offset_s": 7.0, "uncertainty_s": 0.002}}
+    m.set_sources(lambda: {"topology": {"clocks": clocks}}, dict,
+                  clock_offsets=lambda epoch: (0.0, 7.0) if epoch == 1 else None)
+    m.round_sent(_forward("job", 1, "decode"))
+    sent_at = m._sent[("job", 1)][2]
+    clock = (sent_at + 0.005, sent_at + 0.007, sent_at + 7.037, sent_at + 7.038)  # s1 7 s ahead
+    m.result_arrived(_result("job", 1, (0.002, 0.001), clock))
+    assert [h["transfer_s"]["decode"] for h in m.hops.summary()[:2]] == [pytest.approx(0.005, abs=1e-6),
+                                                                          pytest.approx(0.030, abs=1e-6)]
+    fwd = dataclasses.replace(_forward("job", 2, "decode"), epoch=2)
+    m.round_sent(fwd)
+    m.result_arrived(dataclasses.replace(_result("job", 2, (0.002, 0.001), clock), epoch=2))
+    assert m.hops.summary()[1]["transfer_s"]["decode"] == pytest.approx(7.030, abs=1e-5)  # another ring: no offsets
+    assert m.registry.get_sample_value("shard_node_clock_offset_seconds", {"peer": "s1"}) == 7.0
+    assert m.registry.get_sample_value("shard_node_clock_offset_uncertainty_seconds", {"peer": "s1"}) == 0.002
 
 
 def _count(m, name, labels):
