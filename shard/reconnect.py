@@ -37,7 +37,11 @@ class RegistrationRefused(ShardError):
 class ReconnectPolicy:
     first_s: float = 0.5
     # A coordinator restarted under warm nodes is found within this of listening again.
-    max_s: float = 5.0
+    # 2 s, not more: a restarted gateway takes 5-6 s to listen (python, torch, tokenizer),
+    # and a 5 s cap let the nodes' next dial land up to 5 s after that (13 s from kill to
+    # first token in bench_internet's restart, 8.5 s with this cap); a refused dial costs
+    # the gateway one SYN, so hundreds of nodes retrying every 2 s is still no load.
+    max_s: float = 2.0
 
     def delay_s(self, attempt: int) -> float:
         """Seconds before attempt `attempt` (1 = the first retry)."""
