@@ -374,7 +374,7 @@ class Node:
                         log.info("could not forward an end of job to %s: %s", state.successor, exc)
 
     async def _job_error(self, msg: Forward | JobRef, code: str, text: str) -> None:
-        if self.state is not None:
+        if self.state is not None and msg.epoch == self.state.assignment.epoch:  # a former epoch's K/V left with it
             async with self.compute_limiter:  # not while a frame of any job is mid-forward
                 self.state.worker.end_job(msg.job_id)  # the coordinator re-prefills it if it retries
         await self._send_control(JobError(job_id=msg.job_id, epoch=msg.epoch, round=msg.round, code=code[:64],
