@@ -2,7 +2,9 @@
 
 Pure. Order of preference: one hot standby per stage (fastest to take that slice over),
 a few decode-only replicas (can hold the whole model), a few weight seeders (good
-uplink), spot-check verifiers (can hold a layer), relays (everything else).
+uplink), spot-check verifiers (can hold a layer). Everything else gets no role: the relay
+role (RoleKind.RELAY) is not assigned: no node carries it out yet (only the coordinator's
+host runs the relay's hop service; issue 24: no role is assigned that nothing does).
 Knows nothing of how the ring was chosen.
 """
 
@@ -82,7 +84,5 @@ def assign_roles(plan: Plan, network: Network, model: ModelSpec, workload: Workl
                                     f"holds {cap} layers: recomputes sampled frames of stage {index} "
                                     f"{plan.stages[index].layers} and compares receipts", index)
             verifiers += 1
-        else:
-            roles[node.peer] = Role(RoleKind.RELAY, f"no room for a layer with its KV cache; uplink {mbit:.0f} "
-                                    f"Mbit/s: relays connections for peers behind NAT")
+        # else: no room for a layer and no seeder's uplink: no role (see the module docstring).
     return roles

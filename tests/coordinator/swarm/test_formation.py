@@ -86,14 +86,15 @@ def test_faulty_nodes_are_not_eligible():
 
 
 def test_a_role_that_holds_nothing_names_the_empty_range_instead_of_raising():
-    # Bug guarded: the role of a seeder or relay that holds no layers was built as
-    # LayerRange(0, 0), which raises, so one such node stopped the coordinator forming.
-    # Sound: a node with no memory can only be a seeder or a relay, and holds nothing.
+    # Bug guarded: the role of a seeder that holds no layers was built as LayerRange(0, 0),
+    # which raises, so one such node stopped the coordinator forming; and a node with no
+    # memory and a poor uplink was made a relay, a role nothing carries out (issue 24).
+    # Sound: a node with no memory can only be a seeder or nothing, and holds nothing.
     snapshot = _snapshot([_reg("a"), _reg("poor", memory=0, up=1e6), _reg("rich", memory=0, up=1e9)])
     f = _decide(snapshot)
     assert isinstance(f, Formation) and f.new_ring
     roles = {a.peer_id: a for a in f.roles}
-    assert roles["poor"].role == RoleKind.RELAY.value and roles["rich"].role == RoleKind.WEIGHT_SEEDER.value
+    assert "poor" not in roles and "poor" not in f.plan.roles and roles["rich"].role == RoleKind.WEIGHT_SEEDER.value
     assert all((a.layer_start, a.layer_end, a.epoch) == (0, 0, f.epoch) for a in roles.values())
     held = dataclasses.replace(snapshot, held={PeerId("rich"): LayerRange(1, 3)})
     f = _decide(held)
