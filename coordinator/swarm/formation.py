@@ -17,6 +17,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from coordinator.swarm import seeding, topology
+from coordinator.swarm.speed_probe import ProbeConfig
 from coordinator.swarm.topology import TopologyConfig
 from ring import (AssignError, Capacity, ChurnPolicy, Constraints, InfeasibleError, ModelSpec, Network, PeerId, Plan,
                   RingError, RoleKind, Stage, assign_roles, evaluate, plan_moves, reselect, select_ring,
@@ -55,6 +56,7 @@ class SwarmConfig:
     # "select_ring": the upload-aware selector (ring/). "all_nodes": every node is a stage,
     # layers split by speed (ring.assign), still costed by ring.evaluate.
     planner: str = "select_ring"
+    speed_probe: ProbeConfig = ProbeConfig()  # a newcomer's speed measured with real frames before it is seated
 
     def __post_init__(self) -> None:
         if self.planner not in ("select_ring", "all_nodes"):

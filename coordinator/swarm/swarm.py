@@ -25,7 +25,7 @@ import trio
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
-from coordinator.swarm import admission, clock_offset, formation, seeding, status, topology, unreachable
+from coordinator.swarm import admission, clock_offset, formation, seeding, speed_probe, status, topology, unreachable
 from coordinator.swarm.formation import Formation, ModelIdentity, NoRing, RingState, Snapshot, SwarmConfig
 from coordinator.swarm.topology import Traversal, TraversalLog
 from ring import Network, PeerId, Plan, RingError
@@ -90,7 +90,7 @@ class Swarm:
         self.control_limits = control_limits(self.limits)  # audit and verify replies carry frames as u8
         self.faulty: dict[PeerId, str] = {}  # peer id -> why audits excluded it from rings
         self.unreachable = unreachable.Exclusions()  # unreachable or stalling nodes sit out a while
-        self.registrations = admission.RegistrationRate()  # how often an address, a key, may register
+        self.registrations, self.probes = admission.RegistrationRate(), speed_probe.SpeedProbes(store, config.speed_probe, config.wire_dtype, self.control_limits.max_frame_bytes, self.send_control, self._notify)  # how often an address, a key, may register; newcomers' measured speeds
         self.members: dict[PeerId, Member] = {}
         self.ring: RingState | None = None
         self.epoch = 0
@@ -143,7 +143,7 @@ class Swarm:
                 elif isinstance(msg, HopPath) and msg.peer_id == peer:  # the path its ring stream crosses
                     self.traversals.paths[(peer, PeerId(msg.successor))] = msg.path
                 elif isinstance(msg, (AuditReply, VerifyReply)):
-                    _offer(self._audit_replies, (peer, msg), f"an audit reply from {peer}")
+                    self.probes.answer(peer, msg) or _offer(self._audit_replies, (peer, msg), f"an audit reply from {peer}")
                 else:
                     log.warning("ignoring %s on %s's control stream", type(msg).__name__, peer)
         except (TransportError, WireError) as exc:
@@ -246,6 +246,7 @@ class Swarm:
         `probe_interval_s` and nodes' clocks every few seconds (clock_offset). Never returns."""
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._serve_probe_refresh)
+            nursery.start_soon(self.probes.serve)
             nursery.start_soon(clock_offset.keep_measuring, self.clocks, lambda: list(self.members), self.send_control)
             task_status.started()
             rejoin_until = trio.current_time() + self.config.rejoin_wait_s
@@ -268,14 +269,13 @@ class Swarm:
                     await changed.wait()  # or an excluded node's sit-out ends
 
     def _eligible(self) -> frozenset[PeerId]:
-        return formation.eligible(self.members, {**self.faulty, **self.unreachable.sitting_out()})
+        return formation.eligible(self.members, {**self.faulty, **self.unreachable.sitting_out(), **self.probes.hold_back(self.members)})
 
     async def _wait_for_reports(self) -> None:
         with trio.move_on_after(self.config.probe_wait_s):
             while self._awaiting_reports & self._eligible():
                 await self._changed.wait()
-        late = self._awaiting_reports & self._eligible()
-        if late:
+        if late := self._awaiting_reports & self._eligible():
             log.warning("forming without link reports from %s: their links are estimated", sorted(late))
             self._awaiting_reports -= late
 
@@ -287,7 +287,7 @@ class Swarm:
 
     def snapshot(self) -> Snapshot:
         """The registry as formation decides on it."""
-        return Snapshot(self.peer_id, {p: m.register for p, m in self.members.items()}, dict(self.links),
+        return Snapshot(self.peer_id, {p: self.probes.seated(p, m.register) for p, m in self.members.items()}, dict(self.links),
                         dict(self.held), dict(self.faulty), self.plan, self.ring, self.epoch)
 
     async def _form(self, members: frozenset[PeerId]) -> None:
@@ -376,7 +376,7 @@ class Swarm:
     def topology_info(self) -> dict[str, Any]:
         """The plan, its predictions, measured rounds, roles and each node's measured links."""
         info = status.topology_info(self.snapshot(), self.traversals, self.config.topology, self.model)
-        return {**info, "fetches": self.fetches.summary(), "clocks": self.clocks.summary()}  # weight fetches (seeding), clock offsets
+        return {**info, "fetches": self.fetches.summary(), "clocks": self.clocks.summary(), "speed_probes": self.probes.summary()}  # weight fetches (seeding), clock offsets
 
     def _set_ring(self, ring: RingState | None) -> None:
         self.ring = ring

@@ -39,6 +39,7 @@ from coordinator.errors import CoordinatorError
 from coordinator.jobs.engine_config import EngineConfig
 from coordinator.spec.sampling import SamplingParams
 from coordinator.swarm.formation import SwarmConfig
+from coordinator.swarm.speed_probe import ProbeConfig
 from coordinator.trust.audit import AuditConfig
 from coordinator.trust.receipt_check import ReceiptConfig
 from coordinator.trust.report import trust_report
@@ -78,7 +79,8 @@ class LyingNode(Node):
 async def run_verified_ring(store, gateway_store, *, wire_dtype="f32", cheat=None, other_store=None, liar=False,
                             requests=2, tokens=8, seed=0):
     config = CoordConfig(listen=LOOPBACK_ANY_PORT, min_nodes=NODES,
-                         swarm=SwarmConfig(wire_dtype=wire_dtype, ready_timeout_s=30, probe_wait_s=20),
+                         swarm=SwarmConfig(wire_dtype=wire_dtype, ready_timeout_s=30, probe_wait_s=20,
+                                           speed_probe=ProbeConfig(enabled=False)),  # counts audits' verify requests only
                          engine=EngineConfig(draft="none", frame_timeout_s=10, max_resumes=3, resume_wait_s=5,
                                              probation_rounds=0),  # probation recomputes here: no layers here
                          receipts=ReceiptConfig(), audit=AuditConfig(rate=1.0, reply_timeout_s=10))

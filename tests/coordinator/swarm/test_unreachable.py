@@ -12,6 +12,7 @@ import trio
 
 from coordinator.swarm import unreachable
 from coordinator.swarm.formation import RingState
+from coordinator.swarm.speed_probe import ProbeConfig
 from coordinator.swarm.swarm import Member, Swarm, SwarmConfig
 from coordinator.swarm.unreachable import BackoffPolicy, Strike
 from ring import PeerId
@@ -66,7 +67,7 @@ def test_a_successor_unreachable_report_blames_the_reporters_successor_on_the_ri
 
 def test_the_swarm_excludes_an_unreachable_node_until_a_peer_measures_it(tiny_llama_store):
     async def main():
-        swarm = Swarm(tiny_llama_store, bytes(32), SwarmConfig())
+        swarm = Swarm(tiny_llama_store, bytes(32), SwarmConfig(speed_probe=ProbeConfig(enabled=False)))  # members with no node
         for p in (A, B, C):
             swarm.members[p] = Member(register(p, tiny_llama_store.digest), control=None)
         swarm.report_unreachable(B, "a could not reach it: no connection within 10 s")
