@@ -83,11 +83,12 @@ KINDS = ("nonce", "job_id", "positions", "ctx_len", "token", "hidden_for_head", 
          "random_bytes", "truncated", "header_junk", "valid")
 
 
-def hostile_frame(rng: random.Random, i: int, cfg, kinds: tuple[str, ...] = KINDS) -> tuple[str, bytes]:
-    """(kind, body): one hostile frame from the predecessor; job ids are unique per frame."""
+def hostile_frame(rng: random.Random, i: int, cfg, kinds: tuple[str, ...] = KINDS, epoch: int = 1) -> tuple[str, bytes]:
+    """(kind, body): one hostile frame from the predecessor of a stage serving `epoch`; job
+    ids are unique per frame."""
     n = rng.randint(1, 6)
     ids = [rng.randrange(cfg.vocab_size) for _ in range(n)]
-    base = forward(f"h{i}", ids, round_=i)
+    base = forward(f"h{i}", ids, round_=i, epoch=epoch)
     kind = rng.choice(kinds)
     if kind == "nonce":
         return kind, tampered(base, nonce=os.urandom(rng.choice([0, 3, 15, 33, 40])))

@@ -12,12 +12,17 @@ rate, no drafter) with its HTTP gateway, and three honest `shard-node join` proc
    must resume without it, and it must be out of the ring within 10 s of the missed deadline;
 4. a lying newcomer: adds noise to every output it computes (and signs it); then N
    requests, none of which may deliver a wrong token;
-5. a new honest node joins afterwards and is seated.
+5. hostile frames (`--frames`, scripts.bench_hostile's mutations at the ring's epoch) into
+   the middle stage from its predecessor's own identity (its key file), then valid frames
+   from strangers, each on its own stream; every node's RSS before, right after, and once
+   its idle-job sweep has run (`--idle-timeout-s`);
+6. a new honest node joins afterwards and is seated.
 Every answer is compared with the honest ring's answer to the same greedy request. Per
 attack: the coordinator's RSS before, right after and settled, and whether every node
 process is alive. The hostile nodes run as this script's own subprocesses (`node`).
 
-    python scripts/bench_hostile_ring.py --json OUT [--requests 100] [--tokens 8]
+    python scripts/bench_hostile_ring.py --json OUT [--requests 100] [--tokens 8] [--frames 100000]
+        [--attacks frames,new_node_joins_afterwards]   (a subset, in this order)
 """
 
 from __future__ import annotations
@@ -126,11 +131,12 @@ async def run(args) -> dict:
                                 "`node`)", "receipts": "signed by every stage, checked by the coordinator; audits at "
                                 "the default rate", "ring": "3 honest stages (planner all_nodes: each node a stage)",
                                 "drafter": "none", "prompt": PROMPT[0]["content"], "max_tokens": args.tokens,
-                                "requests_with_the_liar": args.requests, "max_body_bytes": api.max_body_bytes,
+                                "requests_with_the_liar": args.requests, "attacks_run": args.attacks,
+                                "node_job_idle_timeout_s": args.idle_timeout_s, "max_body_bytes": api.max_body_bytes,
                                 "body_timeout_s": api.body_timeout_s, "header_timeout_s": api.header_timeout_s},
                  "attacks": {}}
 
-    nodes = Nodes(tmp)
+    nodes = Nodes(tmp, idle_timeout_s=args.idle_timeout_s)
     try:
         return await serve_and_attack(args, config, store, tokenizer, api, out, nodes)
     finally:
@@ -146,11 +152,13 @@ class Nodes:
     addr: str = ""
     procs: dict[str, subprocess.Popen] = dataclasses.field(default_factory=dict)
     stopped: set[str] = dataclasses.field(default_factory=set)
+    idle_timeout_s: float = 30.0
 
     def spawn(self, name: str, kind: str | None = None) -> None:
         key = os.path.join(self.tmp, f"{name}.key")
         cmd = ([sys.executable, "-m", "shard.cli", "join", "--model", MODEL, "--torch-threads", "1", "--log-level",
-                "ERROR", "--key-path", key, "--coordinator", self.addr] if kind is None else
+                "ERROR", "--key-path", key, "--coordinator", self.addr, "--job-idle-timeout-s", str(self.idle_timeout_s)]
+               if kind is None else
                [sys.executable, os.path.abspath(__file__), "node", kind, self.addr, key])
         with open(os.path.join(self.tmp, f"{name}.log"), "w") as log_file:
             self.procs[name] = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT,
@@ -172,6 +180,53 @@ class Nodes:
                 p.terminate()
         for p in self.procs.values():
             p.wait(timeout=30)
+
+
+async def hostile_frames(args, store, swarm, nodes: Nodes) -> dict:
+    """`args.frames` hostile frames into the ring's second stage from its predecessor's own
+    identity, then `args.stranger_frames` valid ones from strangers; every node's RSS."""
+    import random
+
+    from scripts.bench_hostile import expect_refused, forward, hostile_frame
+    from shard.errors import TransportError
+    from shard.identity import keypair_from_seed, load_or_create_identity, peer_id_of
+    from shard.node import RING_PROTOCOL
+    from shard.transport import open_host
+    from shard.wire.codec import encode
+
+    ring, rng = swarm.ring, random.Random(args.seed)
+    (pred, _), (target, _) = ring.stages[0], ring.stages[1]
+    keys = {peer_id_of(k): k for k in (load_or_create_identity(os.path.join(nodes.tmp, f"{n}.key")) for n in nodes.procs)}
+    addr = swarm.members[target].register.listen_addrs[0]
+    pids = {n: p.pid for n, p in nodes.procs.items() if p.poll() is None}
+    rss = lambda: {n: round(rss_mb(pid), 1) for n, pid in pids.items()}  # noqa: E731
+    before, kinds, resets, t0 = rss(), {}, 0, time.perf_counter()
+    async with open_host(keys[pred], "/ip4/127.0.0.1/tcp/0") as host:  # a second host of the predecessor's identity
+        await host.connect(addr)
+        stream = await host.open_stream(target, RING_PROTOCOL)
+        for i in range(args.frames):
+            kind, body = hostile_frame(rng, i, store.config, epoch=ring.epoch)
+            kinds[kind] = kinds.get(kind, 0) + 1
+            try:
+                await stream.send_frame(body)
+            except TransportError:  # the node reset the stream (a frame it refused whole): open another
+                resets += 1
+                stream = await host.open_stream(target, RING_PROTOCOL)
+    predecessor_s = time.perf_counter() - t0
+    refused = 0
+    for block in range(0, args.stranger_frames, 100):  # 100 streams per stranger identity
+        async with open_host(keypair_from_seed(os.urandom(32)), "/ip4/127.0.0.1/tcp/0") as stranger:
+            await stranger.connect(addr)
+            for i in range(block, min(block + 100, args.stranger_frames)):
+                refused += await expect_refused(lambda: stranger.open_stream(target, RING_PROTOCOL),  # noqa: B023
+                                                encode(forward(f"s{i}", [1, 2, 3], epoch=ring.epoch)))
+    right_after = rss()
+    await trio.sleep(args.idle_timeout_s + 15)  # the idle sweep frees the jobs the valid frames opened, then trims
+    return {"predecessor_frames": args.frames, "kinds": kinds, "predecessor_streams_reset": resets,
+            "predecessor_s": round(predecessor_s, 1), "stranger_frames": args.stranger_frames,
+            "stranger_frames_refused": refused, "target_stage": target[-6:], "predecessor": pred[-6:],
+            "node_rss_mb_before": before, "node_rss_mb_right_after": right_after, "node_rss_mb_after_idle_sweep": rss(),
+            "deaths_so_far": nodes.deaths()}
 
 
 async def serve_and_attack(args, config, store, tokenizer, api, out: dict, nodes: Nodes) -> dict:
@@ -287,11 +342,14 @@ async def serve_and_attack(args, config, store, tokenizer, api, out: dict, nodes
                 new = set(swarm.members) - before
                 return {"new_node_registered": bool(new), "new_node_seated": bool(new & seated)}
 
-            await attack("probation_side_by_side", probation_side_by_side)
-            await attack("http", http_attacks, settle_s=args.header_timeout_s)
-            await attack("stalling_stage", stalling_stage)
-            await attack("lying_newcomer", lying_newcomer)
-            await attack("new_node_joins_afterwards", newcomer_joins)
+            async def frames() -> dict:
+                return await hostile_frames(args, store, swarm, nodes)
+
+            attacks = {"probation_side_by_side": (probation_side_by_side, 2.0), "http": (http_attacks, args.header_timeout_s),
+                       "stalling_stage": (stalling_stage, 2.0), "lying_newcomer": (lying_newcomer, 2.0),
+                       "frames": (frames, 2.0), "new_node_joins_afterwards": (newcomer_joins, 2.0)}
+            for name in args.attacks.split(","):
+                await attack(name, *attacks[name])
         out["process_deaths"] = nodes.deaths()
         c.nursery.cancel_scope.cancel()
     return out
@@ -307,7 +365,15 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=8, help="max_tokens of every request")
     p.add_argument("--body-timeout-s", type=float, default=5.0)
     p.add_argument("--header-timeout-s", type=float, default=5.0)
+    p.add_argument("--frames", type=int, default=10_000, help="hostile frames from the predecessor (the issue's: 100000)")
+    p.add_argument("--stranger-frames", type=int, default=1_000, help="frames from strangers, each on its own stream")
+    p.add_argument("--seed", type=int, default=0, help="of the hostile frames' mutations")
+    p.add_argument("--idle-timeout-s", type=float, default=30.0, help="the honest nodes' --job-idle-timeout-s")
+    p.add_argument("--attacks", default="probation_side_by_side,http,stalling_stage,lying_newcomer,frames,"
+                                        "new_node_joins_afterwards", help="which to run, in order (comma-separated)")
     args = p.parse_args()
+    if unknown := set(args.attacks.split(",")) - set(p.get_default("attacks").split(",")):
+        p.error(f"--attacks: unknown {sorted(unknown)}; known: {p.get_default('attacks')}")
     out = trio.run(run, args)  # its node processes are ended on the way out, whatever happens
     with open(args.json, "w") as f:
         json.dump(out, f, indent=1)
