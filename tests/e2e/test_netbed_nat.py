@@ -4,7 +4,9 @@ allow (issue 19).
 
 Bugs guarded: a node behind a NAT could not be reached by its predecessor at all (it was
 excluded from every ring, or each request through it failed); the path a hop reports was
-not the one its stream crosses. Sound: each host is its own namespace and a home host
+not the one its stream crosses; a NATed middle stage (reached through a NAT and sending
+through one) was never tested, since the selector seats a NATed node at the head when
+it can (the three-NAT rings leave it no such choice). Sound: each host is its own namespace and a home host
 cannot be dialled from the bridge (test_netbed_ring pins that), so between two hosts in
 two different homes no connection exists but one through the relay or one a hole punch
 opened; which of the two the NATs allow is set by the router (a port-keeping MASQUERADE
@@ -175,3 +177,31 @@ def test_kill_9_of_a_natted_stage_mid_request_resumes_with_the_same_text(bed, ti
     result = json.loads(got.stdout.strip().splitlines()[-1])
     assert result["status"] == 200 and result["killed"], (result, tails(ring))
     assert result["text"] == expected, (result, expected, tails(ring))
+
+
+def _middle_behind_a_nat(bed, tiny_llama, tiny_llama_store, tmp_path, symmetric: bool, path: str) -> None:
+    # Three stages, each host in its own home: the selector seats a NATed node where no
+    # frame crosses the relay (the head) when it can, so here every arrangement it could
+    # choose has a NATed middle stage, whose incoming and outgoing hops both go through a
+    # NAT (issue 19's "a ring whose middle stage is behind a NAT").
+    coord_host = bed.add_public("coord")
+    homes = [bed.add_home(f"r{i}", [f"h{i}"], symmetric=symmetric)[0] for i in (1, 2, 3)]
+    status, body, plan, peers, logs = serve_one(tmp_path, tiny_llama_store, str(tiny_llama.path), coord_host, homes)
+    head, middle, tail = (s["peer_id"] for s in plan["stages"])
+    print(f"\n[3 stages, 3 NATs, {'random ports' if symmetric else 'port-keeping'}] "
+          f"hops: {[(h['src'][-4:], h['dst'][-4:], h['path']) for h in plan['hops']]}")
+    assert status == 200, (body, logs)
+    assert body["choices"][0]["text"] == greedy_text(tiny_llama, tiny_llama_store)
+    assert {head, middle, tail} == set(peers.values()), (plan, peers)
+    assert (_hop(plan, head, middle)["path"], _hop(plan, middle, tail)["path"]) == (path, path), (plan["hops"], logs)
+    coordinator = plan["hops"][0]["src"]
+    assert {_hop(plan, coordinator, head)["path"], _hop(plan, tail, coordinator)["path"]} == {"direct"}
+
+
+def test_a_middle_stage_behind_a_symmetric_nat_is_reached_through_the_relay(bed, tiny_llama, tiny_llama_store,
+                                                                            tmp_path):
+    _middle_behind_a_nat(bed, tiny_llama, tiny_llama_store, tmp_path, symmetric=True, path="relayed")
+
+
+def test_a_middle_stage_behind_a_port_keeping_nat_is_hole_punched(bed, tiny_llama, tiny_llama_store, tmp_path):
+    _middle_behind_a_nat(bed, tiny_llama, tiny_llama_store, tmp_path, symmetric=False, path="hole_punched")

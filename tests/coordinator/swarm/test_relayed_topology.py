@@ -81,3 +81,21 @@ def test_the_selector_seats_a_relayed_node_where_no_frame_crosses_the_relay():
     assert plain.peers[1] == "n", plain.peers
     assert [h.src for h in plan.hops if h.dst == "n"] == [COORD]
     assert network.link("a", "n")[0] == pytest.approx(0.010 + 0.050 + 5 * 2048 / cfg.coordinator_upload_bytes_per_s)
+
+
+def test_a_hop_through_a_node_relay_costs_that_relays_legs_and_upload_not_the_coordinators():
+    # A NATed node n advertising a circuit through the reachable node r first: a hop into
+    # n is a's leg to r, r's leg to n, and a round on r's 2 MB/s upload, which only n's
+    # circuit uses (m's is through the coordinator's 1 MB/s, shared with nobody). r itself
+    # reaches n over n's own connection. The coordinator's legs to n are not the path.
+    cfg = TopologyConfig(coordinator_upload_bytes_per_s=1e6)
+    through_r = dataclasses.replace(_reg("n"), listen_addrs=("/ip4/198.51.100.5/tcp/5000/p2p/r/p2p-circuit/p2p/n",))
+    regs = {"a": _reg("a"), "r": _reg("r", up=2e6), "n": through_r, "m": _reg("m", relayed=True)}
+    links = _links({("a", "r"): 0.004, ("r", "n"): 0.006, ("a", COORD): 0.010, ("n", COORD): 0.020,
+                    ("m", COORD): 0.030, ("r", COORD): 0.002, ("a", "n"): 0.001})
+    assert topology.relay_of(through_r.listen_addrs) == "r"
+    out = topology.relayed_links(links, regs, COORD, cfg, round_bytes=5000)
+    assert out[("a", "n")] == pytest.approx(0.004 + 0.006 + 5000 / 2e6)
+    assert out[("r", "n")] == 0.006  # the relay's own connection
+    assert out[("a", "m")] == pytest.approx(0.010 + 0.030 + 5000 / 1e6)  # m's relay is the coordinator
+    assert ("m", "n") not in out  # no leg m -> r measured: left to the latency estimate
