@@ -30,15 +30,19 @@ class DeadlinePolicy:
 
 
 def round_deadline_s(predicted_s: float | None, measured_ratios: Sequence[float], frames: int,
-                     policy: DeadlinePolicy = DeadlinePolicy()) -> float:
+                     policy: DeadlinePolicy = DeadlinePolicy(), queued_s: float = 0.0) -> float:
     """Seconds from sending a round's first frame to its last result, past which the round
     is missed. `predicted_s`: the cost model's time for this round on this ring (None: no
     prediction, e.g. no plan yet); `measured_ratios`: measured / predicted traversal time
     of recent rounds on this ring (empty on a new ring: the prediction stands alone, at
-    least 1x); `frames`: frames the round sends (each may wait its own turn on a stage).
+    least 1x); `frames`: frames the round sends (each may wait its own turn on a stage);
+    `queued_s`: the predicted time of other jobs' work that may be ahead of this round at
+    a stage (a busy ring: without it, 32 streams on a 3-stage CPU ring had decode rounds
+    wait behind others' prefill chunks past their deadline, and honest stages were blamed
+    as stalled 7 times in 120 s — bench_load).
 
-    The deadline is slack x prediction x (the worst recent ratio, at least 1) + margin,
-    capped at max_s per frame; without a usable prediction it is the cap."""
+    The deadline is slack x (prediction + queued) x (the worst recent ratio, at least 1) +
+    margin, capped at max_s per frame; without a usable prediction it is the cap."""
     cap_s = policy.max_s * max(frames, 1)
     if predicted_s is None or not math.isfinite(predicted_s) or predicted_s < 0:
         return cap_s
@@ -46,4 +50,5 @@ def round_deadline_s(predicted_s: float | None, measured_ratios: Sequence[float]
     ratio = max([1.0, *ratios])
     if ratio > policy.max_ratio:
         return cap_s
-    return min(cap_s, policy.slack * predicted_s * ratio + policy.margin_s)
+    queued_s = queued_s if math.isfinite(queued_s) and queued_s > 0 else 0.0
+    return min(cap_s, policy.slack * (predicted_s + queued_s) * ratio + policy.margin_s)

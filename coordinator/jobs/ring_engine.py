@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import trio
@@ -245,15 +245,19 @@ class RingEngine:
     def round_deadline_s(self, ring: RingState, shape: Traversal) -> float:
         """The cost model's time for a round of `shape` on `ring` (its measured links, its
         stages' compute), scaled by how this ring's rounds measured against it."""
-        swarm, predicted = self.swarm, None
+        swarm, predicted, queued = self.swarm, None, 0.0
         if swarm.plan is not None and swarm.network is not None and swarm.ring is not None and swarm.ring.epoch == ring.epoch:
             try:
                 predicted = topology.predict(swarm.plan, swarm.network, swarm.model, swarm.config.topology, shape).traversal_s
+                # Each other open job may have its largest frame (a prefill chunk) ahead of this round.
+                chunk = replace(shape, prefill=True, frames=1, tokens=self.config.prefill_chunk_tokens)
+                queued = max(len(self._jobs) - 1, 0) * topology.predict(
+                    swarm.plan, swarm.network, swarm.model, swarm.config.topology, chunk).traversal_s
             except RingError:
                 pass
         ratios = [t.traversal_s / p.traversal_s for t, p in swarm.traversals.samples
                   if t.epoch == ring.epoch and t.prefill == shape.prefill and p.traversal_s > 0]
-        return round_deadline_s(predicted, ratios, shape.frames, self.deadline)
+        return round_deadline_s(predicted, ratios, shape.frames, self.deadline, queued)
 
     def round_missed(self, ring: RingState, round: int) -> None:
         """A round on `ring` missed its deadline: unless the ring changed meanwhile (its

@@ -57,3 +57,21 @@ def test_the_deadline_covers_the_prediction_and_every_recent_round_and_never_pas
 def test_a_slower_prediction_never_gets_a_shorter_deadline(a, b, rs, frames):
     lo, hi = sorted((a, b))
     assert round_deadline_s(lo, rs, frames, POLICY) <= round_deadline_s(hi, rs, frames, POLICY)
+
+
+def test_other_jobs_work_queued_at_a_stage_extends_the_deadline():
+    # Bug guarded: 32 streams on a 3-stage CPU ring had decode rounds wait behind other
+    # jobs' prefill chunks past a deadline that knew only their own prediction, and honest
+    # stages were blamed as stalled (bench_load). 0.2 s own + 3 x 1.0 s queued: 5 x 3.2 + 5.
+    assert round_deadline_s(0.2, [], frames=1, policy=POLICY, queued_s=3.0) == 5 * 3.2 + 5
+    # Nonsense queued figures count as nothing, and the cap still holds.
+    assert round_deadline_s(0.2, [], frames=1, policy=POLICY, queued_s=math.nan) == 6.0
+    assert round_deadline_s(0.2, [], frames=1, policy=POLICY, queued_s=-1.0) == 6.0
+    assert round_deadline_s(0.2, [], frames=1, policy=POLICY, queued_s=1e6) == 120.0
+
+
+@given(finite, finite, finite, ratios, st.integers(1, 16))
+def test_more_queued_work_never_shortens_the_deadline(predicted, q1, q2, rs, frames):
+    lo, hi = sorted((q1, q2))
+    assert (round_deadline_s(predicted, rs, frames, POLICY, queued_s=lo)
+            <= round_deadline_s(predicted, rs, frames, POLICY, queued_s=hi))
