@@ -76,4 +76,4 @@ def local_node_command(config: CoordConfig, store_dir, coordinator_addr: str, in
             "--store-dir", str(store_dir), "--key-path", str(key), "--torch-threads", str(config.node_threads),
             "--quant", config.node_quant, "--batch-token-budget", str(config.node_batch_token_budget),
             "--link-latency-ms", str(link.link_latency_ms), "--link-upload-mbps", str(link.link_upload_mbps),
-            "--link-jitter-ms", str(link.link_jitter_ms)]
+            "--link-jitter-ms", str(link.link_jitter_ms), "--exit-with-parent-pid", str(os.getpid())]

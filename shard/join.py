@@ -8,6 +8,9 @@ cancelled. Knows nothing of what the node does once it serves.
 
 from __future__ import annotations
 
+import logging
+import os
+
 import multiaddr
 import torch
 import trio
@@ -20,6 +23,8 @@ from shard.node import Node, NodeConfig
 from shard.store import cache_root, open_or_prepare
 from shard.transport import open_host
 from shard.weight_fetch import open_fetched_store
+
+log = logging.getLogger("shard.node")
 
 
 def check_device(device: str) -> None:
@@ -48,6 +53,24 @@ async def run_node(config: NodeConfig, task_status=trio.TASK_STATUS_IGNORED) -> 
     Resource handling: the default key's claim (a lock file descriptor) is held until
     this returns, when the process' exit releases it."""
     check_device(config.device)
+    if not config.exit_with_parent_pid:
+        return await _run_node(config, task_status)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_exit_with_parent, config.exit_with_parent_pid, nursery.cancel_scope)
+        await _run_node(config, task_status)
+        nursery.cancel_scope.cancel()
+
+
+async def _exit_with_parent(pid: int, scope: trio.CancelScope) -> None:
+    """Cancel `scope` once this process' parent is no longer `pid` (it ended: we were
+    re-parented), checked every second."""
+    while os.getppid() == pid:
+        await trio.sleep(1.0)
+    log.warning("the process that started this node (pid %d) is gone; leaving", pid)
+    scope.cancel()
+
+
+async def _run_node(config: NodeConfig, task_status) -> None:
     coordinator_id = coordinator_peer_id(config.coordinator)  # a malformed address fails before the model loads
     if config.torch_threads:
         torch.set_num_threads(config.torch_threads)

@@ -50,6 +50,9 @@ class NodeConfig:
     weights: WeightsConfig = WeightsConfig()  # fetching and seeding weight files (shard.weight_plan)
     batch_token_budget: int = option(DEFAULT_TOKEN_BUDGET, "rows one forward may carry across the jobs waiting at "
                                      "this stage (prefill chunks and decode rows share it); 1 = one frame per forward")
+    # shard-coord serve --local-nodes passes its own pid: a gateway killed with SIGKILL
+    # cannot stop its children, which otherwise retried the gone coordinator forever.
+    exit_with_parent_pid: int = option(0, "exit once this process' parent is no longer this pid (0 = never)")
 
 
 def measure_compute(store: ModelStore, dtype: torch.dtype, device: str, quant: QuantScheme = NONE) -> tuple[float, float]:

@@ -40,3 +40,10 @@ def test_a_scheme_shard_node_does_not_know_is_refused_by_the_coordinators_parser
     with pytest.raises(SystemExit):
         coord_parser().parse_args(["serve", "--node-quant", "int3"])
     assert "invalid choice: 'int3'" in capsys.readouterr().err
+
+
+def test_each_local_node_is_told_to_leave_with_the_coordinator_process():
+    # Bug guarded: a gateway killed with SIGKILL left its --local-nodes children retrying
+    # the gone coordinator forever (found as orphans after test runs).
+    import os
+    assert _node_config("--local-nodes", "1").exit_with_parent_pid == os.getpid()
