@@ -144,6 +144,12 @@ def test_a_queued_request_runs_when_a_slot_frees(scripted):
                     await trio.sleep(0.01)
                 assert len(engine.jobs) == 1  # the second waits; it has no job yet
                 engine.gate.set()
+            # The slot is freed once the response's last bytes are sent, which the client
+            # can see before the server's task gets there: wait (bounded) for it rather
+            # than read /health in the same instant. A slot never freed still fails.
+            with trio.move_on_after(5):
+                while (await client.get("/health")).json()["jobs_running"] != 0:
+                    await trio.sleep(0.01)
             return out, (await client.get("/health")).json()
 
     out, health = served(app, fn)
