@@ -21,14 +21,20 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import llguidance
-import llguidance.hf
 import torch
 
 from coordinator.errors import SamplingParamError
 
 ANY_OBJECT_SCHEMA = {"type": "object"}  # response_format json_object
 
+
+
+def _llguidance():
+    """llguidance, imported on first use: its import is ~1.2 s of a gateway's start (and so
+    of a restart's time to first token), and a gateway may never constrain a request."""
+    import llguidance.hf  # noqa: F401 (binds the hf submodule on the package)
+    import llguidance
+    return llguidance
 
 @dataclass(frozen=True)
 class Constraint:
@@ -39,7 +45,7 @@ class Constraint:
     tokenizer: Any = field(compare=False, repr=False)  # llguidance.LLTokenizer
 
     def start(self) -> GrammarState:
-        return GrammarState(llguidance.LLMatcher(self.tokenizer, self.grammar))
+        return GrammarState(_llguidance().LLMatcher(self.tokenizer, self.grammar))
 
     def draft_filter(self) -> DraftFilter:
         return DraftFilter(self)
@@ -55,19 +61,19 @@ def json_constraint(hf_tokenizer: Any, schema: dict[str, Any], *, wrap: tuple[st
     refused in it (as `param`)."""
     lltok = _tokenizers.get(id(hf_tokenizer))
     if lltok is None:
-        lltok = _tokenizers[id(hf_tokenizer)] = llguidance.hf.from_tokenizer(hf_tokenizer)
+        lltok = _tokenizers[id(hf_tokenizer)] = _llguidance().hf.from_tokenizer(hf_tokenizer)
     # Compact JSON: a flexible-whitespace grammar lets a weak model pad forever.
     compact = {**schema, "x-guidance": {"whitespace_flexible": False}}
     text = json.dumps(compact, sort_keys=True, separators=(",", ":"))
     try:
         if wrap == ("", ""):
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(text)
+            grammar = _llguidance().LLMatcher.grammar_from_json_schema(text)
         else:
-            grammar = llguidance.LLMatcher.grammar_from_lark(
+            grammar = _llguidance().LLMatcher.grammar_from_lark(
                 f"start: {json.dumps(wrap[0])} body {json.dumps(wrap[1])}\nbody: %json {text}")
     except ValueError as exc:
         raise SamplingParamError(param, schema, f"is not a usable JSON schema: {exc}") from exc
-    problem = llguidance.LLMatcher.validate_grammar(grammar, lltok)
+    problem = _llguidance().LLMatcher.validate_grammar(grammar, lltok)
     if problem:
         raise SamplingParamError(param, schema, f"is not a usable JSON schema: {problem}")
     return Constraint(grammar, text, lltok)
@@ -114,7 +120,7 @@ class DraftFilter:
 
     def __init__(self, constraint: Constraint) -> None:
         self._constraint = constraint
-        self._matcher = llguidance.LLMatcher(constraint.tokenizer, constraint.grammar)
+        self._matcher = _llguidance().LLMatcher(constraint.tokenizer, constraint.grammar)
         self._consumed: list[int] = []  # generated tokens the matcher has consumed
         self._blocked = False  # the last context went past what the grammar allows
 
@@ -128,7 +134,7 @@ class DraftFilter:
             self._matcher.rollback(len(done) - common)
             del done[common:]
         if self._matcher.is_error():  # never expected (rollbacks stay within what it consumed): start over
-            self._matcher = llguidance.LLMatcher(self._constraint.tokenizer, self._constraint.grammar)
+            self._matcher = _llguidance().LLMatcher(self._constraint.tokenizer, self._constraint.grammar)
             done.clear()
             common = 0
         rest = [int(t) for t in generated[common:]]
