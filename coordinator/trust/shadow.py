@@ -22,8 +22,6 @@ It does not know jobs, tokens or who is on probation.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import dataclasses
 import gc
 from collections import OrderedDict
@@ -37,6 +35,7 @@ from coordinator.trust.tolerance import stage_tolerance
 from receipts import SpotCheck, Tolerance, compare_outputs
 from shard.activations import from_wire
 from shard.errors import ShardError
+from shard.heap import return_freed_heap
 from shard.layers import LayerRange
 from shard.quant import quantise_stage, scheme
 from shard.stage import Stage
@@ -45,17 +44,6 @@ from shard.store import ModelStore
 from shard.wire.messages import EndJob, Forward, Result
 
 MAX_EXPECTED = 4096  # results computed and not yet checked (rounds a job discarded stay until its end)
-
-
-def _find_malloc_trim():
-    """glibc's malloc_trim, or None on a libc without it."""
-    try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-    except (OSError, AttributeError):
-        return None
-
-
-_malloc_trim = _find_malloc_trim()
 
 
 class Shadow:
@@ -123,8 +111,7 @@ class Shadow:
         self._chain = None
         self._expected.clear()
         gc.collect()
-        if _malloc_trim is not None:
-            _malloc_trim(0)
+        return_freed_heap()
 
     @property
     def loaded(self) -> bool:
