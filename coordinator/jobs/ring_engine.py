@@ -249,10 +249,10 @@ class RingEngine:
         if swarm.plan is not None and swarm.network is not None and swarm.ring is not None and swarm.ring.epoch == ring.epoch:
             try:
                 predicted = topology.predict(swarm.plan, swarm.network, swarm.model, swarm.config.topology, shape).traversal_s
-                # Each other open job may have its largest frame (a prefill chunk) ahead of this round.
-                chunk = replace(shape, prefill=True, frames=1, tokens=self.config.prefill_chunk_tokens)
-                queued = max(len(self._jobs) - 1, 0) * topology.predict(
-                    swarm.plan, swarm.network, swarm.model, swarm.config.topology, chunk).traversal_s
+                if (others := len(self._jobs) - 1) > 0:  # each may have its largest frame (a prefill chunk) ahead
+                    chunk = replace(shape, prefill=True, frames=1, tokens=self.config.prefill_chunk_tokens)
+                    queued = others * topology.predict(swarm.plan, swarm.network, swarm.model, swarm.config.topology,
+                                                       chunk).traversal_s
             except RingError:
                 pass
         ratios = [t.traversal_s / p.traversal_s for t, p in swarm.traversals.samples
