@@ -57,10 +57,16 @@ class SwarmConfig:
     # layers split by speed (ring.assign), still costed by ring.evaluate.
     planner: str = "select_ring"
     speed_probe: ProbeConfig = ProbeConfig()  # a newcomer's speed measured with real frames before it is seated
+    # Replica rings (coordinator.swarm.ring_set): 1 forms one ring however large the pool.
+    max_rings: int = option(1, "form up to this many rings over disjoint nodes when the pool holds enough (1: one ring)")
+    ring_spares: int | None = option(None, "nodes kept off every ring for the first ring's roles before another "
+                                           "ring forms (default: one hot standby per stage of the first ring)")
 
     def __post_init__(self) -> None:
         if self.planner not in ("select_ring", "all_nodes"):
             raise ValueError(f"planner must be 'select_ring' or 'all_nodes', got {self.planner!r}")
+        if self.max_rings < 1 or (self.ring_spares is not None and self.ring_spares < 0):
+            raise ValueError(f"max_rings must be >= 1 and ring_spares >= 0, got {self.max_rings} and {self.ring_spares}")
 
 
 @dataclass(frozen=True)
@@ -70,6 +76,7 @@ class RingState:
     epoch: int
     stages: tuple[tuple[PeerId, LayerRange], ...]  # in ring order: head first
     assignments: tuple[Assignment, ...]
+    ring_id: int = 0  # which of the swarm's rings (coordinator.swarm.ring_set); epochs are unique across rings
 
     @property
     def head(self) -> PeerId:

@@ -1,0 +1,135 @@
+"""Several rings over one pool (issue 21): which rings exist after a membership change, pure.
+
+A pool that holds more than one ring's worth of capacity serves more users as several
+rings over disjoint nodes, each with its own epoch (epochs stay unique and increasing
+across rings, so a node's "only newer epochs" rule holds whichever ring it moves to). In
+ring id order:
+
+1. A ring whose stages are all still eligible is kept as it is: same stages, same epoch,
+   its jobs keep their K/V. A node joining therefore never re-forms a running ring; it
+   forms a new ring beside them or takes a role.
+2. A ring that lost a stage re-forms alone, over the nodes no kept ring uses, exactly as
+   the single ring does (coordinator.swarm.formation.decide: its hot standby takes over,
+   else re-selection keeps the survivors' slices). When the free nodes cannot make it,
+   it is dropped (its jobs move to the other rings).
+3. While there are fewer than `max_rings`, another ring is chosen by the topology selector
+   over the nodes still free, if it leaves `ring_spares` nodes free for the first ring's
+   roles (default: one hot standby per stage). A node that holds the whole model alone is
+   a one-stage ring of its own (what a "decode-only replica" was meant to be).
+4. The nodes left over get their roles around the first ring (the lowest id formed), on a
+   fresh epoch so that a former stage takes its role.
+
+`max_rings` 1 is the single ring of formation.decide, unchanged. Knows nothing of streams,
+keys or jobs: the swarm carries the decision out, the engine routes requests over rings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from coordinator.swarm import formation, seeding, topology
+from coordinator.swarm.formation import Formation, ModelIdentity, NoRing, RingState, Snapshot, SwarmConfig
+from ring import Network, PeerId, Plan, assign_roles
+from shard.wire.messages import Assignment
+
+
+@dataclass(frozen=True)
+class Current:
+    """One ring the swarm holds: `ring` None while it is broken or still forming."""
+
+    ring: RingState | None
+    plan: Plan | None
+    network: Network | None = None
+
+
+@dataclass(frozen=True)
+class RingsDecision:
+    members: frozenset[PeerId]
+    kept: tuple[int, ...]  # ring ids left exactly as they are
+    formed: tuple[tuple[int, Formation], ...]  # ring id -> a ring to form anew (its own epoch), id order
+    dropped: tuple[tuple[int, str], ...]  # broken rings that cannot re-form now, and why
+    primary: int  # the ring the roles are assigned around
+    primary_plan: Plan  # its plan, roles re-assigned over the nodes left over
+    primary_network: Network  # over its stages and the nodes left over
+    roles: tuple[Assignment, ...]  # unsigned, one per member left over with a role
+    epoch: int  # the last epoch this decision hands out
+
+
+def peers_of(ring: RingState) -> frozenset[PeerId]:
+    return frozenset(p for p, _ in ring.stages)
+
+
+def decide_rings(snapshot: Snapshot, members: frozenset[PeerId], config: SwarmConfig, model: ModelIdentity,
+                 current: Mapping[int, Current]) -> RingsDecision | NoRing:
+    """The rings for `members` given the rings in force (see the module docstring).
+    NoRing when no ring is kept and none can be formed."""
+    free = set(members)
+    kept = []
+    for rid, cur in sorted(current.items()):
+        if cur.ring is not None and peers_of(cur.ring) <= free:
+            kept.append(rid)
+            free -= peers_of(cur.ring)
+    epoch, formed, dropped = snapshot.epoch, [], []
+    for rid, cur in sorted(current.items()):
+        if rid in kept:
+            continue
+        d = _form_one(snapshot, frozenset(free), config, model, cur.plan, epoch)
+        if isinstance(d, NoRing):
+            dropped.append((rid, d.reason))
+            continue
+        formed.append((rid, d))
+        free -= {p for p, _ in d.stages}
+        epoch = d.epoch
+    no_ring_reason = dropped[-1][1] if dropped else "no ring formed"
+    used = set(current)
+    while len(kept) + len(formed) < config.max_rings and free:
+        d = _form_one(snapshot, frozenset(free), config, model, None, epoch)
+        if isinstance(d, NoRing):
+            no_ring_reason = d.reason
+            break
+        if kept or formed:
+            spares = config.ring_spares if config.ring_spares is not None else len(_first_stages(current, kept, formed))
+            if len(free) - len(d.stages) < spares:
+                break
+        rid = next(i for i in range(len(used) + 1) if i not in used)
+        used.add(rid)
+        formed.append((rid, d))
+        free -= {p for p, _ in d.stages}
+        epoch = d.epoch
+    if not kept and not formed:
+        return NoRing(members, no_ring_reason)
+    primary = min([*kept, *(rid for rid, _ in formed)])
+    by_id = dict(formed)
+    plan = by_id[primary].plan if primary in by_id else current[primary].plan
+    around = frozenset(free) | frozenset(plan.peers)
+    network = _network_over(snapshot, around, config, model)
+    plan = dataclasses.replace(plan, roles=assign_roles(plan, network, model.spec, config.topology.workload()))
+    roles = ()
+    if plan.roles:
+        epoch += 1
+        roles = formation.role_assignments(plan, snapshot, around, epoch, model)
+    return RingsDecision(members, tuple(kept), tuple(formed), tuple(dropped), primary, plan, network, roles, epoch)
+
+
+def _form_one(snapshot: Snapshot, pool: frozenset[PeerId], config: SwarmConfig, model: ModelIdentity,
+              plan: Plan | None, epoch: int) -> Formation | NoRing:
+    """One ring over `pool` by formation.decide (starting from `plan` when it re-forms), on
+    the next epoch after `epoch`, without roles (those are decided once, around the first)."""
+    if not pool:
+        return NoRing(pool, "no free node")
+    d = formation.decide(dataclasses.replace(snapshot, plan=plan, ring=None, epoch=epoch), pool, config, model)
+    return d if isinstance(d, NoRing) else dataclasses.replace(d, roles=())
+
+
+def _first_stages(current: Mapping[int, Current], kept: list[int], formed: list[tuple[int, Formation]]):
+    first = min([*kept, *(rid for rid, _ in formed)])
+    by_id = dict(formed)
+    return by_id[first].stages if first in by_id else current[first].ring.stages
+
+
+def _network_over(snapshot: Snapshot, peers: frozenset[PeerId], config: SwarmConfig, model: ModelIdentity) -> Network:
+    regs = {p: snapshot.registrations[p] for p in peers if p in snapshot.registrations}
+    held = seeding.held_or_stored(regs, snapshot.held, model.spec.num_layers)
+    return topology.build_network(snapshot.coordinator, regs, snapshot.links, held, config.topology, model.spec)
