@@ -7,7 +7,10 @@ stage had, so the log keeps every frame of a (job, epoch) in processing order un
 job ends plus `grace_s`, and the auditor replays them on a fresh cache.
 
 Bounded by total bytes and by number of jobs: past either bound the oldest job (ended
-ones first) is dropped whole, since a partial job cannot be replayed. A dropped record is
+ones first) is dropped whole, since a partial job cannot be replayed. A job the stage
+abandoned (freed for idleness: it never got an EndJob, so no coordinator finished it) is
+kept only within the much smaller `max_abandoned_bytes`: a predecessor opening jobs it
+never ends otherwise filled the log to max_jobs and kept it there for grace_s. A dropped record is
 what an audit reports as missing, so bounds must cover the audit window: the coordinator
 does not audit a job that waited longer than its max_job_age_s (240 s), which must stay
 below grace_s, and max_bytes must hold every job ended within that window
@@ -30,6 +33,9 @@ class FrameLogConfig:
     max_bytes: int = 512 << 20  # input + output bytes of all logged frames
     max_jobs: int = 1024  # (job, epoch) entries
     grace_s: float = 300.0  # how long an ended job stays auditable
+    # Frames of abandoned jobs kept (oldest dropped first). 1024 never-ended 1-6 token
+    # jobs of a 10-layer SmolLM2 stage held 16 MB here.
+    max_abandoned_bytes: int = 4 << 20
 
 
 @dataclass(frozen=True)
@@ -44,6 +50,7 @@ class _JobLog:
     frames: list[FrameRecord] = field(default_factory=list)
     nbytes: int = 0
     ended_s: float | None = None  # clock time EndJob arrived; None while running
+    abandoned: bool = False  # ended by the stage for idleness, not by an EndJob
 
 
 class FrameLog:
@@ -51,6 +58,7 @@ class FrameLog:
         self.config, self._clock = config, clock
         self._jobs: OrderedDict[tuple[str, int], _JobLog] = OrderedDict()  # oldest first
         self._nbytes = 0
+        self._abandoned_bytes = 0
         self._lock = threading.Lock()
 
     @property
@@ -68,6 +76,8 @@ class FrameLog:
             log.frames.append(FrameRecord(round, input_frame, output_frame))
             log.nbytes += size
             self._nbytes += size
+            if log.abandoned:  # a late frame of a job the stage already gave up on
+                self._abandoned_bytes += size
             self._evict_locked()
 
     def end_job(self, job_id: str) -> None:
@@ -77,6 +87,17 @@ class FrameLog:
             for (jid, _), log in self._jobs.items():
                 if jid == job_id and log.ended_s is None:
                     log.ended_s = now
+            self._evict_locked()
+
+    def abandon(self, job_id: str) -> None:
+        """end_job for a job the stage gave up on (no EndJob came): its frames count
+        against max_abandoned_bytes from now on."""
+        now = self._clock()
+        with self._lock:
+            for (jid, _), log in self._jobs.items():
+                if jid == job_id and log.ended_s is None:
+                    log.ended_s, log.abandoned = now, True
+                    self._abandoned_bytes += log.nbytes
             self._evict_locked()
 
     def sweep(self) -> int:
@@ -105,6 +126,8 @@ class FrameLog:
         now, cfg = self._clock(), self.config
         for key in [k for k, log in self._jobs.items() if log.ended_s is not None and now - log.ended_s > cfg.grace_s]:
             self._drop_locked(key)
+        while self._abandoned_bytes > cfg.max_abandoned_bytes:
+            self._drop_locked(next(k for k, log in self._jobs.items() if log.abandoned))
         while self._jobs and (self._nbytes > cfg.max_bytes or len(self._jobs) > cfg.max_jobs):
             ended = [k for k, log in self._jobs.items() if log.ended_s is not None]
             self._drop_locked(ended[0] if ended else next(iter(self._jobs)))
@@ -112,3 +135,5 @@ class FrameLog:
     def _drop_locked(self, key: tuple[str, int]) -> None:
         log = self._jobs.pop(key)
         self._nbytes -= log.nbytes
+        if log.abandoned:
+            self._abandoned_bytes -= log.nbytes

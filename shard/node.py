@@ -246,7 +246,7 @@ class Node:
             wire_dtype=a.wire_dtype, aux_dtype=a.aux_dtype, is_tail=a.successor is None,
             max_context_tokens=self.store.config.max_context_tokens,
             max_kv_bytes=max(self.config.max_memory_bytes - (len(r) * self._bytes_per_layer() or self.store.layer_bytes(r)), 64 << 20),
-            job_idle_timeout_s=self.config.job_idle_timeout_s,
+            job_idle_timeout_s=self.config.job_idle_timeout_s, max_open_jobs=self.config.max_open_jobs,
         ), signer=signer, wall_clock=self.wall_clock)
         self.state = EpochState(a, worker, a.predecessor or self.coordinator_id, a.successor or self.coordinator_id)
         self.held = a
@@ -305,7 +305,7 @@ class Node:
         async with self.compute_limiter:
             evicted = state.worker.evict_idle(state.worker.config.job_idle_timeout_s)
         for job_id in evicted:
-            self.frame_log.end_job(job_id)
+            self.frame_log.abandon(job_id)
             log.info("job %s: KV freed after %.0f s idle", job_id, state.worker.config.job_idle_timeout_s)
         return evicted
 

@@ -47,6 +47,8 @@ class NodeConfig:
                                   "their cost)")
     job_idle_timeout_s: float = option(WorkerConfig.job_idle_timeout_s,
                                        "free the KV of a job that ran no frame for this long")
+    max_open_jobs: int = option(WorkerConfig.max_open_jobs, "jobs holding KV on this node at once; a frame opening "
+                                "one more fails its job (match the gateway's --max-concurrent-jobs if it is higher)")
     weights: WeightsConfig = WeightsConfig()  # fetching and seeding weight files (shard.weight_plan)
     batch_token_budget: int = option(DEFAULT_TOKEN_BUDGET, "rows one forward may carry across the jobs waiting at "
                                      "this stage (prefill chunks and decode rows share it); 1 = one frame per forward")

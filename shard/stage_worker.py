@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from shard.activations import from_wire, to_wire
-from shard.errors import CacheError, ShardError
+from shard.errors import CacheError, CacheFullError, ShardError
 from shard.kvcache import KVCache
 from shard.stage import Stage, StageFrame, StageInputError
 from shard.wire.codec import encode_body, encode_trailer
@@ -43,6 +43,13 @@ class WorkerConfig:
     # A job that ran no frame for this long has its KV freed (evict_idle): past the
     # coordinator's 120 s frame timeout and its resume wait, no live job sits idle so long.
     job_idle_timeout_s: float = 300.0
+    # Jobs holding KV here at once; a frame opening one more fails its job (CacheFullError).
+    # A predecessor opening jobs it never ends held ~250 KB each of a 10-layer SmolLM2
+    # stage's pages until the idle timeout (+136 MB under bench_hostile_ring's 100k frames);
+    # the gateway runs 8 jobs at once by default (ApiConfig.max_concurrent_jobs) and the
+    # scheduler is sized for 64, so 128 leaves room for both. A gateway run wider needs
+    # its nodes' --max-open-jobs raised to match.
+    max_open_jobs: int = 128
 
 
 # Called with (frame received, its canonical bytes as received, the canonical bytes about
@@ -146,7 +153,6 @@ class StageWorker:
                 raise CacheError(f"KV cache of job {fwd.job_id!r} was freed after {self.evicted[fwd.job_id]:.0f} s "
                                  f"idle; a frame at ctx_len {fwd.ctx_len} needs it (re-prefill from 0)")
             del self.evicted[fwd.job_id]
-        self.last_used_s[fwd.job_id] = self.clock()
         stage = self.stage
         if stage.is_head:
             if fwd.tokens is None:
@@ -158,7 +164,10 @@ class StageWorker:
             x = from_wire(fwd.hidden, fwd.hidden_scale, stage.dtype)
         job = self.cache.jobs.get(fwd.job_id)
         if job is None:
+            if len(self.cache.jobs) >= self.config.max_open_jobs:
+                raise CacheFullError("open jobs (--max-open-jobs)", self.config.max_open_jobs, len(self.cache.jobs) + 1)
             job = self.cache.open(fwd.job_id, self.config.max_context_tokens + DRAFT_SLACK_SLOTS)
+        self.last_used_s[fwd.job_id] = self.clock()  # only a job that holds KV (a refused frame's id is no entry)
         wanted = tuple(layer for layer in fwd.want_aux_layers if layer in stage.layers)
         return StageFrame(job, x, fwd.ctx_len, fwd.positions, fwd.tree_parents, tuple(fwd.commit_src), fwd.commit_dst,
                           wanted)

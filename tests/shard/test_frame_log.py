@@ -67,3 +67,24 @@ def test_an_idle_stage_drops_ended_jobs_after_their_grace():
     assert log.sweep() == 2000
     now[0] = 301.0
     assert log.sweep() == 0 and log.frames("j", 1) == []
+
+
+def test_abandoned_jobs_are_kept_only_within_their_own_small_bound():
+    # Bug guarded (issue 20): a predecessor that opened jobs and never ended them filled
+    # the log to max_jobs (16 MB of 1-6 token jobs on a SmolLM2 stage) and, once the idle
+    # sweep ended them, kept them for the whole grace period. Sound: abandoned jobs past
+    # max_abandoned_bytes go oldest first while an ended job of the same age stays, the
+    # byte counts stay exact (a late frame of an abandoned job counts against it too).
+    log = FrameLog(FrameLogConfig(max_bytes=10_000, max_abandoned_bytes=100))
+    log.record("ended", 1, 1, b"x" * 40, b"y" * 10)
+    log.end_job("ended")
+    for job in ("a", "b", "c"):
+        log.record(job, 1, 1, b"x" * 40, b"y" * 10)
+        log.abandon(job)
+    assert log.frames("a", 1) == [] and log.frames("b", 1) and log.frames("c", 1)
+    assert log.frames("ended", 1) and log.nbytes == 150
+    log.record("c", 1, 2, b"x" * 40, b"y" * 10)  # late: "c" now holds 100, "b" must go
+    assert log.frames("b", 1) == [] and len(log.frames("c", 1)) == 2 and log.nbytes == 150
+    log.abandon("ended")  # an ended job is not abandoned after the fact
+    log.record("d", 1, 1, b"i", b"o")
+    assert log.frames("ended", 1) and log.nbytes == 152
