@@ -25,8 +25,9 @@ import trio
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
-from coordinator.swarm import admission, clock_offset, formation, seeding, speed_probe, status, topology, unreachable
-from coordinator.swarm.formation import Formation, ModelIdentity, NoRing, RingState, Snapshot, SwarmConfig
+from coordinator.swarm import (admission, clock_offset, formation, forming, ring_set, seeding, speed_probe, status,
+                               topology, unreachable)
+from coordinator.swarm.formation import ModelIdentity, RingState, Snapshot, SwarmConfig
 from coordinator.swarm.topology import Traversal, TraversalLog
 from ring import Network, PeerId, Plan, RingError
 from shard.addresses import dialable_from_elsewhere
@@ -92,7 +93,9 @@ class Swarm:
         self.unreachable = unreachable.Exclusions()  # unreachable or stalling nodes sit out a while
         self.registrations, self.probes = admission.RegistrationRate(), speed_probe.SpeedProbes(store, config.speed_probe, config.wire_dtype, self.control_limits.max_frame_bytes, self.send_control, self._notify)  # how often an address, a key, may register; newcomers' measured speeds
         self.members: dict[PeerId, Member] = {}
-        self.ring: RingState | None = None
+        self.ring: RingState | None = None  # the lowest-id ring formed (coordinator.swarm.ring_set)
+        self.rings: dict[int, RingState] = {}  # every ring formed, by id
+        self.ring_plans: dict[int, tuple[Plan, Network]] = {}  # every ring's plan, also while it re-forms
         self.epoch = 0
         self._changed = trio.Event()
         self._ring_ready = trio.Event()
@@ -137,11 +140,11 @@ class Swarm:
                 elif isinstance(msg, Ready):
                     self._on_ready(peer, msg)
                 elif isinstance(msg, JobError):
-                    if (blamed := unreachable.blamed(msg, peer, self.ring)) is not None:
+                    if (blamed := unreachable.blamed(msg, peer, self.ring_by_epoch(msg.epoch))) is not None:
                         self.report_unreachable(blamed, f"{peer[-6:]} could not reach it: {msg.message}")
                     _offer(self._job_errors, msg, f"job {msg.job_id}'s error from {peer}")
                 elif isinstance(msg, HopPath) and msg.peer_id == peer:  # the path its ring stream crosses
-                    self.traversals.paths[(peer, PeerId(msg.successor))] = msg.path
+                    self.traversals.record_path(peer, PeerId(msg.successor), msg.path, msg.via)
                 elif isinstance(msg, (AuditReply, VerifyReply)):
                     self.probes.answer(peer, msg) or _offer(self._audit_replies, (peer, msg), f"an audit reply from {peer}")
                 else:
@@ -253,9 +256,9 @@ class Swarm:
             while True:
                 changed = self._changed
                 wanted = self._eligible()
-                current = {p for p, _ in self.ring.stages} if self.ring else set()
-                if self.ring is not None and not current <= wanted:
-                    self._set_ring(None)
+                for rid, ring in list(self.rings.items()):
+                    if not ring_set.peers_of(ring) <= wanted:
+                        self._set_ring(None, rid)  # it lost a stage: its jobs move or wait while it re-forms
                 if wanted != self._formed_for and (len(wanted) >= self.config.min_nodes or self.plan is not None):
                     if self._awaiting_reports & wanted:
                         await self._wait_for_reports()
@@ -264,7 +267,7 @@ class Swarm:
                         with trio.move_on_at(rejoin_until):
                             await changed.wait()
                         continue
-                    await self._form(wanted)
+                    await forming.form(self, wanted)
                 with trio.move_on_at(self.unreachable.next_return_s()):
                     await changed.wait()  # or an excluded node's sit-out ends
 
@@ -290,81 +293,27 @@ class Swarm:
         return Snapshot(self.peer_id, {p: self.probes.seated(p, m.register) for p, m in self.members.items()}, dict(self.links),
                         dict(self.held), dict(self.faulty), self.plan, self.ring, self.epoch)
 
-    async def _form(self, members: frozenset[PeerId]) -> None:
-        """Decide (coordinator.swarm.formation), then sign, send, wait for every stage's
-        Ready and commit the ring."""
-        decision = formation.decide(self.snapshot(), members, self.config, self.identity)
-        if isinstance(decision, NoRing):
-            log.warning("cannot form a ring from %d nodes: %s", len(members), decision.reason)
-            self._formed_for = members
-            self._set_ring(None)
-            return
-        plan = decision.plan
-        log.info("plan for %d nodes: %s", len(members), plan.describe())
-        for peer, role in sorted(plan.roles.items()):
-            log.info("node %s off the ring as %s: %s", peer, role.kind.value, role.reason)
-        if not decision.new_ring:
-            # Same ring: keep the epoch (and every job's KV); only roles may have changed.
-            self._adopt(decision)
-            await self._send_roles(decision)
-            return
-        self._set_ring(None)
-        self.epoch = epoch = decision.epoch
-        assignments = [self._sign(a) for a in decision.assignments]
-        log.info("forming ring epoch %d: %s", epoch, ", ".join(f"{p[-6:]}{r}" for p, r in decision.stages))
-        try:
-            for a in assignments:
-                await self._send_assignment(a)
-            await self._send_roles(decision)
-            with trio.fail_after(self.config.ready_timeout_s + 2 * plan.move_s):  # stages fetch their moves first
-                while not all(a.peer_id in self.members and self.members[a.peer_id].ready_epoch >= epoch
-                              for a in assignments):
-                    if any(a.peer_id not in self.members for a in assignments):
-                        return  # someone left meanwhile; the formation loop tries again
-                    await self._changed.wait()
-        except (TransportError, trio.TooSlowError) as exc:
-            log.warning("ring epoch %d failed to form: %s", epoch, exc)
-            return
-        if epoch == self.epoch:
-            self._adopt(decision)
-            self.traversals.clear()
-            self._set_ring(RingState(epoch, decision.stages, tuple(assignments)))
-            log.info("ring epoch %d ready", epoch)
+    def current_rings(self) -> dict[int, ring_set.Current]:
+        """Every ring by id with its plan: formed (`rings`), or broken / still forming (ring None)."""
+        return {rid: ring_set.Current(self.rings.get(rid), plan, network) for rid, (plan, network) in self.ring_plans.items()}
 
-    def _adopt(self, decision: Formation) -> None:
-        self._formed_for, self.plan, self.network = decision.members, decision.plan, decision.network
+    def ring_by_epoch(self, epoch: int) -> RingState | None:
+        """The formed ring of `epoch`, None once it is gone (epochs are unique across rings)."""
+        return next((r for r in self.rings.values() if r.epoch == epoch), None)
 
-    def _sign(self, a: Assignment) -> Assignment:
-        return dataclasses.replace(a, signature=self._key.sign(a.signing_bytes()))
-
-    async def _send_assignment(self, a: Assignment) -> None:
-        member = self.members.get(PeerId(a.peer_id))
-        if member is None:
-            raise TransportError(f"{a.peer_id} left before its assignment", a.peer_id)
-        member.assignment = a
-        async with member.lock:
-            await member.control.send_frame(encode(a))
-
-    async def _send_roles(self, decision: Formation) -> None:
-        """Send every member off the ring its role, unless it already has that one. A node
-        that cannot be reached just misses its role."""
-        for a in decision.roles:
-            member = self.members.get(PeerId(a.peer_id))
-            if formation.same_assignment(member.assignment if member is not None else None, a):
-                continue
-            try:
-                await self._send_assignment(self._sign(a))
-            except TransportError as exc:
-                log.info("could not send %s its role: %s", a.peer_id, exc)
+    def plan_of(self, epoch: int) -> tuple[Plan, Network] | None:
+        """The plan (and the network it was chosen on) of the formed ring of `epoch`."""
+        ring = self.ring_by_epoch(epoch)
+        return self.ring_plans.get(ring.ring_id) if ring is not None else None
 
     # -- predictions against measurements ---------------------------------------------
     def record_traversal(self, t: Traversal) -> None:
         """A round the engine measured on ring epoch `t.epoch`: kept with the plan's
         prediction for the same round, and logged (prefill rounds at INFO)."""
-        if self.ring is None or t.epoch != self.ring.epoch or self.plan is None or self.network is None:
+        if (planned := self.plan_of(t.epoch)) is None:
             return
         try:
-            predicted = topology.predict(self.plan, self.network, self.model, self.config.topology, t)
+            predicted = topology.predict(*planned, self.model, self.config.topology, t)
         except RingError as exc:  # e.g. a prompt longer than the plan's memory budget
             log.debug("no prediction for a %d-token round: %s", t.tokens, exc)
             return
@@ -378,20 +327,25 @@ class Swarm:
         info = status.topology_info(self.snapshot(), self.traversals, self.config.topology, self.model)
         return {**info, "fetches": self.fetches.summary(), "clocks": self.clocks.summary(), "speed_probes": self.probes.summary()}  # weight fetches (seeding), clock offsets
 
-    def _set_ring(self, ring: RingState | None) -> None:
-        self.ring = ring
+    def _set_ring(self, ring: RingState | None, ring_id: int = 0) -> None:
+        """Ring `ring_id` is now `ring` (None: gone); `ring` is the lowest-id ring formed."""
         if ring is not None:
+            self.rings[ring_id] = ring
+        else:
+            self.rings.pop(ring_id, None)
+        self.ring = self.rings[min(self.rings)] if self.rings else None
+        if self.ring is not None:
             self._ring_ready.set()
         elif self._ring_ready.is_set():
             self._ring_ready = trio.Event()
         _offer(self._ring_changes, ring, "a ring change")
 
     async def wait_change(self, epoch: int, timeout_s: float) -> None:
-        """Wait until the ring is no longer epoch `epoch` (no ring counts as changed), or
+        """Wait until no ring is epoch `epoch` any more (it re-formed or broke), or
         `timeout_s` passes. Always a checkpoint, so a caller looping on it yields."""
         await trio.lowlevel.checkpoint()
         with trio.move_on_after(timeout_s):
-            while self.ring is not None and self.ring.epoch == epoch:
+            while self.ring_by_epoch(epoch) is not None:
                 await self._changed.wait()
 
     async def wait_ring(self) -> RingState:

@@ -1,0 +1,157 @@
+"""Formation's effects: sign what formation decided, send it, wait for Ready, commit rings.
+
+The swarm's formation loop calls `form` when the eligible membership changed. With one
+ring (`max_rings` 1) that is coordinator.swarm.formation.decide's ring, as it always was;
+with several, coordinator.swarm.ring_set's decision: rings kept untouched, broken ones
+re-formed alone, new ones formed beside them, each committed as soon as its own stages
+are Ready (one slow ring does not hold the others back). Roles go to the nodes left over.
+Knows no jobs: the engine hears of every ring change on the swarm's channel.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+import trio
+
+from coordinator.swarm import formation, ring_set
+from coordinator.swarm.formation import Formation, NoRing, RingState
+from shard.transport import TransportError
+from shard.wire.codec import encode
+from shard.wire.messages import Assignment
+from ring import PeerId
+
+Swarm = Any  # coordinator.swarm.swarm.Swarm, which imports this module
+
+log = logging.getLogger("shard.coordinator")
+
+
+async def form(swarm: Swarm, members: frozenset[PeerId]) -> None:
+    """Decide, then sign, send, wait for every stage's Ready and commit."""
+    if swarm.config.max_rings > 1:
+        await form_rings(swarm, members)
+        return
+    decision = formation.decide(swarm.snapshot(), members, swarm.config, swarm.identity)
+    if isinstance(decision, NoRing):
+        log.warning("cannot form a ring from %d nodes: %s", len(members), decision.reason)
+        swarm._formed_for = members
+        swarm._set_ring(None)
+        return
+    plan = decision.plan
+    log.info("plan for %d nodes: %s", len(members), plan.describe())
+    for peer, role in sorted(plan.roles.items()):
+        log.info("node %s off the ring as %s: %s", peer, role.kind.value, role.reason)
+    if not decision.new_ring:
+        # Same ring: keep the epoch (and every job's KV); only roles may have changed.
+        _adopt(swarm, decision)
+        await send_roles(swarm, decision.roles)
+        return
+    swarm._set_ring(None)
+    swarm.epoch = epoch = decision.epoch
+    assignments = [sign(swarm, a) for a in decision.assignments]
+    log.info("forming ring epoch %d: %s", epoch, ", ".join(f"{p[-6:]}{r}" for p, r in decision.stages))
+    try:
+        for a in assignments:
+            await send_assignment(swarm, a)
+        await send_roles(swarm, decision.roles)
+        with trio.fail_after(swarm.config.ready_timeout_s + 2 * plan.move_s):  # stages fetch their moves first
+            while not _ready(swarm, assignments, epoch):
+                if any(a.peer_id not in swarm.members for a in assignments):
+                    return  # someone left meanwhile; the formation loop tries again
+                await swarm._changed.wait()
+    except (TransportError, trio.TooSlowError) as exc:
+        log.warning("ring epoch %d failed to form: %s", epoch, exc)
+        return
+    if epoch == swarm.epoch:
+        _adopt(swarm, decision)
+        swarm.traversals.clear()
+        swarm._set_ring(RingState(epoch, decision.stages, tuple(assignments)))
+        log.info("ring epoch %d ready", epoch)
+
+
+async def form_rings(swarm: Swarm, members: frozenset[PeerId]) -> None:
+    """Several rings (coordinator.swarm.ring_set): carry out one decision."""
+    decision = ring_set.decide_rings(swarm.snapshot(), members, swarm.config, swarm.identity, swarm.current_rings())
+    if isinstance(decision, NoRing):
+        log.warning("cannot form a ring from %d nodes: %s", len(members), decision.reason)
+        swarm._formed_for = members
+        for rid in list(swarm.rings):
+            swarm._set_ring(None, rid)
+        return
+    for rid, reason in decision.dropped:
+        log.warning("ring %d cannot re-form from the free nodes (%s): its jobs move to the other rings", rid, reason)
+        swarm._set_ring(None, rid)
+        swarm.ring_plans.pop(rid, None)
+    swarm.epoch = decision.epoch
+    swarm.plan, swarm.network = decision.primary_plan, decision.primary_network
+    pending: dict[int, tuple[Formation, list[Assignment]]] = {}
+    for rid, f in decision.formed:
+        swarm._set_ring(None, rid)  # a broken ring's jobs move (or wait) while it re-forms
+        plan = decision.primary_plan if rid == decision.primary else f.plan
+        swarm.ring_plans[rid] = (plan, f.network if rid != decision.primary else decision.primary_network)
+        pending[rid] = (f, [sign(swarm, a) for a in f.assignments])
+        log.info("forming ring %d epoch %d (%s): %s", rid, f.epoch, f.plan.describe(),
+                 ", ".join(f"{p[-6:]}{r}" for p, r in f.stages))
+    if decision.primary in swarm.ring_plans and decision.primary in decision.kept:
+        swarm.ring_plans[decision.primary] = (decision.primary_plan, decision.primary_network)
+    for peer, role in sorted(decision.primary_plan.roles.items()):
+        log.info("node %s off every ring as %s: %s", peer, role.kind.value, role.reason)
+    try:
+        for _, signed in pending.values():
+            for a in signed:
+                await send_assignment(swarm, a)
+        await send_roles(swarm, decision.roles)
+        move_s = max((f.plan.move_s for f, _ in pending.values()), default=0.0)
+        with trio.fail_after(swarm.config.ready_timeout_s + 2 * move_s):
+            while pending:
+                for rid, (f, signed) in list(pending.items()):
+                    if _ready(swarm, signed, f.epoch):
+                        del pending[rid]
+                        swarm._set_ring(RingState(f.epoch, f.stages, tuple(signed), rid), rid)
+                        log.info("ring %d epoch %d ready", rid, f.epoch)
+                if not pending:
+                    break
+                if any(a.peer_id not in swarm.members for _, signed in pending.values() for a in signed):
+                    return  # someone left meanwhile; the formation loop tries again
+                await swarm._changed.wait()
+    except (TransportError, trio.TooSlowError) as exc:
+        log.warning("rings %s failed to form: %s", sorted(pending), exc)
+        return
+    swarm._formed_for = members
+
+
+def _ready(swarm: Swarm, assignments: list[Assignment], epoch: int) -> bool:
+    return all(a.peer_id in swarm.members and swarm.members[a.peer_id].ready_epoch >= epoch for a in assignments)
+
+
+def _adopt(swarm: Swarm, decision: Formation) -> None:
+    swarm._formed_for, swarm.plan, swarm.network = decision.members, decision.plan, decision.network
+    swarm.ring_plans[0] = (decision.plan, decision.network)
+
+
+def sign(swarm: Swarm, a: Assignment) -> Assignment:
+    return dataclasses.replace(a, signature=swarm._key.sign(a.signing_bytes()))
+
+
+async def send_assignment(swarm: Swarm, a: Assignment) -> None:
+    member = swarm.members.get(PeerId(a.peer_id))
+    if member is None:
+        raise TransportError(f"{a.peer_id} left before its assignment", a.peer_id)
+    member.assignment = a
+    async with member.lock:
+        await member.control.send_frame(encode(a))
+
+
+async def send_roles(swarm: Swarm, roles: tuple[Assignment, ...]) -> None:
+    """Send every member off the rings its role, unless it already has that one. A node
+    that cannot be reached just misses its role."""
+    for a in roles:
+        member = swarm.members.get(PeerId(a.peer_id))
+        if formation.same_assignment(member.assignment if member is not None else None, a):
+            continue
+        try:
+            await send_assignment(swarm, sign(swarm, a))
+        except TransportError as exc:
+            log.info("could not send %s its role: %s", a.peer_id, exc)
