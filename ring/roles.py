@@ -2,9 +2,9 @@
 
 Pure. Order of preference: one hot standby per stage (fastest to take that slice over),
 a few decode-only replicas (can hold the whole model), a few weight seeders (good
-uplink), spot-check verifiers (can hold a layer). Everything else gets no role: the relay
-role (RoleKind.RELAY) is not assigned: no node carries it out yet (only the coordinator's
-host runs the relay's hop service; issue 24: no role is assigned that nothing does).
+uplink), spot-check verifiers (can hold a layer). Everything else gets no role here: the relay
+role (RoleKind.RELAY) is given after the ring is chosen, to a dialable spare near a stage
+nobody can dial (coordinator.swarm.relay_choice), since it depends on who is on the ring.
 Knows nothing of how the ring was chosen.
 """
 

@@ -30,6 +30,7 @@ from shard.layers import LayerRange
 from shard.linkprobe import PROBE_PROTOCOL
 from shard.node_links import NodeLinks
 from shard.node_config import NodeConfig, measure_compute  # noqa: F401 (NodeConfig re-exported)
+from shard import reach_duty
 from shard.quant import effective_scheme, mean_layer_bytes, quantise_stage, scheme
 from shard.receipt_signer import make_signer
 from shard.reconnect import ReconnectPolicy, RegistrationRefused, serve_reconnecting
@@ -48,7 +49,7 @@ from shard.wire.dtypes import COMPUTE_DTYPES
 from shard.wire.limits import Limits
 from shard.wire.verify import VerifyRequest, control_limits
 from shard.wire.messages import (ROLE_STAGE, Assignment, AuditReply, AuditRequest, EndJob, Forward, JobError,
-                                 HopPath, Ping, Pong, ProbePeers, Ready, Refused, Register)
+                                 Ping, Pong, ProbePeers, Ready, Refused, Register)
 
 log = logging.getLogger("shard.node")
 
@@ -219,6 +220,7 @@ class Node:
         if decide(a, self.host.peer_id, self.store.digest, self.held) == ACKNOWLEDGE:
             await self._send_control(Ready(peer_id=self.host.peer_id, epoch=a.epoch))
             return
+        await reach_duty.take_duty(self.host, a)  # relay for others, or reserve on the relay named
         # A role off the ring may hold nothing: the wire's empty [0, 0) is no LayerRange.
         r = LayerRange(a.layer_start, a.layer_end) if a.layer_end > a.layer_start else None
         old = self.state
@@ -385,15 +387,11 @@ class Node:
         target = state.successor
         stream = self._out_streams.get(target)
         if stream is None:
-            for addr in state.assignment.successor_addrs if target != self.coordinator_id else ():
-                try:
-                    await self.host.connect(addr)
-                    break
-                except TransportError as exc:
-                    log.info("could not dial successor at %s: %s", addr, exc)
+            if target != self.coordinator_id:
+                await reach_duty.dial_first(self.host, state.assignment.successor_addrs)
             stream = await self.host.open_stream(target, RING_PROTOCOL)
             if target != self.coordinator_id:  # the coordinator reads the tail's path off its own end
-                await self._send_control(HopPath(peer_id=self.host.peer_id, successor=target, path=self.host.path_of(stream)))
+                await self._send_control(reach_duty.hop_path(self.host, stream, target))
             stream = await self.links.emulate(stream)
             self._out_streams[target] = stream
         self.observer.frame_sent(self.host.peer_id, len(body) + 4)

@@ -90,6 +90,13 @@ def path_kind(relayed: bool, opened_beside_a_relay: bool) -> str:
     return HOLE_PUNCHED if opened_beside_a_relay else DIRECT
 
 
+def relay_in(addr: str) -> str | None:
+    """The relay's peer id in a circuit address (…/p2p/<relay>/p2p-circuit/…); None if none."""
+    relay_part, circuit, _ = addr.partition(CIRCUIT)
+    _, p2p, relay = relay_part.rpartition("/p2p/")
+    return relay if circuit and p2p and relay else None
+
+
 def is_relayed(swarm_conn) -> bool:
     """Whether a libp2p connection runs through a relay: its type or its address says so."""
     addrs = [str(a) for a in (swarm_conn.get_transport_addresses() or [])]
@@ -250,8 +257,12 @@ class Reach:
     async def connect_relayed(self, addr: str, peer_id: str, timeout_s: float) -> None:
         """Reach `peer_id` through the relay in circuit `addr`, then try DCUtR once for a
         direct connection (staying relayed when the NATs do not allow one).
-        Error handling: DialError if no circuit opens within `timeout_s`."""
-        if self._connection(peer_id) is not None:
+        Error handling: DialError if no circuit opens within `timeout_s`.
+        A direct connection to the peer is kept and so is one through this same relay; one
+        through another relay (a link probe's, through the coordinator) is closed once this
+        circuit is open, so the streams opened next cross the relay `addr` names."""
+        relay, conns = relay_in(addr), self._connections(peer_id)
+        if any(not is_relayed(c) or self.via_of(c) == relay for c in conns):
             return
         with trio.move_on_after(timeout_s) as scope:
             try:
@@ -260,6 +271,9 @@ class Reach:
                 raise DialError(addr, f"no circuit: {type(exc).__name__}: {exc}", peer_id) from exc
         if scope.cancelled_caught:
             raise DialError(addr, f"no circuit within {timeout_s} s", peer_id)
+        for other in conns:
+            with trio.CancelScope(shield=True), trio.move_on_after(1.0):
+                await other.close()
         punched = False
         with trio.move_on_after(self.config.punch_timeout_s):
             punched = await self.dcutr.initiate_hole_punch(ID.from_base58(peer_id))
@@ -269,8 +283,27 @@ class Reach:
         """The path of one libp2p connection (a stream's `swarm_conn`)."""
         return path_kind(is_relayed(swarm_conn), swarm_conn in self._upgrades.punched)
 
+    @staticmethod
+    def via_of(swarm_conn) -> str | None:
+        """The relay a relayed connection crosses (its peer id); None for a direct one."""
+        if not is_relayed(swarm_conn):
+            return None
+        return next(filter(None, (relay_in(str(a)) for a in swarm_conn.get_transport_addresses() or [])), None)
+
+    def enable_hop(self) -> None:
+        """Start relaying for others (the relay role), under the same limits as a relay
+        made with `hop=True`; the AutoNAT service stays the coordinator's. Idempotent."""
+        if self.hop:
+            return
+        self.hop = self.protocol.allow_hop = True
+        self._host.set_stream_handler(HOP_PROTOCOL, self.protocol._handle_hop_stream)
+        log.info("relaying for hosts behind NATs (up to %d reservations)", self.config.max_reservations)
+
+    def _connections(self, peer: str) -> list:
+        return list(self._host.get_network().connections.get(ID.from_base58(peer)) or [])
+
     def _connection(self, peer: str):
-        conns = self._host.get_network().connections.get(ID.from_base58(peer)) or []
+        conns = self._connections(peer)
         direct = [c for c in conns if c.get_connection_type() != ConnectionType.RELAYED]
         return (direct or conns or [None])[0]
 

@@ -253,6 +253,10 @@ class Host:
         """"direct", "hole_punched" or "relayed": the path of the connection `stream` crosses."""
         return self.reach.path_of(stream._stream.swarm_conn)
 
+    def via_of(self, stream: FramedStream) -> str | None:
+        """The relay's peer id when `stream` crosses a relayed connection, else None."""
+        return self.reach.via_of(stream._stream.swarm_conn)
+
     async def connect(self, addr: str) -> str:
         """Dial `addr` (which must end in /p2p/<id>) unless already connected; return the peer id.
 

@@ -16,7 +16,7 @@ import dataclasses
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from coordinator.swarm import seeding, topology
+from coordinator.swarm import relay_choice, seeding, topology
 from coordinator.swarm.speed_probe import ProbeConfig
 from coordinator.swarm.topology import TopologyConfig
 from ring import (AssignError, Capacity, ChurnPolicy, Constraints, InfeasibleError, ModelSpec, Network, PeerId, Plan,
@@ -238,27 +238,33 @@ def decide(snapshot: Snapshot, members: frozenset[PeerId], config: SwarmConfig,
         plan, network = choose(snapshot, members, config, model.spec)
     except RingError as exc:
         return NoRing(members, str(exc))
+    in_force = snapshot.ring.assignments if snapshot.ring is not None else ()  # a stage keeps its relay
+    plan, network, relays = relay_choice.place(plan, network, {p: snapshot.registrations[p] for p in members},
+                                               snapshot.links, config.topology, model.spec, in_force)
     plan = with_moves(plan, network, model.spec, config.churn)  # what each stage must fetch first, predicted
     stages = tuple((s.peer, s.layers) for s in plan.stages)
-    ring = snapshot.ring
-    if ring is not None and ring.stages == stages:
+    ring, epoch = snapshot.ring, snapshot.epoch + 1
+    assignments = stage_assignments(stages, snapshot, epoch, model, relays)
+    if ring is not None and ring.stages == stages and relay_choice.in_force(ring.assignments) == relays:
         return Formation(members, plan, network, ring.epoch, False, stages, (),
                          role_assignments(plan, snapshot, members, ring.epoch, model))
-    epoch = snapshot.epoch + 1
-    return Formation(members, plan, network, epoch, True, stages, stage_assignments(stages, snapshot, epoch, model),
+    return Formation(members, plan, network, epoch, True, stages, assignments,
                      role_assignments(plan, snapshot, members, epoch, model))
 
 
 def stage_assignments(stages: tuple[tuple[PeerId, LayerRange], ...], snapshot: Snapshot, epoch: int,
-                      model: ModelIdentity) -> tuple[Assignment, ...]:
-    """One stage Assignment per stage: its layers, its neighbours (None: the coordinator)
-    and where to dial its successor."""
-    out = []
+                      model: ModelIdentity, relays: Mapping[PeerId, PeerId] | None = None) -> tuple[Assignment, ...]:
+    """One stage Assignment per stage: its layers, its neighbours (None: the coordinator),
+    where to dial its successor (through its relay first) and, for a stage nobody can
+    dial, the relay-role node to reserve on (`relays`, coordinator.swarm.relay_choice)."""
+    out, relays = [], relays or {}
     for i, (peer, layers) in enumerate(stages):
         successor = stages[i + 1][0] if i + 1 < len(stages) else None
-        addrs = snapshot.registrations[successor].listen_addrs[:MAX_SUCCESSOR_ADDRS] if successor is not None else ()
+        addrs = relay_choice.successor_addrs(successor, relays.get(successor), snapshot.registrations,
+                                             MAX_SUCCESSOR_ADDRS) if successor is not None else ()
         out.append(_assignment(model, epoch, peer, RoleKind.STAGE, layers, predecessor=stages[i - 1][0] if i > 0 else None,
-                               successor=successor, successor_addrs=addrs))
+                               successor=successor, successor_addrs=addrs,
+                               relay_addrs=relay_choice.relay_addrs(relays.get(peer), snapshot.registrations)))
     return tuple(out)
 
 
@@ -290,9 +296,9 @@ def same_assignment(a: Assignment | None, b: Assignment) -> bool:
 
 def _assignment(model: ModelIdentity, epoch: int, peer: PeerId, kind: RoleKind, layers: LayerRange | None, *,
                 predecessor: PeerId | None = None, successor: PeerId | None = None,
-                successor_addrs: tuple[str, ...] = ()) -> Assignment:
+                successor_addrs: tuple[str, ...] = (), relay_addrs: tuple[str, ...] = ()) -> Assignment:
     start, end = (layers.start, layers.end) if layers is not None else (0, 0)
     return Assignment(epoch=epoch, peer_id=peer, role=kind.value, layer_start=start, layer_end=end,
-                      predecessor=predecessor, successor=successor, successor_addrs=successor_addrs,
+                      predecessor=predecessor, successor=successor, successor_addrs=successor_addrs, relay_addrs=relay_addrs,
                       model=model.spec.name, manifest_digest=model.manifest_digest, wire_dtype=model.wire_dtype,
                       aux_dtype=model.aux_dtype)

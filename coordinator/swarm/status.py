@@ -31,7 +31,7 @@ def topology_info(snapshot: Snapshot, traversals: TraversalLog, config: Topology
             "faulty": snapshot.faulty.get(peer),
         }
     return {
-        "plan": topology.plan_info(plan, traversals.paths) if plan is not None else None,
+        "plan": topology.plan_info(plan, traversals.paths, traversals.vias) if plan is not None else None,
         "roles": {p: {"role": r.kind.value, "reason": r.reason, "stage_index": r.stage_index}
                   for p, r in sorted(plan.roles.items())} if plan is not None else {},
         "measured": traversals.summary(),

@@ -129,14 +129,19 @@ def relay_of(listen_addrs: Sequence[str]) -> PeerId | None:
 
 
 def relayed_links(links: Mapping[tuple[PeerId, PeerId], float], registrations: Mapping[PeerId, Register],
-                  coordinator: PeerId, config: TopologyConfig, round_bytes: int) -> dict[tuple[PeerId, PeerId], float]:
+                  coordinator: PeerId, config: TopologyConfig, round_bytes: int,
+                  relays: Mapping[PeerId, PeerId] | None = None) -> dict[tuple[PeerId, PeerId], float]:
     """`links` with every hop into a node reached through a relay costed as the relay makes
     it: both legs (sender -> relay -> node, each measured by its own probe) plus one decode
     round's bytes on the relay's upload, which all such hops through it share. Planned as
     relayed even where DCUtR may punch through (cheaper then: the plan is the safe side);
     the coordinator and the relay itself reach the node over its own connection, directly.
-    A hop whose legs are not both measured is left to ring.LatencyMatrix's estimate."""
+    A hop whose legs are not both measured is left to ring.LatencyMatrix's estimate.
+    `relays` names the relay of some relayed nodes (a relay-role node chosen for them,
+    coordinator.swarm.relay_choice); the others are reached through the relay of their
+    first address (the coordinator's, where they reserved when they registered)."""
     relayed = {peer: relay for peer, reg in registrations.items() if (relay := relay_of(reg.listen_addrs))}
+    relayed.update({peer: relay for peer, relay in (relays or {}).items() if peer in relayed})
     out = dict(links)
     for dst, relay in relayed.items():
         sharing = sum(1 for r in relayed.values() if r == relay)  # one circuit into each such stage
@@ -150,17 +155,22 @@ def relayed_links(links: Mapping[tuple[PeerId, PeerId], float], registrations: M
     return out
 
 
+def round_bytes(config: TopologyConfig, model: ModelSpec | None) -> int:
+    """One decode round's activations on a hop (0 without a model: relays cost legs only)."""
+    return config.round_tokens * model.activation_bytes_per_token if model is not None else 0
+
+
 def build_network(coordinator: PeerId, registrations: Mapping[PeerId, Register],
                   links: Mapping[tuple[PeerId, PeerId], float], held: Mapping[PeerId, LayerRange],
-                  config: TopologyConfig, model: ModelSpec | None = None) -> Network:
+                  config: TopologyConfig, model: ModelSpec | None = None,
+                  relays: Mapping[PeerId, PeerId] | None = None) -> Network:
     """The pool as ring sees it: every registered node, the links measured among them and
     to the coordinator (others estimated by ring.LatencyMatrix), hops into relayed nodes as
     the relay makes them (`relayed_links`, with `model`'s activation bytes per decode
-    round), and what each holds."""
+    round, through `relays` where named), and what each holds."""
     nodes = tuple(node_info(reg, held.get(peer)) for peer, reg in sorted(registrations.items()))
     present = set(registrations) | {coordinator}
-    round_bytes = config.round_tokens * model.activation_bytes_per_token if model is not None else 0
-    links = relayed_links(links, registrations, coordinator, config, round_bytes)
+    links = relayed_links(links, registrations, coordinator, config, round_bytes(config, model), relays)
     measured = {(a, b): s for (a, b), s in links.items() if a in present and b in present}
     return Network(coordinator, nodes, LatencyMatrix(measured, config.unknown_latency_s),
                    config.coordinator_upload_bytes_per_s)
@@ -208,6 +218,10 @@ class TraversalLog:
     window: int = 256
     samples: deque[tuple[Traversal, Predicted]] = field(default_factory=deque)
     paths: dict[tuple[str, str], str] = field(default_factory=dict)
+    vias: dict[tuple[str, str], str | None] = field(default_factory=dict)  # the relay a relayed hop crosses
+
+    def record_path(self, src: str, dst: str, path: str, via: str | None = None) -> None:
+        self.paths[(src, dst)], self.vias[(src, dst)] = path, via
 
     def add(self, t: Traversal, p: Predicted) -> None:
         self.samples.append((t, p))
@@ -242,17 +256,19 @@ class TraversalLog:
         return out
 
 
-def plan_info(plan: Plan, hop_paths: Mapping[tuple[str, str], str] | None = None) -> dict[str, Any]:
+def plan_info(plan: Plan, hop_paths: Mapping[tuple[str, str], str] | None = None,
+              hop_vias: Mapping[tuple[str, str], str | None] | None = None) -> dict[str, Any]:
     """A plan as JSON: the ring, its predictions and its per-hop breakdown, each hop with
     the path its sender's stream crosses ("direct", "hole_punched", "relayed"; None until
-    the sender has opened one)."""
-    paths = hop_paths or {}
+    the sender has opened one) and, relayed, `via`: the relay's peer id."""
+    paths, vias = hop_paths or {}, hop_vias or {}
     return {
         "stages": [{"peer_id": s.peer, "layers": [s.layers.start, s.layers.end]} for s in plan.stages],
         "predicted": {"ttft_s": plan.ttft_s, "decode_step_s": plan.decode_step_s, "total_s": plan.total_s,
                       "bottleneck_s": plan.bottleneck_s},
         "hops": [{"src": h.src, "dst": h.dst, "latency_s": h.latency_s, "latency_estimated": h.latency_estimated,
-                  "chunk_send_s": h.chunk_send_s, "round_send_s": h.round_send_s, "path": paths.get((h.src, h.dst))}
+                  "chunk_send_s": h.chunk_send_s, "round_send_s": h.round_send_s, "path": paths.get((h.src, h.dst)),
+                  "via": vias.get((h.src, h.dst))}
                  for h in plan.hops],
         "stage_timings": [{"peer_id": t.peer, "chunk_compute_s": t.chunk_compute_s, "round_compute_s": t.round_compute_s}
                           for t in plan.timings],

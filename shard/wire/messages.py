@@ -229,6 +229,9 @@ class Assignment:
     predecessor: str | None = spec(OptionalOf(PEER_ID))  # None = the coordinator feeds me
     successor: str | None = spec(OptionalOf(PEER_ID))  # None = tail, returns to coordinator
     successor_addrs: tuple[str, ...] = spec(ListOf(NAME, max_items=16), default=())  # where to dial it
+    # A relay-role node's addresses (…/p2p/<relay>) where this node, not dialable, reserves
+    # a slot so its predecessor reaches it there (empty: the coordinator's relay only).
+    relay_addrs: tuple[str, ...] = spec(ListOf(NAME, max_items=16), default=())
     model: str = spec(NAME)
     manifest_digest: str = spec(NAME)
     wire_dtype: str = spec(Str(16, choices=tuple(sorted(FLOAT_NAMES))))
@@ -342,6 +345,7 @@ class HopPath:
     peer_id: str = spec(PEER_ID)
     successor: str = spec(PEER_ID)
     path: str = spec(Str(16, choices=HOP_PATHS))
+    via: str | None = spec(OptionalOf(PEER_ID), default=None)  # the relay a "relayed" path crosses
 
     def check(self, limits: Limits) -> None:
         pass

@@ -163,3 +163,48 @@ def test_a_node_on_the_relays_machine_listening_on_loopback_is_reachable():
     trio.run(main)
     (relay_addr, addrs) = got[0]
     assert not any(map(is_circuit, addrs)), (relay_addr, addrs)
+
+
+def _assignment(peer: str, role: str, relay_addrs: tuple[str, ...] = ()):
+    from shard.wire.messages import Assignment
+    return Assignment(epoch=1, peer_id=peer, role=role, layer_start=0, layer_end=0, predecessor=None, successor=None,
+                      relay_addrs=relay_addrs, model="m", manifest_digest="d", wire_dtype="f32")
+
+
+def test_a_relay_role_node_relays_and_a_sender_crosses_it_instead_of_the_gateways_circuit():
+    # Bug guarded (issue 19): the relay role did nothing, so every relayed hop crossed the
+    # gateway. A node given the role starts relaying; a node told to reserve there does
+    # (retrying while the relay has not taken its role yet); a sender already joined to it
+    # through the gateway's circuit (a link probe's) dials the relay-role circuit it was
+    # given, and its ring stream crosses that relay, as `via` reports. Sound: the gateway
+    # and the relay are distinct hosts, and `via` is read off the connection the stream uses.
+    from shard import reach_duty
+    got = {}
+
+    async def main():
+        async with (open_host(_key(), relay_hop=True) as gateway, open_host(_key()) as relay,
+                    open_host(_key()) as dest, open_host(_key(), reach_config=ReachConfig(punch_timeout_s=0.0)) as src):
+            dest.set_handler(PROTO, _echo)
+            with trio.fail_after(60):
+                await dest.connect(gateway.addrs[0])
+                await dest.reach.reserve(gateway.addrs[0])
+                await src.connect(circuit_addr(gateway.addrs[0], dest.peer_id))  # as a link probe would
+                got["before"] = src.via_of(await src.open_stream(dest.peer_id, PROTO))
+                async with trio.open_nursery() as nursery:  # the reservation waits for the role
+                    nursery.start_soon(reach_duty.take_duty, dest, _assignment(dest.peer_id, "stage", tuple(relay.addrs)))
+                    await trio.sleep(1.0)
+                    got["relaying_before_role"] = relay.reach.hop
+                    await reach_duty.take_duty(relay, _assignment(relay.peer_id, "relay"))
+                assert relay.peer_id in dest.reach.reservations
+                await reach_duty.dial_first(src, [circuit_addr(relay.addrs[0], dest.peer_id)])
+                stream = await src.open_stream(dest.peer_id, PROTO)
+                await stream.send_frame(b"hi")
+                got["echo"] = await stream.recv_frame(1024)
+                got["hop"] = reach_duty.hop_path(src, stream, dest.peer_id)
+                got["ids"] = gateway.peer_id, relay.peer_id
+
+    trio.run(main)
+    gateway_id, relay_id = got["ids"]
+    assert got["before"] == gateway_id and got["relaying_before_role"] is False
+    assert got["echo"] == b"hi"
+    assert (got["hop"].path, got["hop"].via) == (RELAYED, relay_id)
