@@ -2,8 +2,9 @@
 punching and AutoNAT, wired to one of our hosts.
 
 Every host serves the relay's STOP side (it accepts circuits relayed to it) and DCUtR;
-a host made with `hop=True` (the coordinator, a reachable node) also relays for others
-and answers AutoNAT dial-back requests. A host asks a peer it already reaches (its
+a host made with `hop=True` (the coordinator) also relays for others and answers AutoNAT
+dial-back requests, and `enable_hop` makes any host relay later (a node given the relay
+role, shard.reach_duty). A host asks a peer it already reaches (its
 coordinator) to dial it back (`reachable_by`); if that fails it reserves a slot there
 (`reserve`) and advertises `<relay addr>/p2p-circuit/p2p/<itself>`. A host dialling such
 an address reaches its peer through the relay, then asks DCUtR at once for a direct

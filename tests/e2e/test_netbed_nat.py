@@ -48,27 +48,30 @@ def wait_paths(host: NetHost, stages: int, timeout_s: float, ring: ProcRing) -> 
     raise AssertionError(f"no {stages}-stage ring with every hop's path within {timeout_s} s: {info}\n{tails(ring)}")
 
 
-def serve_one(tmp_path, store, model: str, coord_host: NetHost, nodes: list[NetHost]):
-    """Coordinator and `nodes` (each able to hold 1/len(nodes) of the model) as processes;
-    one greedy request once the ring is ready. Returns (status, body, plan, {name: peer id}, logs)."""
+def serve_one(tmp_path, store, model: str, coord_host: NetHost, nodes: list[NetHost], spares: list[NetHost] = (),
+              coord_extra: tuple[str, ...] = ()):
+    """Coordinator and `nodes` (each able to hold 1/len(nodes) of the model) as processes,
+    and `spares` that can hold no layer (off the ring: relays, at most); one greedy
+    request once the ring is ready. Returns (status, body, plan, {name: peer id}, logs, info)."""
     ring = ProcRing(tmp_path)
     try:
         coord = ring.spawn("coord", coordinator_args(model, str(store.root), "/ip4/0.0.0.0/tcp/4001",
-                                                     str(tmp_path / "coord.key"), min_nodes=len(nodes),
-                                                     http="127.0.0.1:8000"), prefix=coord_host.prefix)
+                                                     str(tmp_path / "coord.key"), min_nodes=len(nodes) + len(spares),
+                                                     http="127.0.0.1:8000", extra=coord_extra), prefix=coord_host.prefix)
         addr = coord.wait_for(JOIN, 120).group(1)
         procs = {h.name: ring.spawn(h.name, node_args(addr, model, str(store.root),
-                                                      memory_for_stages(store, len(nodes)),
+                                                      memory_for_stages(store, len(nodes)) if h in nodes else 1 << 16,
                                                       ["--listen", "/ip4/0.0.0.0/tcp/0"]), prefix=h.prefix)
-                 for h in nodes}
+                 for h in (*spares, *nodes)}
         wait_ring_in(coord_host, BASE, len(nodes), 180)
         status, body = in_ns(coord_host, "POST", f"{BASE}/v1/completions", {
             "model": store.manifest.name, "prompt": PROMPT, "max_tokens": TOKENS, "temperature": 0}, timeout_s=120)
         plan = wait_paths(coord_host, len(nodes), 30, ring)
+        _, info = in_ns(coord_host, "GET", f"{BASE}/v1/ring", timeout_s=5)
         peers = {name: p.wait_for(JOIN_LINE, 5).group(1) for name, p in procs.items()}
     finally:
         ring.close()
-    return status, body, plan, peers, tails(ring)
+    return status, body, plan, peers, tails(ring), info
 
 
 def _hop(plan: dict, src: str, dst: str) -> dict:
@@ -81,7 +84,7 @@ def test_two_stages_behind_two_nats_are_hole_punched(bed, tiny_llama, tiny_llama
     coord_host = bed.add_public("coord")
     (h1,) = bed.add_home("r1", ["h1"])
     (h2,) = bed.add_home("r2", ["h2"])
-    status, body, plan, peers, logs = serve_one(tmp_path, tiny_llama_store, str(tiny_llama.path), coord_host, [h1, h2])
+    status, body, plan, peers, logs, _ = serve_one(tmp_path, tiny_llama_store, str(tiny_llama.path), coord_host, [h1, h2])
     head, tail = (s["peer_id"] for s in plan["stages"])
     print(f"\n[nat x2, port-keeping] hops: {[(h['src'][-4:], h['dst'][-4:], h['path']) for h in plan['hops']]}")
     assert status == 200, (body, logs)
@@ -96,7 +99,7 @@ def test_a_stage_behind_a_symmetric_nat_is_reached_through_the_relay(bed, tiny_l
     coord_host = bed.add_public("coord")
     (h1,) = bed.add_home("r1", ["h1"], symmetric=True)
     (h2,) = bed.add_home("r2", ["h2"])
-    status, body, plan, peers, logs = serve_one(tmp_path, tiny_llama_store, str(tiny_llama.path), coord_host, [h1, h2])
+    status, body, plan, peers, logs, _ = serve_one(tmp_path, tiny_llama_store, str(tiny_llama.path), coord_host, [h1, h2])
     head, tail = (s["peer_id"] for s in plan["stages"])
     print(f"\n[nat x2, one symmetric] hops: {[(h['src'][-4:], h['dst'][-4:], h['path']) for h in plan['hops']]}")
     assert status == 200, (body, logs)
@@ -186,7 +189,7 @@ def _middle_behind_a_nat(bed, tiny_llama, tiny_llama_store, tmp_path, symmetric:
     # NAT (issue 19's "a ring whose middle stage is behind a NAT").
     coord_host = bed.add_public("coord")
     homes = [bed.add_home(f"r{i}", [f"h{i}"], symmetric=symmetric)[0] for i in (1, 2, 3)]
-    status, body, plan, peers, logs = serve_one(tmp_path, tiny_llama_store, str(tiny_llama.path), coord_host, homes)
+    status, body, plan, peers, logs, _ = serve_one(tmp_path, tiny_llama_store, str(tiny_llama.path), coord_host, homes)
     head, middle, tail = (s["peer_id"] for s in plan["stages"])
     print(f"\n[3 stages, 3 NATs, {'random ports' if symmetric else 'port-keeping'}] "
           f"hops: {[(h['src'][-4:], h['dst'][-4:], h['path']) for h in plan['hops']]}")
@@ -205,3 +208,30 @@ def test_a_middle_stage_behind_a_symmetric_nat_is_reached_through_the_relay(bed,
 
 def test_a_middle_stage_behind_a_port_keeping_nat_is_hole_punched(bed, tiny_llama, tiny_llama_store, tmp_path):
     _middle_behind_a_nat(bed, tiny_llama, tiny_llama_store, tmp_path, symmetric=False, path="hole_punched")
+
+
+def test_a_natted_stage_is_reached_through_a_relay_role_node_not_the_gateway(bed, tiny_llama, tiny_llama_store,
+                                                                             tmp_path):
+    # Two stages behind two NATs (one gives random ports: no hole punch) and a public spare
+    # that can hold no layer. The gateway is far (40 ms emulated on its links, which the
+    # cost model adds to every leg through it); the spare is on the bridge with the homes.
+    # Formation gives the spare the relay role, the tail reserves on it, and the head's
+    # ring stream crosses it: /v1/ring shows the hop relayed via the spare, and the text
+    # is transformers'. Sound: via is read off the connection the head's stream crosses
+    # (its circuit address names the relay), and the two relays are distinct hosts.
+    coord_host = bed.add_public("coord")
+    relay_host = bed.add_public("relay")
+    (h1,) = bed.add_home("r1", ["h1"], symmetric=True)
+    (h2,) = bed.add_home("r2", ["h2"])
+    status, body, plan, peers, logs, info = serve_one(tmp_path, tiny_llama_store, str(tiny_llama.path), coord_host,
+                                                      [h1, h2], spares=[relay_host],
+                                                      coord_extra=("--link-latency-ms", "40"))
+    head, tail = (s["peer_id"] for s in plan["stages"])
+    print(f"\n[relay role] hops: {[(h['src'][-4:], h['dst'][-4:], h['path'], (h['via'] or '')[-4:]) for h in plan['hops']]}")
+    assert status == 200, (body, logs)
+    assert body["choices"][0]["text"] == greedy_text(tiny_llama, tiny_llama_store)
+    assert {head, tail} == {peers["h1"], peers["h2"]}, (plan, peers)
+    hop = _hop(plan, head, tail)
+    assert (hop["path"], hop["via"]) == ("relayed", peers["relay"]), (plan["hops"], peers, logs)
+    roles = info["topology"]["roles"]
+    assert roles[peers["relay"]]["role"] == "relay", roles
