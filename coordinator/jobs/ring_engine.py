@@ -30,6 +30,7 @@ from coordinator.spec.eagle import EagleDrafter, EagleHead, shipped_head_dir
 from coordinator.jobs.engine_config import EngineConfig
 from coordinator.jobs.port import Arrived
 from coordinator.jobs.ring_job import RingJob
+from coordinator.jobs.ring_router import RingRouter
 from coordinator.errors import RingLost
 from coordinator.spec.sampling import SamplingParams
 from coordinator.jobs.deadline import DeadlinePolicy, round_deadline_s
@@ -72,6 +73,7 @@ class RingEngine:
         if observer is not NO_OBSERVER:
             self.head = ObservedHead(self.head, observer)
         self._jobs: dict[str, trio.MemorySendChannel] = {}
+        self.router = RingRouter(swarm)  # which of the swarm's rings each job runs on
         self.eagle_head = self._load_eagle(store)
         self._head_streams: dict[int, FramedStream] = {}
         self._send_lock = trio.Lock()
@@ -122,11 +124,13 @@ class RingEngine:
         if self.swarm.ring is None:
             raise NotReadyError("no ring is formed yet (waiting for nodes)")
         job_id = os.urandom(8).hex()
+        ring = self.router.route(job_id, len(prompt_ids), params.max_tokens)
         send, recv = trio.open_memory_channel(256)
         self._jobs[job_id] = send
         job = RingJob(EnginePort(self, job_id), job_id, list(prompt_ids), params, recv, self.config, self.head,
                       self.max_context_tokens, drafters=self.make_drafters(),
-                      adapt=self.starting_adapt(self.swarm.ring.epoch), observer=self.observer)
+                      adapt=self.starting_adapt(ring.epoch if ring else -1), observer=self.observer)
+        self.router.attach(job_id, job)
         job.drafters = grammar_pruned(job.drafters, params.constraint, len(job.prompt_ids))  # no draft the grammar forbids
         inner = self.receipts.open_job(job_id, job.nonce, job.prompt_ids) if self.receipts is not None else None
         job.receipts = ProbationGate(inner, self)  # type: ignore[assignment]
@@ -143,25 +147,14 @@ class RingEngine:
         return self.receipts.bundle(job_id) if self.receipts is not None else None
 
     def info(self) -> dict[str, Any]:
-        ring = self.swarm.ring
-        members = []
-        if ring is not None:
-            for a in ring.assignments:
-                reg = self.swarm.members.get(a.peer_id)
-                members.append({
-                    "peer_id": a.peer_id, "layers": [a.layer_start, a.layer_end], "role": a.role,
-                    "decode_ms_per_layer": reg.register.decode_s_per_layer * 1e3 if reg else None,
-                    "device": reg.register.device if reg else None,
-                })
-        return {"ready": ring is not None, "model": self.model_id, "epoch": ring.epoch if ring else None,
-                "members": members, "registered_nodes": len(self.swarm.members), "active_jobs": len(self._jobs),
-                "wire_dtype": self.swarm.config.wire_dtype, "topology": self.swarm.topology_info()}
+        """/v1/ring: the first ring's fields as ever, and every ring (coordinator.jobs.ring_router)."""
+        return self.router.status(self.model_id, len(self._jobs))
 
     def clock_offsets_s(self, epoch: int) -> tuple[float, ...] | None:
         """Ring `epoch`'s stages' clock offsets against ours, in ring order (hop_times
         corrects their stamps by them); None once that ring is gone."""
-        ring = self.swarm.ring
-        return self.swarm.clocks.stage_offsets_s([p for p, _ in ring.stages]) if ring and ring.epoch == epoch else None
+        ring = self.swarm.ring_by_epoch(epoch)
+        return self.swarm.clocks.stage_offsets_s([p for p, _ in ring.stages]) if ring else None
 
     # -- frames ----------------------------------------------------------------------------
     async def send_body(self, ring: RingState, body: bytes) -> None:
@@ -169,7 +162,8 @@ class RingEngine:
         async with self._send_lock:
             stream = self._head_streams.get(ring.epoch)
             if stream is None:
-                self._head_streams.clear()
+                for gone in [e for e in self._head_streams if self.swarm.ring_by_epoch(e) is None]:
+                    del self._head_streams[gone]  # its ring re-formed or broke; other rings' streams stay
                 try:
                     stream = await self.host.open_stream(ring.head, RING_PROTOCOL)
                 except DialError as exc:  # a head we cannot reach is treated as gone (re-formed without it)
@@ -217,8 +211,8 @@ class RingEngine:
         try:
             while True:
                 body = await stream.recv_frame(limits.max_frame_bytes)
-                ring = self.swarm.ring
-                if ring is None or remote != ring.tail:
+                ring = self.router.ring_with_tail(remote)
+                if ring is None:
                     log.warning("refused a frame from %s: not the tail of the current ring", remote)
                     return
                 if not reported:  # the tail's hop: the path of the connection this stream crosses
@@ -337,6 +331,7 @@ class RingEngine:
 
     def close_job(self, job_id: str) -> None:
         channel = self._jobs.pop(job_id, None)
+        self.router.forget(job_id)
         if channel is not None:
             channel.close()
 
@@ -350,10 +345,10 @@ class EnginePort:
 
     @property
     def ring(self) -> RingState | None:
-        return self.engine.swarm.ring
+        return self.engine.router.ring_for(self.job_id)  # the job's own ring (coordinator.jobs.ring_router)
 
     async def wait_ring(self) -> RingState:
-        return await self.engine.swarm.wait_ring()
+        return await self.engine.router.wait_ring(self.job_id)
 
     async def wait_change(self, epoch: int, timeout_s: float) -> None:
         await self.engine.swarm.wait_change(epoch, timeout_s)

@@ -1,0 +1,155 @@
+"""Which of the swarm's rings each job runs on (issue 21), and each ring as the engine sees it.
+
+A new job goes to the ring coordinator.jobs.ring_choice predicts finishes it first, from
+what is measured of each ring now: its decode round time (the median of its measured
+decode rounds, else its plan's prediction), its prefill time per prompt token, the jobs
+pinned to it and the tokens they still owe. A job stays on its ring while that ring's
+epoch holds; when its ring breaks (gone from the swarm's rings while it re-forms, or
+dropped) the job is routed again to whichever ring is formed then and resumes there
+(re-prefilling its committed tokens, exactly as on a re-form). Knows no frames and no
+streams: the engine asks it, the swarm says which rings exist.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+from coordinator.jobs.ring_choice import RingLoad, choose_ring
+from coordinator.swarm.swarm import RingState, Swarm
+
+CLOSED_KEPT = 256
+RECENT = 32  # a ring's timings are the median of its last this many measured rounds of a kind
+
+
+@dataclass
+class Pinned:
+    ring_id: int
+    prompt_tokens: int
+    max_tokens: int
+    job: Any = None  # the RingJob once opened: how many tokens it still owes
+    closed: bool = False  # finished: counts for nothing; kept a while so its EndJob finds its ring
+
+
+class RingRouter:
+    def __init__(self, swarm: Swarm, default_max_tokens: int = 256) -> None:
+        self.swarm = swarm
+        self.default_max_tokens = default_max_tokens  # a request without max_tokens is costed as this many
+        self.pinned: dict[str, Pinned] = {}
+        self._closed: deque[str] = deque()  # closed jobs still pinned, oldest first (at most CLOSED_KEPT)
+        self.moves = 0  # jobs routed again because their ring broke
+
+    def route(self, job_id: str, prompt_tokens: int, max_tokens: int | None) -> RingState | None:
+        """Pin a new job to the ring predicting its earliest completion; None if none is formed."""
+        self.pinned[job_id] = Pinned(-1, prompt_tokens, max_tokens or self.default_max_tokens)
+        return self.ring_for(job_id)
+
+    def attach(self, job_id: str, job: Any) -> None:
+        if job_id in self.pinned:
+            self.pinned[job_id].job = job
+
+    def forget(self, job_id: str) -> None:
+        """The job closed: it owes nothing; its pin stays a while, for its EndJob."""
+        pin = self.pinned.get(job_id)
+        if pin is None or pin.closed:
+            return
+        pin.closed, pin.job = True, None
+        self._closed.append(job_id)
+        while len(self._closed) > CLOSED_KEPT:
+            self.pinned.pop(self._closed.popleft(), None)
+
+    def ring_for(self, job_id: str) -> RingState | None:
+        """The ring `job_id` runs on: its own while formed, else routed again (None: no ring)."""
+        rings = self.swarm.rings
+        pin = self.pinned.get(job_id)
+        if pin is None:
+            return self.swarm.ring
+        if pin.ring_id in rings or pin.closed:
+            return rings.get(pin.ring_id)
+        if not rings:
+            return None
+        loads = [self.load(rid) for rid in sorted(rings)]
+        chosen = choose_ring(loads, pin.prompt_tokens + self.produced(pin), max(1, self.owed(pin)))
+        if pin.ring_id >= 0:
+            self.moves += 1
+        pin.ring_id = int(chosen) if chosen is not None else min(rings)
+        return rings[pin.ring_id]
+
+    async def wait_ring(self, job_id: str) -> RingState:
+        """`job_id`'s ring once one is formed."""
+        while (ring := self.ring_for(job_id)) is None:
+            await self.swarm.wait_ring()
+        return ring
+
+    def ring_with_tail(self, peer: str) -> RingState | None:
+        """The formed ring whose tail is `peer` (its results are ours to take)."""
+        return next((r for r in self.swarm.rings.values() if r.tail == peer), None)
+
+    def jobs_on(self, ring_id: int) -> int:
+        return sum(1 for p in self.pinned.values() if p.ring_id == ring_id and not p.closed)
+
+    @staticmethod
+    def produced(pin: Pinned) -> int:
+        job = pin.job
+        return max(0, len(job.committed) - len(job.prompt_ids)) if job is not None else 0
+
+    def owed(self, pin: Pinned) -> int:
+        return max(0, pin.max_tokens - self.produced(pin))
+
+    def load(self, ring_id: int) -> RingLoad:
+        """Ring `ring_id` as measured now. Its rounds are shared by the jobs on it, so the
+        tokens they owe are work ahead of a new job (max_batch 1 in ring_choice's terms)."""
+        ring = self.swarm.rings.get(ring_id)
+        round_s, prefill_s = self.timings(ring)
+        on = [p for p in self.pinned.values() if p.ring_id == ring_id and not p.closed]
+        return RingLoad(str(ring_id), ring is not None, round_s, prefill_s, running=len(on), max_batch=1,
+                        owed_tokens=sum(self.owed(p) for p in on))
+
+    def timings(self, ring: RingState | None) -> tuple[float, float]:
+        """(decode round s, prefill s per prompt token) of `ring`: the median of its recent
+        measured rounds; for a ring not measured yet, the median of the measured rings'
+        (a new ring is most like its siblings: the cost model's own estimate can be far off
+        on links it guessed); with nothing measured, its plan's prediction."""
+        if ring is None:
+            return 0.0, 0.0
+        planned = self.swarm.ring_plans.get(ring.ring_id)
+        prompt = max(self.swarm.config.topology.prompt_tokens, 1)
+        predicted = (planned[0].decode_step_s, planned[0].ttft_s / prompt) if planned is not None else (0.0, 0.0)
+        return self._measured(0, ring, predicted[0]), self._measured(1, ring, predicted[1])
+
+    def _measured(self, kind: int, ring: RingState, predicted: float) -> float:
+        by_epoch: dict[int, list[float]] = {}
+        for t, _ in self.swarm.traversals.samples:
+            if t.prefill == (kind == 1):
+                by_epoch.setdefault(t.epoch, []).append(t.traversal_s if kind == 0 else t.traversal_s / max(t.tokens, 1))
+        own = by_epoch.get(ring.epoch)
+        if own:
+            return statistics.median(own[-RECENT:])
+        others = [statistics.median(v[-RECENT:]) for e, v in by_epoch.items() if self.swarm.ring_by_epoch(e) is not None]
+        return statistics.median(others) if others else predicted
+
+    def status(self, model_id: str, active_jobs: int) -> dict[str, Any]:
+        """The engine's /v1/ring: the first ring's members and epoch (the fields a single
+        ring always had), the swarm's topology, and `rings`: every ring formed."""
+        swarm, ring, members = self.swarm, self.swarm.ring, []
+        for a in ring.assignments if ring is not None else ():
+            reg = swarm.members.get(a.peer_id)
+            members.append({"peer_id": a.peer_id, "layers": [a.layer_start, a.layer_end], "role": a.role,
+                            "decode_ms_per_layer": reg.register.decode_s_per_layer * 1e3 if reg else None,
+                            "device": reg.register.device if reg else None})
+        return {"ready": ring is not None, "model": model_id, "epoch": ring.epoch if ring else None,
+                "members": members, "registered_nodes": len(swarm.members), "active_jobs": active_jobs,
+                "wire_dtype": swarm.config.wire_dtype, "topology": swarm.topology_info(),
+                "rings": self.info(), "jobs_moved": self.moves}
+
+    def info(self) -> list[dict[str, Any]]:
+        """Every ring formed, for /v1/ring: its id, epoch, stages, jobs and timings."""
+        out = []
+        for rid, ring in sorted(self.swarm.rings.items()):
+            round_s, prefill_s = self.timings(ring)
+            out.append({"ring_id": rid, "epoch": ring.epoch, "jobs": self.jobs_on(rid),
+                        "stages": [{"peer_id": p, "layers": [r.start, r.end]} for p, r in ring.stages],
+                        "round_s": round_s, "prefill_s_per_token": prefill_s})
+        return out
