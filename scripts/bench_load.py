@@ -74,11 +74,24 @@ def rss_mb(pid: int) -> float | None:
     return None
 
 
-def children(pid: int) -> list[int]:
+def cpu_s(pid: int) -> float | None:
+    """User + system CPU seconds the process has used (/proc/PID/stat), None once gone."""
     try:
-        return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except OSError:
-        return []
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def children(pid: int) -> list[int]:
+    """The process's children, whichever of its threads started them (in start order)."""
+    found: list[int] = []
+    try:
+        for task in sorted(Path(f"/proc/{pid}/task").iterdir(), key=lambda p: int(p.name)):
+            found += [int(p) for p in (task / "children").read_text().split()]
+    except OSError:
+        pass
+    return sorted(set(found))
 
 
 class Ring:
@@ -112,10 +125,21 @@ class Ring:
         nodes = [p for p in children(self.proc.pid)]
         return {"coordinator_mb": rss_mb(self.proc.pid), "nodes_mb": [rss_mb(p) for p in nodes]}
 
+    def cpu(self) -> dict:
+        """CPU seconds used so far by the coordinator and each node (where the cores go)."""
+        return {"coordinator_s": cpu_s(self.proc.pid), "nodes_s": [cpu_s(p) for p in children(self.proc.pid)]}
+
     def close(self) -> None:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(10)
+
+
+def cpu_spent(before: dict, after: dict) -> dict:
+    """CPU seconds each process used between two Ring.cpu() readings (0 for one gone)."""
+    d = lambda a, b: (b - a) if a is not None and b is not None else 0.0  # noqa: E731
+    return {"coordinator": d(before["coordinator_s"], after["coordinator_s"]),
+            "nodes": [d(a, b) for a, b in zip(before["nodes_s"], after["nodes_s"])]}
 
 
 async def stream_one(client: httpx.AsyncClient, body: dict, on_chunk) -> str:
@@ -260,11 +284,15 @@ def main(argv=None) -> int:
                         result["conditions"]["reference"] = f"each request alone on {name}, first"
                     for c in (levels if link != "wan" or not args.wan_concurrency
                               else [int(x) for x in args.wan_concurrency.split(",")]):
+                        before = ring.cpu()
                         row = trio.run(closed_loop, ring.base, mix, c, args.window_s, refs)
+                        row["cpu_s"] = cpu_spent(before, ring.cpu())
                         print(f"{name:28s} C={c:3d}  {row['tok_per_s']:6.1f} tok/s  TTFT p50/p95 "
                               f"{row['ttft_p50_s'] or 0:.2f}/{row['ttft_p95_s'] or 0:.2f} s  ITL p50/p95 "
                               f"{row['itl_p50_s'] or 0:.3f}/{row['itl_p95_s'] or 0:.3f} s  errors {row['errors']}  "
-                              f"equal alone {row['outputs_equal_alone']}  load {row['load_average'][0]:.1f}", flush=True)
+                              f"equal alone {row['outputs_equal_alone']}  CPU s coordinator/nodes {row['cpu_s']['coordinator']:.1f}/"
+                              f"{'/'.join(f'{x:.1f}' for x in row['cpu_s']['nodes'])}  load {row['load_average'][0]:.1f}",
+                              flush=True)
                         run["levels"].append(row)
                     run["rss_end"] = ring.rss()
                     if args.sustain_s and link == "loopback" and batching == "on":

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import trio
@@ -33,12 +33,11 @@ from coordinator.jobs.ring_job import RingJob
 from coordinator.jobs.ring_router import RingRouter
 from coordinator.errors import RingLost
 from coordinator.spec.sampling import SamplingParams
-from coordinator.jobs.deadline import DeadlinePolicy, round_deadline_s
-from coordinator.swarm import topology
+from coordinator.jobs.head_batch import HeadBatcher
+from coordinator.jobs.liveness import Liveness
 from coordinator.swarm.swarm import RingState, Swarm
 from coordinator.swarm.topology import Traversal
-from coordinator.swarm.unreachable import stall_suspect
-from ring import PeerId, RingError
+from ring import PeerId
 from shard.errors import DialError, ShardError, WireError
 from shard.stage import OutputHead
 from shard.transport import FramedStream, Host, TransportError
@@ -72,6 +71,7 @@ class RingEngine:
         self.observer = observer
         if observer is not NO_OBSERVER:
             self.head = ObservedHead(self.head, observer)
+        self.head_batch = HeadBatcher(self.head)  # every job's rows through one product (coordinator.jobs.head_batch)
         self._jobs: dict[str, trio.MemorySendChannel] = {}
         self.router = RingRouter(swarm)  # which of the swarm's rings each job runs on
         self.eagle_head = self._load_eagle(store)
@@ -84,12 +84,8 @@ class RingEngine:
         # which a 50-token request would otherwise spend most of its rounds unlearning.
         self.learned_adapt: tuple[int, adapt.AdaptState] = (-1, adapt.AdaptState())
         self._job_errors, self._ring_changes = job_errors, ring_changes
-        # Liveness (coordinator.jobs.deadline, coordinator.swarm.unreachable.stall_suspect):
-        # rounds each peer served as a stage, and missed rounds it was part of.
-        self.deadline = DeadlinePolicy(max_s=config.frame_timeout_s)
-        self.served: dict[PeerId, int] = {}
-        self.missed: dict[PeerId, int] = {}
-        self._blamed_epoch = -1  # one stage sits out per ring that misses, however many jobs missed
+        # Round deadlines (with the frames in flight ahead) and stall blame: coordinator.jobs.liveness.
+        self.liveness = Liveness(swarm, config.frame_timeout_s, config.prefill_chunk_tokens)
         # Probation (coordinator.trust.probation): rounds of rings with a newcomer are
         # recomputed here (coordinator.trust.shadow) and checked before their tokens go out.
         self.probation = probation.ProbationPolicy(config.probation_rounds)
@@ -127,7 +123,8 @@ class RingEngine:
         ring = self.router.route(job_id, len(prompt_ids), params.max_tokens)
         send, recv = trio.open_memory_channel(256)
         self._jobs[job_id] = send
-        job = RingJob(EnginePort(self, job_id), job_id, list(prompt_ids), params, recv, self.config, self.head,
+        self.liveness.job_opened(job_id)
+        job = RingJob(EnginePort(self, job_id), job_id, list(prompt_ids), params, recv, self.config, self.head_batch,
                       self.max_context_tokens, drafters=self.make_drafters(),
                       adapt=self.starting_adapt(ring.epoch if ring else -1), observer=self.observer)
         self.router.attach(job_id, job)
@@ -225,9 +222,7 @@ class RingEngine:
                     continue
                 if isinstance(msg, Result):
                     self.observer.result_arrived(msg)
-                    if msg.epoch == ring.epoch:
-                        for peer, _ in ring.stages:
-                            self.served[peer] = self.served.get(peer, 0) + 1
+                    self.liveness.result_arrived(ring, msg)
                     digest = sha256_digest(memoryview(body)[:canonical_len]) if self.receipts is not None else b""
                     self._deliver(Arrived(msg, digest))
         except (TransportError, WireError) as exc:
@@ -236,36 +231,9 @@ class RingEngine:
             await stream.aclose()
 
     # -- liveness --------------------------------------------------------------------------
-    def round_deadline_s(self, ring: RingState, shape: Traversal) -> float:
-        """The cost model's time for a round of `shape` on `ring` (its measured links, its
-        stages' compute), scaled by how this ring's rounds measured against it."""
-        swarm, predicted, queued = self.swarm, None, 0.0
-        if swarm.plan is not None and swarm.network is not None and swarm.ring is not None and swarm.ring.epoch == ring.epoch:
-            try:
-                predicted = topology.predict(swarm.plan, swarm.network, swarm.model, swarm.config.topology, shape).traversal_s
-                if (others := len(self._jobs) - 1) > 0:  # each may have its largest frame (a prefill chunk) ahead
-                    chunk = replace(shape, prefill=True, frames=1, tokens=self.config.prefill_chunk_tokens)
-                    queued = others * topology.predict(swarm.plan, swarm.network, swarm.model, swarm.config.topology,
-                                                       chunk).traversal_s
-            except RingError:
-                pass
-        ratios = [t.traversal_s / p.traversal_s for t, p in swarm.traversals.samples
-                  if t.epoch == ring.epoch and t.prefill == shape.prefill and p.traversal_s > 0]
-        return round_deadline_s(predicted, ratios, shape.frames, self.deadline, queued)
-
     def round_missed(self, ring: RingState, round: int) -> None:
-        """A round on `ring` missed its deadline: unless the ring changed meanwhile (its
-        stages were told to stop), one stage sits out and the ring re-forms."""
-        current = self.swarm.ring
-        if current is None or current.epoch != ring.epoch or ring.epoch <= self._blamed_epoch:
-            return
-        self._blamed_epoch = ring.epoch
-        stages = [p for p, _ in ring.stages]
-        for peer in stages:
-            self.missed[peer] = self.missed.get(peer, 0) + 1
-        suspect = stall_suspect(stages, self.served, self.missed)
-        self.swarm.report_unreachable(suspect, f"round {round} on ring epoch {ring.epoch} missed its deadline "
-                                      f"({len(stages)} stages; it served {self.served.get(suspect, 0)} rounds)", "stalled")
+        """A round on `ring` missed its deadline: one stage sits out (coordinator.jobs.liveness)."""
+        self.liveness.round_missed(ring, round)
 
     # -- probation ----------------------------------------------------------------------
     def on_probation(self, ring: RingState) -> tuple[PeerId, ...]:
@@ -331,6 +299,7 @@ class RingEngine:
 
     def close_job(self, job_id: str) -> None:
         channel = self._jobs.pop(job_id, None)
+        self.liveness.job_ended(job_id)
         self.router.forget(job_id)
         if channel is not None:
             channel.close()
@@ -355,10 +324,11 @@ class EnginePort:
 
     async def send_body(self, ring: RingState, body: bytes) -> None:
         await self.engine.send_body(ring, body)
+        self.engine.liveness.frame_sent(ring.epoch, body)  # rows in flight, for other jobs' deadlines
         await self.engine.shadow_feed(ring, body)  # before the job awaits its result
 
     def round_deadline_s(self, ring: RingState, shape: Traversal) -> float:
-        return self.engine.round_deadline_s(ring, shape)
+        return self.engine.liveness.deadline_s(ring, shape, self.job_id)
 
     def round_missed(self, ring: RingState, round: int) -> None:
         self.engine.round_missed(ring, round)

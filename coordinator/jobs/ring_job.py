@@ -37,6 +37,7 @@ from coordinator.spec.drafting import Drafter
 from coordinator.jobs import job_stats
 from coordinator.jobs.engine_config import EngineConfig
 from coordinator.jobs.frames import aux_rows, chunk_frame, commit_move, hidden_rows, verify_frame
+from coordinator.jobs.head_batch import HeadBatcher, accept_batched
 from coordinator.jobs.job_stats import JobStats
 from coordinator.jobs.pipeline import Ahead, ahead_drafter, next_ahead, pipeline_depth, queued_rows, still_valid
 from coordinator.jobs.port import JobPort
@@ -45,7 +46,6 @@ from coordinator.spec.sampling import SamplingParams, job_seed
 from coordinator.swarm.swarm import RingState
 from coordinator.swarm.topology import Traversal
 from shard.ring_observer import NO_OBSERVER, RingObserver
-from shard.stage import OutputHead
 from shard.transport import TransportError
 from shard.wire.codec import encode, encode_body, encode_trailer
 from shard.wire.messages import EndJob, Forward, JobError, Result
@@ -78,7 +78,7 @@ class RingJob:
     params: SamplingParams
     inbox: trio.MemoryReceiveChannel
     config: EngineConfig
-    head: OutputHead  # the final norm and LM head: hidden rows -> logits
+    head: HeadBatcher  # the final norm and LM head (hidden rows -> logits), shared by every job
     max_context_tokens: int
     nonce: bytes = field(default_factory=lambda: os.urandom(16))
     committed: list[int] = field(default_factory=list)
@@ -146,9 +146,9 @@ class RingJob:
         return Verified(tree, rows, traversal_s, draft_s, queued_behind, fed, tree_aux, pipelined=False)
 
     async def _accept(self, got: Verified, seed: int, grammar: GrammarState | None) -> Acceptance:
-        """The target's token per row walked (coordinator.spec.target); logprobs when asked."""
-        tree, rows, head = got.tree, got.rows, self.head
-        acc, logprobs = await trio.to_thread.run_sync(lambda: accept_round(tree, lambda r: head.logits(rows[r]),
+        """The target's token per row walked (coordinator.spec.target) on logits from the output head all jobs
+        share (coordinator.jobs.head_batch); logprobs when asked."""
+        acc, logprobs = await accept_batched(self.head, got.rows, lambda logits_of: accept_round(got.tree, logits_of,
             self.params, seed, len(self.committed) - 1, self.committed[len(self.prompt_ids):], grammar))
         self.token_logprobs += logprobs[: self.max_context_tokens - len(self.committed)]  # as _commit clips
         return acc

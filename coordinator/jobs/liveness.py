@@ -1,0 +1,146 @@
+"""A ring's liveness as the ring engine sees it: how long a round may take, and whom to
+blame when one does not come back in that time.
+
+A round's deadline (coordinator.jobs.deadline, pure) is the cost model's time for the
+round plus the time of the work that may be ahead of it at the stages: every frame the
+other jobs have in flight on the same ring (sent to the head, no Result back yet),
+counted here as the engine sends and receives them, and one prefill chunk of another
+job that may join the forward the round runs in. Stages batch frames of different jobs
+(shard/stage_scheduler.py), so thirty-one decode rows ahead cost much less than thirty-
+one forwards; the prediction still counts each frame in flight as its own chunk (what
+a stage with batching off does), an over-estimate that costs a busy ring slower stall
+detection, never a false one. A lone job has nothing ahead: its deadline is the round's
+own (a stalling stage is still out within 10 s, tests/e2e/test_stalling_stage.py).
+
+A missed round blames one stage per ring epoch (coordinator.swarm.unreachable.stall_suspect
+over the rounds each peer served and the missed rounds it was part of).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from coordinator.jobs.deadline import DeadlinePolicy, round_deadline_s
+from coordinator.swarm import topology
+from coordinator.swarm.swarm import RingState, Swarm
+from coordinator.swarm.topology import Traversal
+from coordinator.swarm.unreachable import stall_suspect
+from ring import PeerId, RingError
+from shard.errors import WireError
+from shard.wire.codec import decode_frame
+from shard.wire.messages import Forward, Result
+
+
+@dataclass(frozen=True)
+class InFlight:
+    """Frames other jobs have on a ring: how many, and their rows (positions) in all."""
+
+    frames: int = 0
+    rows: int = 0
+
+
+def work_ahead(others: InFlight, others_open: bool, prefill_chunk_tokens: int) -> InFlight:
+    """What may run at the stages before a round's last frame: the other jobs' frames in
+    flight, and while another job is open one prefill chunk of it that may join the
+    forward the round's frame runs in (a stage batches what waits)."""
+    if not others_open:
+        return others
+    return InFlight(others.frames + 1, others.rows + prefill_chunk_tokens)
+
+
+class RowsInFlight:
+    """Frames sent to a ring's head whose Result has not come back, by (job, round)."""
+
+    def __init__(self) -> None:
+        self._frames: dict[tuple[str, int], tuple[int, int]] = {}  # (job, round) -> (epoch, rows)
+        self._epoch = -1
+
+    def sent(self, job_id: str, round: int, epoch: int, rows: int) -> None:
+        if epoch > self._epoch:  # a new ring: the old one's frames will not come back
+            self._epoch = epoch
+            self._frames = {k: v for k, v in self._frames.items() if v[0] >= epoch}
+        self._frames[(job_id, round)] = (epoch, rows)
+
+    def arrived(self, job_id: str, round: int) -> None:
+        self._frames.pop((job_id, round), None)
+
+    def job_ended(self, job_id: str) -> None:
+        for key in [k for k in self._frames if k[0] == job_id]:
+            del self._frames[key]
+
+    def others(self, epoch: int, job_id: str) -> InFlight:
+        """What jobs other than `job_id` have in flight on ring `epoch`."""
+        mine = [rows for (job, _), (e, rows) in self._frames.items() if e == epoch and job != job_id]
+        return InFlight(len(mine), sum(mine))
+
+    def __len__(self) -> int:
+        return len(self._frames)
+
+
+class Liveness:
+    """Deadlines and stall blame for the rounds of every job on the swarm's rings."""
+
+    def __init__(self, swarm: Swarm, frame_timeout_s: float, prefill_chunk_tokens: int) -> None:
+        self.swarm = swarm
+        self.policy = DeadlinePolicy(max_s=frame_timeout_s)
+        self.prefill_chunk_tokens = prefill_chunk_tokens
+        self.in_flight = RowsInFlight()
+        self._open: set[str] = set()  # jobs that may send a frame at any moment
+        self.served: dict[PeerId, int] = {}  # rounds each peer served as a stage
+        self.missed: dict[PeerId, int] = {}  # missed rounds each peer was part of
+        self._blamed_epoch = -1  # one stage sits out per ring that misses, however many jobs missed
+
+    def job_opened(self, job_id: str) -> None:
+        self._open.add(job_id)
+
+    def job_ended(self, job_id: str) -> None:
+        """The job closed: its frames still in flight no longer count (their results are
+        not awaited by anyone, and a stage drops what it has of an ended job)."""
+        self._open.discard(job_id)
+        self.in_flight.job_ended(job_id)
+
+    def frame_sent(self, epoch: int, body: bytes) -> None:
+        """A frame body the engine sent to ring `epoch`'s head (our own: it decodes)."""
+        try:
+            msg, _ = decode_frame(body, self.swarm.limits)
+        except WireError:
+            return
+        if isinstance(msg, Forward):
+            self.in_flight.sent(msg.job_id, msg.round, epoch, int(msg.positions.shape[0]))
+
+    def result_arrived(self, ring: RingState, result: Result) -> None:
+        self.in_flight.arrived(result.job_id, result.round)
+        if result.epoch == ring.epoch:
+            for peer, _ in ring.stages:
+                self.served[peer] = self.served.get(peer, 0) + 1
+
+    def deadline_s(self, ring: RingState, shape: Traversal, job_id: str) -> float:
+        """The cost model's time for a round of `shape` on `ring` and for the work ahead of
+        it (see the module doc), scaled by how this ring's rounds measured against it."""
+        swarm, predicted, queued = self.swarm, None, 0.0
+        if (planned := swarm.plan_of(ring.epoch)) is not None:
+            predict = lambda t: topology.predict(*planned, swarm.model, swarm.config.topology, t).traversal_s  # noqa: E731
+            try:
+                predicted = predict(shape)
+                ahead = work_ahead(self.in_flight.others(ring.epoch, job_id), len(self._open) > 1,
+                                   self.prefill_chunk_tokens)
+                if ahead.rows:
+                    queued = predict(replace(shape, prefill=True, frames=ahead.frames, tokens=ahead.rows))
+            except RingError:
+                pass
+        ratios = [t.traversal_s / p.traversal_s for t, p in swarm.traversals.samples
+                  if t.epoch == ring.epoch and t.prefill == shape.prefill and p.traversal_s > 0]
+        return round_deadline_s(predicted, ratios, shape.frames, self.policy, queued)
+
+    def round_missed(self, ring: RingState, round: int) -> None:
+        """A round on `ring` missed its deadline: unless the ring changed meanwhile (its
+        stages were told to stop), one stage sits out and the ring re-forms."""
+        if self.swarm.ring_by_epoch(ring.epoch) is None or ring.epoch <= self._blamed_epoch:
+            return
+        self._blamed_epoch = ring.epoch
+        stages = [p for p, _ in ring.stages]
+        for peer in stages:
+            self.missed[peer] = self.missed.get(peer, 0) + 1
+        suspect = stall_suspect(stages, self.served, self.missed)
+        self.swarm.report_unreachable(suspect, f"round {round} on ring epoch {ring.epoch} missed its deadline "
+                                      f"({len(stages)} stages; it served {self.served.get(suspect, 0)} rounds)", "stalled")
