@@ -4,13 +4,20 @@ A node registers with the decode and prefill speeds it measured itself, and the 
 would seat it on them: a node claiming 100x its real speed got seated and then missed
 every deadline its claim made short. Before a registered node is eligible, the coordinator
 runs real frames through it: VerifyRequests (shard.verifier's recompute, which every node
-answers) for one layer its store keeps (`probe_layer`; a node keeping none is seated on its
-claim: a probe would make it fetch weights) with random input rows, one of `decode_rows` rows and one of
-`prefill_rows`, each timed from here, least of `repeats` (the first, which loads the layer
-and may fetch it, is a warm-up and not timed). The reply's rows must match the
-coordinator's own recompute of the same layer when its store holds it (row-RMS-scaled,
-within `tolerance`); a node that does not answer, answers an error or disagrees is not
-seated. The measured figures then cap the claim (`seated_speed`): a claim within `slack`x
+answers) for one layer (`probe_layer`: one it holds or stores; a node storing none is
+probed all the same, on a layer whose rows can be checked, which it fetches from peers
+first: seated on its claim, a staller with an empty store went unprobed) with random
+input rows, one of `decode_rows` rows and one of `prefill_rows`, each timed from here,
+least of `repeats` (the first, which loads the layer and may fetch it, is a warm-up and
+not timed). The reply's rows must match the coordinator's own recompute of the same layer
+when its store holds it, else a verifier's: another member already probed (checked ones
+first) whose store keeps the layer, asked the same request (row-RMS-scaled, within
+`tolerance`). A newcomer that disagrees with one verifier is asked about by a second when
+there is one, and is not seated unless one agrees: the members probed before it are
+trusted over it (audits keep watching them). With neither, the rows stay unchecked
+(`Measured.checked_by` is empty). A node that answers wrong rows is not seated; one that
+does not answer in time, loses its stream or answers an error is probed again, up to
+`attempts` in all, `retry_after_s` apart (doubling), before it is not seated either. The measured figures then cap the claim (`seated_speed`): a claim within `slack`x
 of the measurement stands (the request's own overhead and the machine's load are in the
 measurement), past that the measurement is used; a smaller lie is caught by the round
 deadline its claim makes short (coordinator.jobs.deadline). The claim stays on the Member for
@@ -29,7 +36,7 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,7 +44,7 @@ import torch
 import trio
 
 from ring import PeerId
-from shard.errors import ShardError
+from shard.errors import ShardError, TransportError
 from shard.layers import LayerRange
 from shard.manifest import layer_file
 from shard.quant import quantise_stage, scheme
@@ -63,7 +70,12 @@ class ProbeConfig:
     # (decode, a thread hop, f32 replay) read 3-4x a tiny test model's own measurement.
     slack: float = 10.0
     tolerance: float = 1e-2  # largest |reply - ours| per row over our row's RMS
-    timeout_s: float = 120.0  # for the whole probe: the warm-up may fetch the layer first
+    timeout_s: float = 120.0  # for one attempt at the whole probe: the warm-up may fetch the layer first
+    # A probe that timed out, lost its stream or was answered an error (a fetch that
+    # failed, a node still loading) is tried again, up to this many attempts in all.
+    attempts: int = 3
+    retry_after_s: float = 2.0  # before the second attempt; doubling after
+    verifiers: int = 2  # other members asked to recompute the rows when this store lacks the layer
 
 
 @dataclass(frozen=True)
@@ -71,7 +83,8 @@ class Measured:
     layer: int
     decode_s_per_layer: float
     prefill_s_per_layer_token: float
-    checked: bool  # its rows were compared with the coordinator's own recompute
+    checked: bool  # its rows were compared with a recompute (the coordinator's or a verifier's) and agreed
+    checked_by: str = ""  # "coordinator", a verifier's peer id, or "" (nobody could recompute the layer)
 
 
 def per_layer_s(reply_s: float, idle_s: float, layers: int, rows: int = 1) -> float:
@@ -102,14 +115,29 @@ def agrees(theirs: torch.Tensor, ours: torch.Tensor, tolerance: float) -> bool:
     return bool(((theirs.float() - ours.float()).abs().amax(dim=1) / rms).max() <= tolerance)
 
 
-def probe_layer(reg: Register, num_layers: int) -> int | None:
+def keeps(reg: Register, layer: int) -> bool:
+    """Whether a node holds `layer` loaded or its store has the layer's file."""
+    return reg.held_start <= layer < reg.held_end or layer_file(layer) in reg.stored_files
+
+
+def probe_layer(reg: Register, num_layers: int, checkable: Iterable[int] = ()) -> int | None:
     """The layer to time: one the node holds past the embedding's layer 0 (whose input is
-    tokens), else one past 0 its store keeps; None when its store keeps no such layer (a
-    probe would make it fetch one: it is seated on its claim, and `summary` says so)."""
+    tokens), else one past 0 its store keeps, else (it keeps none: it fetches the layer
+    first) the first of `checkable` past 0 (layers whose rows the coordinator or a verifier
+    can recompute), else layer 1. None only for a model with no layer past 0."""
     if reg.held_end > max(reg.held_start, 1):
         return max(reg.held_start, 1)
     stored = set(reg.stored_files)
-    return next((i for i in range(1, num_layers) if layer_file(i) in stored), None)
+    kept = next((i for i in range(1, num_layers) if layer_file(i) in stored), None)
+    if kept is not None or num_layers < 2:
+        return kept
+    return next((i for i in checkable if 1 <= i < num_layers), 1)
+
+
+def retry_wait_s(attempt: int, config: ProbeConfig) -> float | None:
+    """Seconds to wait before attempt `attempt + 1` after attempt `attempt` (0-based)
+    failed for want of an answer; None when the attempts are used up."""
+    return config.retry_after_s * 2 ** attempt if attempt + 1 < config.attempts else None
 
 
 def probe_frame(hidden_size: int, rows: int, seed: bytes) -> Forward:
@@ -120,7 +148,11 @@ def probe_frame(hidden_size: int, rows: int, seed: bytes) -> Forward:
 
 
 class ProbeFailed(ShardError):
-    pass
+    """`retry`: the node did not answer usably (an error reply), rather than answered wrong rows."""
+
+    def __init__(self, what: str, retry: bool = False) -> None:
+        super().__init__(what)
+        self.retry = retry
 
 
 class SpeedProbes:
@@ -139,6 +171,8 @@ class SpeedProbes:
         self._nursery: trio.Nursery | None = None
         self._waiting: dict[tuple[PeerId, int], list] = {}
         self._ids = itertools.count(1 << 40)  # apart from the auditor's request ids
+        self.attempts: dict[PeerId, int] = {}  # attempts the last probe of each peer took
+        self._registers: dict[PeerId, Register] = {}  # the members at the last hold_back: verifier candidates
 
     async def serve(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Run probes as nodes register. Never returns."""
@@ -165,6 +199,7 @@ class SpeedProbes:
         yet, with why; starts a probe of each one not yet probed."""
         if not self.config.enabled:
             return {}
+        self._registers = {p: m.register for p, m in members.items()}
         for p, m in members.items():
             self.begin(p, m.register)
         return {p: self.failed.get(p, "speed probe pending") for p in members if p not in self.measured and p not in self.unprobed}
@@ -190,48 +225,101 @@ class SpeedProbes:
 
     def summary(self) -> dict:
         return {"measured": {p: dataclasses.asdict(m) for p, m in self.measured.items()}, "failed": dict(self.failed),
-                "seated_on_claim_no_layer_stored": sorted(self.unprobed)}
+                "seated_on_claim_no_layer_past_0": sorted(self.unprobed), "attempts": dict(self.attempts)}
 
     async def _probe(self, peer: PeerId, reg: Register) -> None:
         try:
-            with trio.fail_after(self.config.timeout_s):
-                m = await self._measure(peer, reg)
+            attempt = 0
+            while True:
+                self.attempts[peer] = attempt + 1
+                try:
+                    with trio.fail_after(self.config.timeout_s):
+                        m = await self._measure(peer, reg)
+                    break
+                except (TransportError, ProbeFailed, trio.TooSlowError) as exc:
+                    wait_s = retry_wait_s(attempt, self.config)
+                    if isinstance(exc, ProbeFailed) and not exc.retry or wait_s is None or peer not in self._registers:
+                        raise
+                    log.info("speed probe of %s: attempt %d failed (%s); again in %.0f s", peer, attempt + 1,
+                             exc if isinstance(exc, ShardError) else "timed out", wait_s)
+                    await trio.sleep(wait_s)
+                    attempt += 1
             if m is None:
                 self.unprobed.add(peer)
-                log.warning("node %s seated on its claimed speed: its store keeps no layer to time", peer)
+                log.warning("node %s seated on its claimed speed: the model has no layer past 0 to time", peer)
             else:
                 self.measured[peer] = m
                 log.info("node %s probed on layer %d: decode %.2f ms/layer (claimed %.2f), prefill %.3f ms/layer-token "
-                         "(claimed %.3f)%s", peer, m.layer, m.decode_s_per_layer * 1e3, reg.decode_s_per_layer * 1e3,
+                         "(claimed %.3f); rows %s", peer, m.layer, m.decode_s_per_layer * 1e3, reg.decode_s_per_layer * 1e3,
                          m.prefill_s_per_layer_token * 1e3, reg.prefill_s_per_layer_token * 1e3,
-                         "" if m.checked else "; rows unchecked (this store lacks the layer)")
+                         f"checked by {m.checked_by}" if m.checked else "unchecked (nobody could recompute the layer)")
         except (ShardError, trio.TooSlowError) as exc:
             why = str(exc) if isinstance(exc, ShardError) else f"no answer within {self.config.timeout_s:.0f} s"
-            self.failed[peer] = f"speed probe failed: {why}"
+            tries = self.attempts.get(peer, 1)
+            self.failed[peer] = f"speed probe failed{f' {tries} times' if tries > 1 else ''}: {why}"
             log.warning("node %s not seated: %s", peer, self.failed[peer])
         finally:
             self._running.discard(peer)
         self.notify()
 
+    def _checkable(self, peer: PeerId, num_layers: int) -> list[int]:
+        """Layers past 0 whose rows can be recomputed for a probe of `peer`: this store's
+        first, then those a probed member other than `peer` keeps."""
+        here = [i for i in range(1, num_layers) if self.holds(i)]
+        there = [i for i in range(1, num_layers) if any(keeps(r, i) for p, r in self._registers.items()
+                                                         if p != peer and p in self.measured)]
+        return here + there
+
+    def holds(self, layer: int) -> bool:
+        return (self.store.root / layer_file(layer)).exists()
+
+    def _verifiers(self, peer: PeerId, layer: int) -> list[PeerId]:
+        """Members other than `peer`, already probed, keeping `layer`: checked ones first."""
+        found = [p for p, r in self._registers.items() if p != peer and p in self.measured and keeps(r, layer)]
+        return sorted(found, key=lambda p: not self.measured[p].checked)[:self.config.verifiers]
+
+    async def _check(self, peer: PeerId, layer: int, reg: Register, frame: Forward, theirs: torch.Tensor) -> str:
+        """Who vouched for `theirs` ("" when nobody could recompute the layer). Raises
+        ProbeFailed when the recomputations that came back all disagree with it."""
+        tol = self.config.tolerance
+        if self.holds(layer):
+            ours = await trio.to_thread.run_sync(self._recompute, layer, reg.quant, frame)
+            if not agrees(theirs, ours, tol):
+                raise ProbeFailed(f"its rows for layer {layer} differ from the coordinator's recompute "
+                                  f"beyond {tol} of a row's RMS")
+            return "coordinator"
+        disagreed = []
+        for verifier in self._verifiers(peer, layer):
+            try:
+                with trio.fail_after(self.config.timeout_s):
+                    rows, _ = await self._ask(verifier, layer, reg, frame)
+            except (TransportError, ProbeFailed, trio.TooSlowError) as exc:
+                log.info("verifier %s could not recompute layer %d for %s's probe: %s", verifier, layer, peer,
+                         exc if isinstance(exc, ShardError) else "timed out")
+                continue
+            if agrees(theirs, rows, tol):
+                return verifier
+            disagreed.append(verifier[-6:])
+        if disagreed:
+            raise ProbeFailed(f"its rows for layer {layer} differ from the recompute of verifier(s) "
+                              f"{', '.join(disagreed)} beyond {tol} of a row's RMS")
+        return ""
+
     async def _measure(self, peer: PeerId, reg: Register) -> Measured | None:
-        cfg, layer = self.config, probe_layer(reg, self.store.config.num_layers)
+        num_layers = self.store.config.num_layers
+        cfg, layer = self.config, probe_layer(reg, num_layers, self._checkable(peer, num_layers))
         if layer is None:
             return None
         hidden = self.store.config.hidden_size
         prefill, decode = probe_frame(hidden, cfg.prefill_rows, os.urandom(16)), probe_frame(hidden, cfg.decode_rows, os.urandom(16))
         theirs, _ = await self._ask(peer, layer, reg, prefill)  # warm-up: loads (or fetches) the layer
-        checked = (self.store.root / layer_file(layer)).exists()
-        if checked:
-            ours = await trio.to_thread.run_sync(self._recompute, layer, reg.quant, prefill)
-            if not agrees(theirs, ours, cfg.tolerance):
-                raise ProbeFailed(f"its rows for layer {layer} differ from the coordinator's recompute "
-                                  f"beyond {cfg.tolerance} of a row's RMS")
+        checked_by = await self._check(peer, layer, reg, prefill, theirs)
         idle = min([await self._ask_nothing(peer, layer) for _ in range(cfg.repeats)])
         times = {}
         for name, frame in (("decode", decode), ("prefill", prefill)):
             times[name] = min([(await self._ask(peer, layer, reg, frame))[1] for _ in range(cfg.repeats)])
         return Measured(layer, per_layer_s(times["decode"], idle, 1, cfg.decode_rows),
-                        per_layer_s(times["prefill"], idle, 1, cfg.prefill_rows), checked)
+                        per_layer_s(times["prefill"], idle, 1, cfg.prefill_rows), bool(checked_by), checked_by)
 
     async def _ask_nothing(self, peer: PeerId, layer: int) -> float:
         """Seconds a request the node refuses at once takes: the link's round trip and the
@@ -255,7 +343,7 @@ class SpeedProbes:
         reply = await self._exchange(peer, req)
         elapsed = time.perf_counter() - start
         if reply.error is not None:
-            raise ProbeFailed(f"it could not run layer {layer}: {reply.error}")
+            raise ProbeFailed(f"it could not run layer {layer}: {reply.error}", retry=True)
         if reply.hidden is None or reply.hidden.shape[0] == 0:
             raise ProbeFailed(f"it answered no rows for layer {layer}")
         moved = transfer_s(len(encode(req)), len(encode(reply)), reg.download_bytes_per_s, reg.upload_bytes_per_s)

@@ -3,7 +3,8 @@
 Bugs guarded: the flag not reaching the node (it would prepare or fail on a missing
 model), a node with an empty --store-dir refused or crashing at start-up (it has no layer
 to time its compute on), its fetch not shown. Sound: the ring of three forms with the
-empty node on it, its store dir ends with its slice's files only, its log shows progress
+empty node on it, its store dir ends with its slice's files and the one layer its speed
+probe fetched to run on (issue 20) only, its log shows progress
 with a rate and the fetch's end, GET /v1/ring lists that fetch with its prediction, and the
 ring answers as the same ring of full nodes does before it.
 """
@@ -15,7 +16,7 @@ import re
 import httpx
 
 from shard.layers import LayerRange
-from shard.manifest import MANIFEST_NAME, slice_files
+from shard.manifest import MANIFEST_NAME, layer_file, slice_files
 from tests.e2e.procring import JOIN, ProcRing, complete, coordinator_args, node_args, wait_ring
 from tests.e2e.ringkit import memory_for_stages
 from tests.e2e.test_restart_processes import free_loopback_port, members
@@ -42,16 +43,17 @@ def test_a_node_joining_with_fetch_weights_and_an_empty_store_serves_its_fetched
         newcomer = ring.spawn("newcomer", node_args(addr, "no-such-model", str(empty), memory, ["--fetch-weights"]))
         info = wait_ring(base, 3, 180)
         text = complete(base, store.manifest.name, PROMPT, TOKENS)
-        fetches = httpx.get(f"{base}/v1/ring", timeout=10).json()["topology"]["fetches"]
+        topology = httpx.get(f"{base}/v1/ring", timeout=10).json()["topology"]
     finally:
         ring.close()
     log = newcomer.text()
     peer = NODE_ID.search(log).group(1)
     layers = LayerRange(*members(info)[peer])
     on_disk = {p.relative_to(empty).as_posix() for p in empty.rglob("*") if p.is_file()}
-    assert on_disk == set(slice_files(layers)) | {MANIFEST_NAME}, log[-3000:]
+    probed = layer_file(topology["speed_probes"]["measured"][peer]["layer"])
+    assert on_disk == set(slice_files(layers)) | {probed, MANIFEST_NAME}, log[-3000:]
     assert re.search(r"fetched layers \[\d+, \d+\): \d+ files, [0-9.]+ MB in [0-9.]+ s \([0-9.]+ MB/s\)", log)
-    (record,) = [f for f in fetches if f["peer"] == peer]
-    assert record["bytes"] == sum(store.manifest.files[f].bytes for f in slice_files(layers))
+    (record,) = [f for f in topology["fetches"] if f["peer"] == peer and f["layers"] == [layers.start, layers.end]]
+    assert record["bytes"] == sum(store.manifest.files[f].bytes for f in set(slice_files(layers)) - {probed})
     assert record["predicted_s"] is not None
     assert text  # served through the fetched slice; token-exactness is tests/e2e/test_weights_from_peers.py's

@@ -5,7 +5,8 @@ model's whole store, the third starts from an empty dir and takes the coordinato
 signed manifest (shard.weight_fetch.open_fetched_store, as `shard-node join
 --fetch-weights` does). Every node's memory fits only two of the five layers, so the
 ring needs all three. Guards: the newcomer downloading the whole model (its dir must end
-with exactly its slice's files, the bytes fetched within 1% of theirs), a fetched slice
+with exactly its slice's files and the one layer its speed probe ran on, the slice's fetch
+within 1% of the bytes it lacked), a fetched slice
 that computes differently (greedy output equals transformers' own), the coordinator
 handing out an unsigned or foreign manifest, and /v1/ring losing the measured fetch or
 its prediction.
@@ -24,7 +25,7 @@ from coordinator.config import LOOPBACK_ANY_PORT, CoordConfig
 from coordinator.swarm.swarm import SwarmConfig
 from coordinator.trust.receipt_check import ReceiptConfig
 from shard.identity import keypair_from_seed
-from shard.manifest import MANIFEST_NAME, slice_files
+from shard.manifest import MANIFEST_NAME, layer_file, slice_files
 from shard.node import Node, NodeConfig
 from shard.transport import open_host
 from shard.weight_fetch import open_fetched_store, request_manifest
@@ -61,18 +62,21 @@ def test_a_node_with_an_empty_store_joins_a_3_stage_ring_fetching_only_its_slice
             with trio.fail_after(120):
                 ring = await coordinator.swarm.wait_ring()  # the newcomer reported its fetch before its Ready
             out = await generate_greedy(coordinator.engine, PROMPT, TOKENS)
-            return ring, newcomer, out, coordinator.swarm.topology_info()["fetches"], coordinator
+            probed = coordinator.swarm.probes.measured[newcomer].layer
+            return ring, newcomer, out, coordinator.swarm.topology_info()["fetches"], probed
 
-    ring, newcomer, out, fetches, _ = trio.run(main)
+    ring, newcomer, out, fetches, probed = trio.run(main)
     assert len(ring.stages) == 3 and newcomer in {p for p, _ in ring.stages}
     layers = dict(ring.stages)[newcomer]
     wanted = set(slice_files(layers))
     on_disk = {p.relative_to(empty_dir).as_posix() for p in empty_dir.rglob("*") if p.is_file()}
-    assert on_disk == wanted | {MANIFEST_NAME}  # its slice, nothing more, no partial file left
-    slice_bytes = sum(store.manifest.files[f].bytes for f in wanted)
-    (record,) = [f for f in fetches if f["peer"] == newcomer]
-    assert abs(record["bytes"] - slice_bytes) <= 0.01 * slice_bytes
-    assert record["layers"] == [layers.start, layers.end] and record["files"] == len(wanted)
+    # Its slice and the layer its speed probe fetched to run on (a node keeping no layer
+    # is probed all the same: issue 20), nothing more, no partial file left.
+    assert on_disk == wanted | {layer_file(probed), MANIFEST_NAME}
+    lacked = wanted - {layer_file(probed)}  # the probe's layer, if in its slice, was there already
+    slice_bytes = sum(store.manifest.files[f].bytes for f in lacked)
+    (record,) = [f for f in fetches if f["peer"] == newcomer and f["layers"] == [layers.start, layers.end]]
+    assert abs(record["bytes"] - slice_bytes) <= 0.01 * slice_bytes and record["files"] == len(lacked)
     assert record["measured_s"] > 0 and record["predicted_s"] is not None and record["predicted_s"] > 0
     assert record["plan_move_s"] is not None and record["plan_move_s"] > 0  # the selector's plan named this fetch
     assert set(record["by_source"]) <= {p for p, _ in ring.stages} - {newcomer} and not record["excluded"]
@@ -133,7 +137,9 @@ def test_a_node_that_cannot_fetch_its_slice_sits_out_at_once_instead_of_stalling
 
     newcomer, sitting_out, fetches = trio.run(main)
     assert "could not fetch its slice" in sitting_out[newcomer] and "not_held" in sitting_out[newcomer]
-    (record,) = [f for f in fetches if f["peer"] == newcomer]
+    # Its speed probe's one-layer fetch (a node keeping no layer is probed on one it
+    # fetches) comes first, from whoever serves that layer; its slice's fetch is the one that fails.
+    (record,) = [f for f in fetches if f["peer"] == newcomer and f["error"] is not None]
     assert record["error"].startswith("cannot fetch ") and record["bytes"] == 0
 
 
@@ -169,6 +175,7 @@ def test_formation_waits_for_a_stage_to_fetch_its_predicted_moves_past_the_ready
             return ring, newcomer, fetches, coordinator.swarm.plan.move_s
 
     ring, newcomer, fetches, move_s = trio.run(main)
-    (record,) = [f for f in fetches if f["peer"] == newcomer]
+    layers = dict(ring.stages)[newcomer]  # its slice's fetch (its speed probe fetched one layer before)
+    (record,) = [f for f in fetches if f["peer"] == newcomer and f["layers"] == [layers.start, layers.end]]
     assert record["measured_s"] > 1.0 and move_s > 0.5  # the fetch outlasted the ready timeout, as predicted
     assert ring.epoch == 1 and newcomer in dict(ring.stages)  # formed at the first try

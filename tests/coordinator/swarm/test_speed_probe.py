@@ -60,14 +60,15 @@ def test_rows_agree_within_the_tolerance_of_their_rms_and_not_beyond():
     assert not agrees(torch.full_like(ours, float("nan")), ours, 1e-2)
 
 
-def test_the_probed_layer_is_one_it_holds_past_the_embedding_else_one_it_stores_else_none():
+def test_the_probed_layer_is_one_it_holds_past_the_embedding_else_one_it_stores_else_one_to_fetch():
     # Guards: a probe of a layer the node does not keep made it fetch weights (a side effect
-    # formation's weight-move tests caught).
+    # formation's weight-move tests caught), so a node keeping one is probed on it; a node
+    # keeping none fetches one (it was seated on its claim unprobed: issue 20).
     assert probe_layer(_reg(held_start=3, held_end=6), 8) == 3
     assert probe_layer(_reg(held_start=0, held_end=4), 8) == 1  # layer 0 takes tokens, not rows
-    assert probe_layer(_reg(held_start=0, held_end=1, stored_files=("layers/00000.safetensors",)), 8) is None
+    assert probe_layer(_reg(held_start=0, held_end=1, stored_files=("layers/00000.safetensors",)), 8, [3]) == 3
     assert probe_layer(_reg(stored_files=("manifest.json", "layers/00000.safetensors", "layers/00005.safetensors")), 8) == 5
-    assert probe_layer(_reg(), 8) is None
+    assert probe_layer(_reg(), 8) == 1
 
 
 def test_a_probe_frame_is_a_canonical_forward_the_node_decodes(tiny_llama_store):
