@@ -1,0 +1,90 @@
+"""Routing jobs over several rings (coordinator/jobs/ring_router.py), without streams.
+
+The router reads a swarm's rings, plans and measured rounds; here that is a small table
+of real RingStates, plans from ring.evaluate and a real TraversalLog.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from coordinator.jobs.ring_router import RingRouter
+from coordinator.swarm.formation import RingState, SwarmConfig
+from coordinator.swarm.topology import Predicted, Traversal, TraversalLog
+from ring import LatencyMatrix, ModelSpec, Network, NodeInfo, PeerId, Stage, evaluate
+from shard.layers import LayerRange
+
+MODEL = ModelSpec("m", num_layers=4, bytes_per_layer=1 << 20, kv_bytes_per_token_layer=1024,
+                  activation_bytes_per_token=256)
+
+
+def _plan(peers: tuple[str, str]):
+    nodes = tuple(NodeInfo(PeerId(p), 1 << 30, 1e-3, 1e-5, 12.5e6, 6.25e7, f"s{p}") for p in peers)
+    network = Network(PeerId("coord"), nodes, LatencyMatrix({}, 0.01))
+    stages = [Stage(PeerId(peers[0]), LayerRange(0, 2)), Stage(PeerId(peers[1]), LayerRange(2, 4))]
+    return evaluate(stages, network, MODEL, SwarmConfig().topology.workload()), network
+
+
+@dataclass
+class Rings:
+    """The part of a Swarm the router reads."""
+
+    rings: dict[int, RingState] = field(default_factory=dict)
+    ring_plans: dict = field(default_factory=dict)
+    traversals: TraversalLog = field(default_factory=TraversalLog)
+    config: SwarmConfig = SwarmConfig()
+
+    def add(self, rid: int, epoch: int, peers: tuple[str, str]) -> None:
+        self.rings[rid] = RingState(epoch, tuple((PeerId(p), LayerRange(0, 2)) for p in peers), (), rid)
+        self.ring_plans[rid] = _plan(peers)
+
+    @property
+    def ring(self):
+        return self.rings[min(self.rings)] if self.rings else None
+
+    def ring_by_epoch(self, epoch: int):
+        return next((r for r in self.rings.values() if r.epoch == epoch), None)
+
+    def measured(self, epoch: int, round_s: float, n: int = 5) -> None:
+        for _ in range(n):
+            self.traversals.add(Traversal(epoch, False, 1, 1, round_s, ()), Predicted(round_s, ()))
+
+
+def test_equal_rings_share_new_jobs_by_the_tokens_owed():
+    # Bug guarded: ties going to the lower ring id for every job (all load on one ring).
+    swarm = Rings()
+    swarm.add(0, 3, ("a", "b"))
+    swarm.add(1, 4, ("c", "d"))
+    router = RingRouter(swarm)
+    got = [router.route(f"j{i}", 10, 64).ring_id for i in range(6)]
+    assert sorted(got) == [0, 0, 0, 1, 1, 1] and router.jobs_on(0) == router.jobs_on(1) == 3
+
+
+def test_a_ring_measured_slower_gets_fewer_jobs_and_an_unmeasured_ring_is_costed_as_its_siblings():
+    swarm = Rings()
+    swarm.add(0, 3, ("a", "b"))
+    swarm.add(1, 4, ("c", "d"))
+    swarm.measured(3, 0.300)
+    swarm.measured(4, 0.100)
+    router = RingRouter(swarm)
+    got = [router.route(f"j{i}", 10, 64).ring_id for i in range(8)]
+    assert got.count(1) == 6 and got.count(0) == 2  # 3x faster: 3x the work (6 x 64 x 0.1 = 2 x 64 x 0.3)
+    swarm.add(2, 5, ("e", "f"))  # not measured yet: as the median measured ring, not the plan's guess
+    assert router.timings(swarm.rings[2])[0] == 0.2
+
+
+def test_a_job_whose_ring_breaks_is_routed_again_and_a_closed_job_keeps_its_ring_for_its_end():
+    swarm = Rings()
+    swarm.add(0, 3, ("a", "b"))
+    swarm.add(1, 4, ("c", "d"))
+    router = RingRouter(swarm)
+    first = router.route("x", 10, 64)
+    other = 1 - first.ring_id
+    del swarm.rings[first.ring_id]  # it broke; the swarm re-forms it
+    assert router.ring_for("x").ring_id == other and router.moves == 1
+    assert router.ring_for("x").ring_id == other and router.moves == 1  # stays where it moved
+    router.forget("x")
+    assert router.jobs_on(other) == 0 and router.ring_for("x").ring_id == other
+    swarm.rings.clear()
+    assert router.route("y", 10, 64) is None  # no ring: the engine says not ready
+    assert router.info() == []
