@@ -186,6 +186,8 @@ class _ScrapeCollector(Collector):
         yield _gauge("shard_ring_ready", "1 when a ring is formed", int(bool(info.get("ready"))))
         yield _gauge("shard_ring_epoch", "the current ring's epoch (0: none)", info.get("epoch") or 0)
         yield _gauge("shard_ring_stages", "stages in the current ring", len(info.get("members") or ()))
+        yield _gauge("shard_rings", "rings formed over disjoint nodes (--max-rings)", len(info.get("rings") or ()))
+        yield _gauge("shard_jobs_moved", "jobs routed to another ring because theirs broke", info.get("jobs_moved") or 0)
         yield _gauge("shard_registered_nodes", "nodes registered with the coordinator", info.get("registered_nodes") or 0)
         slots = self.metrics._slots
         if slots is not None:

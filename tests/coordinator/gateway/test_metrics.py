@@ -57,6 +57,7 @@ def test_metric_names_are_present_and_move_after_a_request(scripted):
     # parser; every counter asked for moves by exactly what one request did.
     engine = scripted([" one", " two", " three"])
     engine.info = lambda: {"ready": True, "members": [{"layers": [0, 2]}, {"layers": [2, 5]}], "epoch": 3,
+                           "rings": [{"ring_id": 0}, {"ring_id": 1}], "jobs_moved": 2,
                            "topology": {"plan": {"hops": [{"latency_s": 0.01, "latency_estimated": False,
                                                            "round_send_s": 0.001, "path": p}
                                                           for p in ("direct", "relayed", None)]}}}
@@ -90,6 +91,7 @@ def test_metric_names_are_present_and_move_after_a_request(scripted):
     assert moved["shard_inter_token_latency_seconds_count"] == tokens - len(engine.ids(" one"))
     assert after["shard_jobs_running"] == 0 and after["shard_jobs_waiting"] == 0
     assert after["shard_ring_stages"] == 2 and after["shard_ring_epoch"] == 3
+    assert after["shard_rings"] == 2 and after["shard_jobs_moved"] == 2  # replica rings (issue 21)
     assert after['shard_hop_latency_seconds{estimated="0",hop="2"}'] == 0.01
     assert after["shard_audits_total"] == 4 and after["shard_audit_evidence_total"] == 1
     # Each hop's path as /v1/ring reports it; a hop with no path yet has no series.
