@@ -51,7 +51,7 @@ class SwarmConfig:
     # would make them reload.
     rejoin_wait_s: float = 10.0
     probe_bandwidth_bytes: int = 256 << 10  # payload of the periodic upload/download probes
-    topology: TopologyConfig = TopologyConfig()
+    topology: TopologyConfig = option(TopologyConfig(), "")  # a component: its option fields are flags
     churn: ChurnPolicy = ChurnPolicy()  # how re-selection weighs weight moves against ring speed
     # "select_ring": the upload-aware selector (ring/). "all_nodes": every node is a stage,
     # layers split by speed (ring.assign), still costed by ring.evaluate.
@@ -147,7 +147,7 @@ def choose(snapshot: Snapshot, members: frozenset[PeerId], config: SwarmConfig, 
     regs = {p: snapshot.registrations[p] for p in members}
     held = seeding.held_or_stored(regs, snapshot.held, model.num_layers)  # on disk counts: moving it costs no network
     network = topology.build_network(snapshot.coordinator, regs, snapshot.links, held, cfg, model)
-    constraints = Constraints(one_per_subnet=cfg.one_per_subnet)
+    constraints = Constraints(one_per_subnet=cfg.one_per_subnet, trusted_ends=bool(cfg.trusted_peers))
     workload = cfg.workload()
     if config.planner == "all_nodes":
         try:

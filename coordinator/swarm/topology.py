@@ -18,6 +18,7 @@ from typing import Any
 
 from ring import LatencyMatrix, ModelSpec, Network, NodeInfo, PeerId, Plan, Workload, evaluate
 from shard.layers import LayerRange
+from shard.options import option
 from shard.store import ModelStore
 from shard.wire.dtypes import wire_bytes_per_token
 from shard.wire.messages import Register
@@ -39,6 +40,11 @@ class TopologyConfig:
     coordinator_link_latency_s: float = 0.0
     unknown_latency_s: float = 0.150  # a link nobody measured (ring.LatencyMatrix)
     one_per_subnet: bool = True
+    # The head sees each prompt's token ids and the tail the final hidden states: an
+    # operator may keep both ends on machines it runs (ring.Constraints.trusted_ends).
+    trusted_peers: tuple[str, ...] = option((), "comma-separated peer ids trusted to be the ring's head and tail "
+                                                "(default: none, any node may be)", parse=lambda text: tuple(
+                                                    p.strip() for p in text.split(",") if p.strip()), show=",".join)
 
     def workload(self) -> Workload:
         return Workload(self.prompt_tokens, self.output_tokens, self.prefill_chunk_tokens, self.round_tokens,
@@ -79,7 +85,7 @@ def subnet_of(peer_id: str, listen_addrs: Sequence[str]) -> str:
     return f"peer:{peer_id}"
 
 
-def node_info(reg: Register, held: LayerRange | None = None) -> NodeInfo:
+def node_info(reg: Register, held: LayerRange | None = None, trusted: bool = False) -> NodeInfo:
     """A registration as the cost model sees it. Decode speed is measured for one token,
     prefill per token of a 128-token chunk (shard.node.measure_compute)."""
     return NodeInfo(
@@ -92,6 +98,7 @@ def node_info(reg: Register, held: LayerRange | None = None) -> NodeInfo:
         subnet=subnet_of(reg.peer_id, reg.listen_addrs),
         held=held,
         bytes_per_layer=reg.bytes_per_layer,
+        trusted=trusted,
     )
 
 
@@ -168,7 +175,7 @@ def build_network(coordinator: PeerId, registrations: Mapping[PeerId, Register],
     to the coordinator (others estimated by ring.LatencyMatrix), hops into relayed nodes as
     the relay makes them (`relayed_links`, with `model`'s activation bytes per decode
     round, through `relays` where named), and what each holds."""
-    nodes = tuple(node_info(reg, held.get(peer)) for peer, reg in sorted(registrations.items()))
+    nodes = tuple(node_info(reg, held.get(peer), peer in config.trusted_peers) for peer, reg in sorted(registrations.items()))
     present = set(registrations) | {coordinator}
     links = relayed_links(links, registrations, coordinator, config, round_bytes(config, model), relays)
     measured = {(a, b): s for (a, b), s in links.items() if a in present and b in present}

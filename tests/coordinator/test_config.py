@@ -24,7 +24,7 @@ FLAGS = {"--model", "--store-dir", "--listen", "--http", "--key-path", "--local-
          "--max-concurrent-jobs", "--max-queued-jobs", "--queue-timeout-s", "--node-threads", "--node-batch-token-budget",
          "--receipts-dir", "--max-rings", "--ring-spares",
          "--audit-rate", "--log-level", "--ring-wait-s",
-         "--api-keys", "--key-max-concurrent-jobs", "--key-tokens-per-minute", "--public-health", "--public-status",
+         "--api-keys", "--key-max-concurrent-jobs", "--key-tokens-per-minute", "--public-health", "--public-status", "--trusted-peers",
          "--public-metrics", "--local-selector-split", "--node-quant", "--max-body-bytes", "--body-timeout-s",
          "--header-timeout-s", "--probation-rounds"}
 

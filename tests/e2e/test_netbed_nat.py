@@ -48,6 +48,11 @@ def wait_paths(host: NetHost, stages: int, timeout_s: float, ring: ProcRing) -> 
     raise AssertionError(f"no {stages}-stage ring with every hop's path within {timeout_s} s: {info}\n{tails(ring)}")
 
 
+def key_path(tmp_path, host: NetHost):
+    """Where `host`'s node keeps its identity (serve_one): made beforehand, its peer id is known."""
+    return tmp_path / f"{host.name}.key"
+
+
 def serve_one(tmp_path, store, model: str, coord_host: NetHost, nodes: list[NetHost], spares: list[NetHost] = (),
               coord_extra: tuple[str, ...] = ()):
     """Coordinator and `nodes` (each able to hold 1/len(nodes) of the model) as processes,
@@ -61,7 +66,8 @@ def serve_one(tmp_path, store, model: str, coord_host: NetHost, nodes: list[NetH
         addr = coord.wait_for(JOIN, 120).group(1)
         procs = {h.name: ring.spawn(h.name, node_args(addr, model, str(store.root),
                                                       memory_for_stages(store, len(nodes)) if h in nodes else 1 << 16,
-                                                      ["--listen", "/ip4/0.0.0.0/tcp/0"]), prefix=h.prefix)
+                                                      ["--listen", "/ip4/0.0.0.0/tcp/0",
+                                                       "--key-path", str(key_path(tmp_path, h))]), prefix=h.prefix)
                  for h in (*spares, *nodes)}
         wait_ring_in(coord_host, BASE, len(nodes), 180)
         status, body = in_ns(coord_host, "POST", f"{BASE}/v1/completions", {
@@ -235,3 +241,35 @@ def test_a_natted_stage_is_reached_through_a_relay_role_node_not_the_gateway(bed
     assert (hop["path"], hop["via"]) == ("relayed", peers["relay"]), (plan["hops"], peers, logs)
     roles = info["topology"]["roles"]
     assert roles[peers["relay"]]["role"] == "relay", roles
+
+
+
+def test_public_ends_and_a_natted_middle_answer_as_transformers(bed, tiny_llama, tiny_llama_store, tmp_path):
+    # Issue 19's "public head and tail, NATed middle": three nodes, each able to hold a
+    # third of the model, the two public ones trusted with the ring's ends (--trusted-peers:
+    # the head sees token ids, the tail the final states), so the NATed one must be the
+    # middle stage. Its NAT gives random ports, yet the head's hop into it ends up on a
+    # direct connection: one the middle opened to the public head itself (its link probe:
+    # "direct"), or DCUtR's dial from the middle once the head reached it through the
+    # gateway's relay (a reversal, no port prediction needed: "hole_punched"), whichever
+    # came first. So "relayed" is not the answer here while the middle may dial the head;
+    # it is only where both ends are behind NATs (the tests above). Sound: without the
+    # constraint the selector seats a NATed node at the head (test_relayed_topology), and
+    # each path is read off the sender's own ring stream.
+    from shard.identity import load_or_create_identity, peer_id_of
+
+    coord_host = bed.add_public("coord")
+    ends = [bed.add_public(f"n{i}") for i in (1, 2)]
+    (home,) = bed.add_home("r1", ["h1"], symmetric=True)
+    trusted = [peer_id_of(load_or_create_identity(key_path(tmp_path, h))) for h in ends]
+    status, body, plan, peers, logs, _ = serve_one(tmp_path, tiny_llama_store, str(tiny_llama.path), coord_host,
+                                                   [*ends, home], coord_extra=("--trusted-peers", ",".join(trusted)))
+    head, middle, tail = (s["peer_id"] for s in plan["stages"])
+    print(f"\n[public ends, NATed middle] hops: {[(h['src'][-4:], h['dst'][-4:], h['path']) for h in plan['hops']]}")
+    assert status == 200, (body, logs)
+    assert body["choices"][0]["text"] == greedy_text(tiny_llama, tiny_llama_store)
+    assert middle == peers["h1"] and {head, tail} == set(trusted), (plan, peers)
+    # Out of the middle: its own dial to the public tail (labelled hole_punched when the
+    # tail's link probe had opened a circuit to it first).
+    assert _hop(plan, head, middle)["path"] in ("direct", "hole_punched"), (plan["hops"], logs)
+    assert _hop(plan, middle, tail)["path"] in ("direct", "hole_punched"), (plan["hops"], logs)

@@ -99,3 +99,30 @@ def test_a_hop_through_a_node_relay_costs_that_relays_legs_and_upload_not_the_co
     assert out[("r", "n")] == 0.006  # the relay's own connection
     assert out[("a", "m")] == pytest.approx(0.010 + 0.030 + 5000 / 1e6)  # m's relay is the coordinator
     assert ("m", "n") not in out  # no leg m -> r measured: left to the latency estimate
+
+
+def test_trusted_ends_seat_a_natted_node_in_the_middle_and_the_flag_parses():
+    # Issue 19's "public head and tail, NATed middle": with the ends kept on trusted nodes
+    # (they see token ids and final states), the NATed node can only be the middle stage,
+    # and the hop into it is costed through the relay. Sound: the same network without
+    # trusted peers seats n at the head (the test above), so the constraint is what moved it.
+    from coordinator.swarm.formation import SwarmConfig
+    from shard.options import add_options, config_from_args
+    import argparse
+
+    cfg = TopologyConfig(prompt_tokens=64, output_tokens=32, prefill_chunk_tokens=64, trusted_peers=("a", "b"))
+    model = ModelSpec("m", 8, 1 << 20, 1024, 2048)
+    memory = 3 * model.layer_bytes_with_kv(cfg.workload().context_tokens, 0) + 1
+    regs = {p: dataclasses.replace(_reg(p, relayed=(p == "n")), memory_bytes=memory) for p in ("a", "b", "n")}
+    links = _links({(x, y): 0.010 for x in (*regs, COORD) for y in (*regs, COORD) if x < y})
+    network = topology.build_network(COORD, regs, links, {}, cfg, model)
+    assert {n.peer for n in network.nodes if n.trusted} == {"a", "b"}
+    from coordinator.swarm import formation
+    snapshot = formation.Snapshot(COORD, regs, links, {}, {})
+    decided = formation.decide(snapshot, frozenset(regs), SwarmConfig(topology=cfg),
+                               formation.ModelIdentity(model, "d", "f32", None))
+    assert [p for p, _ in decided.stages][1] == "n" and {p for p, _ in decided.stages} == {"a", "b", "n"}, decided
+    parser = argparse.ArgumentParser()
+    add_options(parser, SwarmConfig)
+    parsed = config_from_args(SwarmConfig, parser.parse_args(["--trusted-peers", "a, b,"]))
+    assert parsed.topology.trusted_peers == ("a", "b") and SwarmConfig().topology.trusted_peers == ()
