@@ -105,7 +105,7 @@ class Node:
                                cfg.link_jitter_ms, cfg.probe_timeout_s)
         self.weights = WeightServer(self.store.root, self.store.manifest, cfg.weights, open_link=self.links.open_link)
         self.scheduler = StageScheduler(lambda: self.state, self._run_batch,
-                                        SchedulerConfig(token_budget=cfg.batch_token_budget))
+                                        SchedulerConfig(token_budget=cfg.batch_token_budget, piece_rows=cfg.prefill_piece_tokens))
 
     async def serve(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Register and serve until cancelled. Error handling: a bad frame, failed job or
@@ -322,18 +322,17 @@ class Node:
             return
         if isinstance(msg, Forward):
             self.observer.stage_received(self.host.peer_id, msg)
-        rows = msg.positions.shape[0] if isinstance(msg, Forward) else 0
-        await self.scheduler.submit(Waiting(state, msg, received, msg.job_id, rows, len(received.obj)))  # .obj: the whole body
+        rows, split_row_bytes = state.worker.queued_rows(msg)
+        await self.scheduler.submit(Waiting(state, msg, received, msg.job_id, rows, len(received.obj), split_row_bytes))  # .obj: the whole body
 
-    async def _run_batch(self, state: EpochState, batch: list[Waiting]) -> None:
-        """Run a batch's frames in one forward; each output goes on to its own job's
-        successor, each failure ends its own job alone (StageScheduler.run_batch)."""
-        frames = [w for w in batch if isinstance(w.msg, Forward)]
-        outs: list = []
+    async def _run_batch(self, state: EpochState, batch: list[Waiting]) -> list[str]:
+        """Run a batch's frames (or pieces) in one forward; each output goes on to its own job's
+        successor, each failure ends its own job alone: returns their ids (StageScheduler.run_batch)."""
+        frames, outs = [w for w in batch if isinstance(w.msg, Forward)], []
         if frames:
             try:
                 outs = await trio.to_thread.run_sync(state.worker.process_frames, [(w.msg, w.received) for w in frames],
-                                                     limiter=self.compute_limiter)
+                                                     [w.piece for w in frames], limiter=self.compute_limiter)
             except Exception as exc:  # ours (or a check we missed): those jobs' end, never the node's
                 log.exception("a batch of %d frames raised", len(frames))
                 outs = [exc] * len(frames)
@@ -345,7 +344,7 @@ class Node:
                 await self._job_error(msg, type(out).__name__, str(out))
             elif isinstance(out, Exception):
                 await self._job_error(msg, "internal_error", f"{type(out).__name__}: {out}")
-            else:
+            elif out is not None:  # None: a piece of a frame whose last rows run in a later forward
                 self.observer.stage_computed(self.host.peer_id, msg)
                 sends.append((out[1], msg))
         for w in batch:
@@ -356,6 +355,7 @@ class Node:
                     sends.append((encode(w.msg), None))
         if sends:
             await self._outbox.send((state, sends))  # returns at once unless OUTBOX_BATCHES wait
+        return [w.job_id for w, out in zip(frames, outs) if isinstance(out, Exception)]
 
     async def _send_ring_loop(self, outbox: trio.MemoryReceiveChannel) -> None:
         """Send computed frames to the successor in the order they were computed. A frame

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shard.batch_plan import DEFAULT_TOKEN_BUDGET
+from shard.batch_plan import DEFAULT_PIECE_ROWS, DEFAULT_TOKEN_BUDGET
 from shard.layers import LayerRange
 from shard.manifest import layer_file, layer_tensor_shapes
 from shard.options import option
@@ -52,6 +52,8 @@ class NodeConfig:
     weights: WeightsConfig = WeightsConfig()  # fetching and seeding weight files (shard.weight_plan)
     batch_token_budget: int = option(DEFAULT_TOKEN_BUDGET, "rows one forward may carry across the jobs waiting at "
                                      "this stage (prefill chunks and decode rows share it); 1 = one frame per forward")
+    prefill_piece_tokens: int = option(DEFAULT_PIECE_ROWS, "prefill rows one forward carries while decode rows wait or "
+                                       "ran within the last second (a longer chunk runs in pieces); 0 = never split")
     # shard-coord serve --local-nodes passes its own pid: a gateway killed with SIGKILL
     # cannot stop its children, which otherwise retried the gone coordinator forever.
     exit_with_parent_pid: int = option(0, "exit once this process' parent is no longer this pid (0 = never)")

@@ -118,10 +118,11 @@ class RotaryTable:
         self.cos = (emb.cos() * self.scale).to(self.dtype).to(self.device)
         self.sin = (emb.sin() * self.scale).to(self.dtype).to(self.device)
 
-    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions (T,) int -> cos, sin each (T, D)."""
+    def lookup(self, positions: torch.Tensor, reach: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions (T,) int -> cos, sin each (T, D). `reach`: the end of the frame these
+        positions are a piece of (longrope picks its factors by the whole frame's)."""
         need = int(positions.max()) + 1 if positions.numel() else 0
-        if self.long is not None and need > self.long_from:
+        if self.long is not None and max(need, reach) > self.long_from:
             return self.long.lookup(positions)
         if need > self.cos.shape[0]:
             self._grow(need)

@@ -74,6 +74,9 @@ class StageFrame:
     commit_src: tuple[int, ...] = ()
     commit_dst: int = 0
     capture: tuple[int, ...] = ()
+    # A piece of a longer prefill chunk (StageWorker): the chunk's end position + 1, by which
+    # longrope picks its factors for every piece as for the whole chunk (0: this frame's own).
+    rope_reach: int = 0
 
 
 @dataclass
@@ -206,8 +209,8 @@ class Stage:
                 raise StageInputError("token id", cfg.vocab_size - 1, int(x.max()) if int(x.min()) >= 0 else int(x.min()))
         elif x.shape != (t, cfg.hidden_size):
             raise StageInputError("hidden shape", (t, cfg.hidden_size), tuple(x.shape))
-        rope = self.rotary.lookup(positions)  # cos, sin: (T, D) each
-        local_rope = self.local_rotary.lookup(positions)
+        rope = self.rotary.lookup(positions, frame.rope_reach)  # cos, sin: (T, D) each
+        local_rope = self.local_rotary.lookup(positions, frame.rope_reach)
         frame.job.ensure(ctx_len + t)
         frame.job.commit(list(frame.commit_src), frame.commit_dst)
         if self.is_head:

@@ -1,28 +1,37 @@
 """A stage's waiting frames and the one task that runs them, several jobs per forward (issue 21).
 
 Frames decoded off every ring stream wait here in arrival order. One task takes what is
-waiting now (shard.batch_plan.take_batch: the oldest, at most one frame per job, a token
+waiting now (shard.batch_plan.plan_batch: the oldest, at most one frame per job, a token
 budget shared by prefill chunks and decode rows) and hands it to `run_batch`, which runs
 it as one forward and sends each frame's outcome on its own. A frame never waits for
 company: when the task is free and one frame waits, that frame runs alone at once; frames
 that arrive while a forward runs share the next one. Frames of an epoch the node no
 longer serves are dropped unrun (their outputs would be dropped unsent anyway).
 
-Bounded: at most `max_waiting_frames` frames and `max_waiting_bytes` of frame bodies wait
-(one frame is always let in, however large); past them `submit` blocks, so the ring
-stream stops being read and the predecessor's sends back up (yamux's window).
+A long prefill chunk runs in pieces while decode rows are about (waiting now, or taken
+within `busy_window_s` by a job not ended since): each forward carries one piece
+(`Waiting.piece`, rows [start, stop) of the frame) beside the decode rows, the frame stays
+first among its job's frames until its last piece is taken, and the worker sends its
+output once, whole. A piece that fails ends its frame: run_batch names the jobs whose
+frame failed and their part-done frames leave the queue.
+
+Bounded: at most `max_waiting_frames` frames and `max_waiting_bytes` of frame bodies, and
+of the outputs a part-done frame's pieces keep, wait (one frame is always let in, however
+large); past them `submit` blocks, so the ring stream stops being read and the
+predecessor's sends back up (yamux's window).
 Does not decode frames, know peers, tensors or streams, or send anything itself.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 
 import trio
 
-from shard.batch_plan import DEFAULT_TOKEN_BUDGET, take_batch
+from shard.batch_plan import DEFAULT_PIECE_ROWS, DEFAULT_TOKEN_BUDGET, plan_batch
 
 log = logging.getLogger("shard.node")
 
@@ -33,6 +42,12 @@ class SchedulerConfig:
 
     # Rows one forward may carry across jobs (shard.batch_plan); 1 runs one frame per forward.
     token_budget: int = DEFAULT_TOKEN_BUDGET
+    # Prefill rows per forward while decode rows are about (shard.batch_plan); 0: never split.
+    piece_rows: int = DEFAULT_PIECE_ROWS
+    # Decode rows taken this recently count as about even when none waits: a ring's decode
+    # rows come back within a round trip (well under a second on a loaded loopback ring at
+    # 16 streams), and a prefill chunk taken whole in that gap would stall them on return.
+    busy_window_s: float = 1.0
     # Enough for every frame of 64 jobs' pipelined rounds (4 in flight each) to wait at once.
     max_waiting_frames: int = 256
     # A few of the largest frames (2048 tokens of a 4096-wide model in f32 is 32 MiB).
@@ -42,7 +57,10 @@ class SchedulerConfig:
 @dataclass(frozen=True)
 class Waiting:
     """One frame waiting for a forward: the epoch state it arrived under, the decoded
-    message, its canonical bytes as received, its rows and the bytes it holds."""
+    message, its canonical bytes as received, its rows (0: the job's end) and the bytes it
+    holds; split_row_bytes: the output bytes per row its worker keeps while it runs in
+    pieces (0: it runs whole). In a batch, `piece` is the rows [start, stop) to run now
+    (None: the whole frame)."""
 
     state: object
     msg: object
@@ -50,20 +68,29 @@ class Waiting:
     job_id: str
     rows: int
     nbytes: int
+    split_row_bytes: int = 0
+    piece: tuple[int, int] | None = None
+
+
+# run_batch(state, frames) -> the ids of the jobs whose frame failed (None: none).
+RunBatch = Callable[[object, list[Waiting]], Awaitable[Iterable[str] | None]]
 
 
 class StageScheduler:
     """`current()`: the epoch state frames are served under now (None: off the ring).
-    `run_batch(state, frames)`: run frames of distinct jobs (arrival order) as one forward
-    and deliver each one's outcome; it must not raise for a frame's fault."""
+    `run_batch(state, frames)`: run frames (or pieces) of distinct jobs (arrival order) as
+    one forward and deliver each one's outcome; it must not raise for a frame's fault.
+    `clock()`: seconds (trio's clock by default)."""
 
-    def __init__(self, current: Callable[[], object], run_batch: Callable[[object, list[Waiting]], Awaitable[None]],
-                 config: SchedulerConfig = SchedulerConfig()) -> None:
-        self.current, self.run_batch, self.config = current, run_batch, config
+    def __init__(self, current: Callable[[], object], run_batch: RunBatch, config: SchedulerConfig = SchedulerConfig(),
+                 clock: Callable[[], float] = trio.current_time) -> None:
+        self.current, self.run_batch, self.config, self.clock = current, run_batch, config, clock
         self.waiting: list[Waiting] = []
         self.waiting_bytes = 0
+        self.done: dict[str, int] = {}  # job id -> rows run of its first waiting frame (part done)
+        self.decoding: dict[str, float] = {}  # job id -> when its last decode or verify rows were taken
         self._changed = trio.Event()  # set (and replaced) whenever a frame arrives or leaves
-        self.forwards = 0  # batches run, and frames they carried (for tests and benchmarks)
+        self.forwards = 0  # batches run, and frames (or pieces) they carried (for tests and benchmarks)
         self.frames_run = 0
 
     def _notify(self) -> None:
@@ -75,6 +102,14 @@ class StageScheduler:
         return bool(self.waiting) and (len(self.waiting) >= cfg.max_waiting_frames
                                        or self.waiting_bytes + nbytes > cfg.max_waiting_bytes)
 
+    def _count_bytes(self) -> None:
+        """Bodies waiting, plus the outputs part-done frames keep at their worker."""
+        firsts: dict[str, Waiting] = {}
+        for w in self.waiting:
+            firsts.setdefault(w.job_id, w)
+        kept = sum(rows * firsts[job].split_row_bytes for job, rows in self.done.items() if job in firsts)
+        self.waiting_bytes = sum(w.nbytes for w in self.waiting) + kept
+
     async def submit(self, frame: Waiting) -> None:
         """Queue a frame; blocks while the bounds are reached (backpressure on its stream)."""
         while self._full(frame.nbytes):
@@ -84,26 +119,60 @@ class StageScheduler:
         self._notify()
 
     def take_nowait(self) -> tuple[object, list[Waiting]]:
-        """The next batch of frames waiting now, removed from the queue, and the state they
-        run under; frames of a state no longer current are dropped first. ([], if none.)"""
-        state = self.current()
+        """The next batch of frames (or pieces) waiting now and the state they run under; a
+        frame leaves the queue once its last piece is taken. Frames of a state no longer
+        current are dropped first, part done or not. ([], if none.)"""
+        state, now = self.current(), self.clock()
         stale = [w for w in self.waiting if w.state is not state]
         if stale:
             log.info("dropped %d waiting frames of a former epoch", len(stale))
+            for w in stale:
+                self.done.pop(w.job_id, None)
         live = [w for w in self.waiting if w.state is state]
-        picked = take_batch([(w.job_id, w.rows) for w in live], self.config.token_budget)
-        batch = [live[i] for i in picked]
-        chosen = set(picked)
-        self.waiting = [w for i, w in enumerate(live) if i not in chosen]
-        self.waiting_bytes = sum(w.nbytes for w in self.waiting)
+        window = self.config.busy_window_s
+        self.decoding = {job: t for job, t in self.decoding.items() if now - t <= window}
+        firsts: set[str] = set()
+        queued = []
+        for w in live:  # only a job's first waiting frame can be part done
+            done = self.done.get(w.job_id, 0) if w.job_id not in firsts else 0
+            firsts.add(w.job_id)
+            queued.append((w.job_id, w.rows - done, w.split_row_bytes > 0))
+        ending = {w.job_id for w in live if w.rows == 0}  # a job whose end waits sends no more rows
+        busy = any(job not in ending for job in self.decoding)
+        picked = plan_batch(queued, self.config.token_budget, self.config.piece_rows, busy)
+        batch, finished = [], set()
+        for i, n in picked:
+            w = live[i]
+            start = self.done.pop(w.job_id, 0)
+            if start + n < w.rows:
+                self.done[w.job_id] = start + n
+            else:
+                finished.add(i)
+            batch.append(w if (start, n) == (0, w.rows) else dataclasses.replace(w, piece=(start, start + n)))
+            if w.rows == 0:
+                self.decoding.pop(w.job_id, None)  # the job ended
+            elif not w.split_row_bytes:
+                self.decoding[w.job_id] = now
+        self.waiting = [w for i, w in enumerate(live) if i not in finished]
+        self._count_bytes()
         if stale or batch:
             self._notify()
         return state, batch
 
+    def drop_failed(self, job_ids: Iterable[str]) -> None:
+        """A failed piece ends its frame: the rest of a part-done frame of these jobs leaves."""
+        for job_id in job_ids:
+            if self.done.pop(job_id, None) is not None:
+                first = next(i for i, w in enumerate(self.waiting) if w.job_id == job_id)
+                del self.waiting[first]
+                self._count_bytes()
+                self._notify()
+
     async def serve(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Run batches until cancelled, each as soon as the previous one is done and a frame
-        waits. Error handling: run_batch owns each frame's failure; an exception escaping
-        it is a bug and ends the node's session. Resource handling: none held."""
+        waits. Error handling: run_batch owns each frame's failure and names the jobs whose
+        frame failed; an exception escaping it is a bug and ends the node's session.
+        Resource handling: none held."""
         task_status.started()
         while True:
             while not self.waiting:
@@ -112,4 +181,4 @@ class StageScheduler:
             if batch:
                 self.forwards += 1
                 self.frames_run += len(batch)
-                await self.run_batch(state, batch)
+                self.drop_failed(await self.run_batch(state, batch) or ())

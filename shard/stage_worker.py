@@ -6,6 +6,10 @@ stage forward, attaches EAGLE aux features for the layers it owns, and builds th
 Forward for its successor, or the Result for the coordinator when it is the tail;
 process_frame also encodes it and has it signed, over the very bytes it received and
 the canonical bytes it sends (no re-encoding for the receipt).
+A long prefill chunk may run in pieces, rows [start, stop) per forward (the scheduler picks
+them, shard.batch_plan): each piece's rows attend to the K/V the earlier ones wrote, the
+worker keeps the pieces' outputs and sends the frame's output once, whole, when its last
+piece has run (one receipt over the whole frame's bytes, as if it had run in one forward).
 It does not know peers, streams or which peer sent the frame (the node checks that).
 """
 
@@ -15,7 +19,7 @@ import dataclasses
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -25,6 +29,8 @@ from shard.kvcache import KVCache
 from shard.stage import Stage, StageFrame, StageInputError
 from shard.wire.codec import encode_body, encode_trailer
 from shard.wire.messages import Forward, Result
+
+Piece = tuple[int, int]  # rows [start, stop) of a frame, run in one forward
 
 # Extra slots past the model's context so a full-context job can still hold a draft tree.
 DRAFT_SLACK_SLOTS = 128
@@ -59,6 +65,39 @@ ReceiptSigner = Callable[[Forward, "bytes | memoryview", bytes], bytes]
 WallClock = Callable[[], float]  # Unix seconds (time.time): where a stage's clock_s stamps and Pongs read the time
 
 
+@dataclass
+class _Pieces:
+    """What the pieces run so far of one frame produced: hidden rows, captured layers'
+    rows, and the seconds of the forwards they rode in."""
+
+    fwd: Forward
+    rows: int = 0
+    hidden: list[torch.Tensor] = field(default_factory=list)
+    captured: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+    forward_s: float = 0.0
+
+    def add(self, h: torch.Tensor, captured: dict[int, torch.Tensor], forward_s: float) -> None:
+        self.rows += h.shape[0]
+        self.hidden.append(h)
+        for layer, rows in captured.items():
+            self.captured.setdefault(layer, []).append(rows)
+        self.forward_s += forward_s
+
+    def whole(self) -> tuple[torch.Tensor, dict[int, torch.Tensor], float]:
+        return (torch.cat(self.hidden), {layer: torch.cat(rows) for layer, rows in self.captured.items()},
+                self.forward_s)
+
+
+def splittable(fwd: Forward) -> bool:
+    """A frame that may run in pieces: a prefill chunk of several rows at the positions
+    right after its context (a causal chain: a piece's rows see the context and the rows
+    before them, which is what the earlier pieces leave in the cache; slot = position)."""
+    t = fwd.positions.shape[0]
+    x = fwd.tokens if fwd.tokens is not None else fwd.hidden
+    return (fwd.phase == "prefill" and t > 1 and fwd.tree_parents is None and x is not None and x.shape[0] == t
+            and torch.equal(fwd.positions, torch.arange(fwd.ctx_len, fwd.ctx_len + t, dtype=fwd.positions.dtype)))
+
+
 class StageWorker:
     """`clock()`: seconds, monotonic; when each job last ran a frame (for evict_idle)."""
 
@@ -70,10 +109,23 @@ class StageWorker:
                              config.max_kv_bytes, stage.device)
         self.last_used_s: dict[str, float] = {}
         self.evicted: OrderedDict[str, float] = OrderedDict()  # job id -> seconds it sat idle
+        self.pieces: dict[str, _Pieces] = {}  # job id -> its part-run frame's outputs so far
 
     def end_job(self, job_id: str) -> None:
         self.cache.close(job_id)
         self.last_used_s.pop(job_id, None)
+        self.pieces.pop(job_id, None)
+
+    def queued_rows(self, msg: object) -> tuple[int, int]:
+        """(rows, output bytes per row kept while it runs in pieces; 0: it runs whole) of a
+        message queued for this worker (shard.stage_scheduler.Waiting); a job's end has none."""
+        if not isinstance(msg, Forward):
+            return 0, 0
+        rows = msg.positions.shape[0]
+        if not splittable(msg):
+            return rows, 0
+        kept = 1 + sum(layer in self.stage.layers for layer in msg.want_aux_layers)  # hidden + captured rows
+        return rows, kept * self.stage.cfg.hidden_size * self.stage.dtype.itemsize
 
     def evict_idle(self, idle_s: float) -> list[str]:
         """Free the KV of every job that ran no frame for more than `idle_s` (a predecessor
@@ -99,14 +151,16 @@ class StageWorker:
             raise out
         return out
 
-    def process_frames(self, frames: list[tuple[Forward, bytes | memoryview]]
-                       ) -> list[tuple[Forward | Result, bytes] | ShardError]:
+    def process_frames(self, frames: list[tuple[Forward, bytes | memoryview]], pieces: list[Piece | None] | None = None
+                       ) -> list[tuple[Forward | Result, bytes] | ShardError | None]:
         """process_frame for frames of distinct jobs in one stage forward (Stage.forward_batch):
-        per frame, its (message, wire body) or the ShardError it alone raised. Each output
-        is encoded and signed on its own, over its own frame's bytes."""
-        outs = self.compute([fwd for fwd, _ in frames])
+        per frame, its (message, wire body), the ShardError it alone raised, or None for a
+        piece (`pieces[i]`, rows [start, stop); None: the whole frame) whose frame has rows
+        left for later forwards. Each output is encoded and signed on its own, over its own
+        whole frame's bytes."""
+        outs = self.compute([fwd for fwd, _ in frames], pieces)
         for i, ((fwd, received), out) in enumerate(zip(frames, outs)):
-            if isinstance(out, ShardError):
+            if out is None or isinstance(out, ShardError):
                 continue
             try:
                 body = encode_body(out)  # checked: we never send what the successor must refuse
@@ -128,26 +182,43 @@ class StageWorker:
             raise out
         return out
 
-    def compute(self, fwds: list[Forward]) -> list[Forward | Result | ShardError]:
-        """Run frames of distinct jobs in one forward: per frame, its output message
-        (unsigned, not encoded) or the ShardError it alone raised."""
+    def compute(self, fwds: list[Forward], pieces: list[Piece | None] | None = None
+                ) -> list[Forward | Result | ShardError | None]:
+        """Run frames (or pieces of frames) of distinct jobs in one forward: per frame, its
+        output message (unsigned, not encoded), the ShardError it alone raised (which ends
+        a part-run frame), or None for a piece whose frame has rows left."""
+        pieces = pieces or [None] * len(fwds)
         outs: list = [None] * len(fwds)
         frames, ready = [], []
-        for i, fwd in enumerate(fwds):
+        for i, (fwd, piece) in enumerate(zip(fwds, pieces)):
             try:
-                frames.append(self._stage_frame(fwd))
+                frames.append(self._stage_frame(fwd, piece))
                 ready.append(i)
             except ShardError as exc:
                 outs[i] = exc
+                self.pieces.pop(fwd.job_id, None)
         started = time.perf_counter()
         results = self.stage.forward_batch(frames) if frames else []
         compute_s = time.perf_counter() - started  # the batch's forward, charged to each of its frames
         for i, result in zip(ready, results):
-            outs[i] = result if isinstance(result, ShardError) else self._message(fwds[i], *result, compute_s)
+            fwd, piece = fwds[i], pieces[i]
+            if isinstance(result, ShardError):
+                outs[i] = result
+                self.pieces.pop(fwd.job_id, None)
+            elif piece is None:
+                outs[i] = self._message(fwd, *result, compute_s)
+            else:
+                part = self.pieces[fwd.job_id]
+                part.add(*result, compute_s)
+                if piece[1] == fwd.positions.shape[0]:  # its last piece: the frame's output, whole
+                    del self.pieces[fwd.job_id]
+                    outs[i] = self._message(fwd, *part.whole())
         return outs
 
-    def _stage_frame(self, fwd: Forward) -> StageFrame:
-        """fwd's job cache (opened on its first frame) and input, checked."""
+    def _stage_frame(self, fwd: Forward, piece: Piece | None = None) -> StageFrame:
+        """fwd's job cache (opened on its first frame) and input (rows `piece` of it), checked."""
+        if piece is not None:
+            self._check_piece(fwd, piece)
         if fwd.job_id not in self.cache.jobs and fwd.job_id in self.evicted:
             if fwd.ctx_len > 0:
                 raise CacheError(f"KV cache of job {fwd.job_id!r} was freed after {self.evicted[fwd.job_id]:.0f} s "
@@ -169,8 +240,28 @@ class StageWorker:
             job = self.cache.open(fwd.job_id, self.config.max_context_tokens + DRAFT_SLACK_SLOTS)
         self.last_used_s[fwd.job_id] = self.clock()  # only a job that holds KV (a refused frame's id is no entry)
         wanted = tuple(layer for layer in fwd.want_aux_layers if layer in stage.layers)
-        return StageFrame(job, x, fwd.ctx_len, fwd.positions, fwd.tree_parents, tuple(fwd.commit_src), fwd.commit_dst,
-                          wanted)
+        if piece is None:
+            return StageFrame(job, x, fwd.ctx_len, fwd.positions, fwd.tree_parents, tuple(fwd.commit_src),
+                              fwd.commit_dst, wanted)
+        start, stop = piece
+        reach = fwd.ctx_len + fwd.positions.shape[0]
+        if start == 0:  # the first piece carries the frame's commit; a fresh record of its outputs
+            self.pieces[fwd.job_id] = _Pieces(fwd)
+            return StageFrame(job, x[:stop], fwd.ctx_len, fwd.positions[:stop], None, tuple(fwd.commit_src),
+                              fwd.commit_dst, wanted, reach)
+        # A later piece: its rows follow the earlier pieces' in the cache (slot = position).
+        return StageFrame(job, x[start:stop], fwd.ctx_len + start, fwd.positions[start:stop], capture=wanted,
+                          rope_reach=reach)
+
+    def _check_piece(self, fwd: Forward, piece: Piece) -> None:
+        """A piece is rows [start, stop) of a splittable frame, right after the rows run so far."""
+        start, stop = piece
+        if not splittable(fwd) or not 0 <= start < stop <= fwd.positions.shape[0]:
+            raise StageInputError("piece of a prefill chunk (rows)", f"[0, {fwd.positions.shape[0]})", piece)
+        part = self.pieces.get(fwd.job_id)
+        done = part.rows if part is not None and part.fwd is fwd else 0
+        if start != done:
+            raise StageInputError("first row of the next piece of a frame", done, start)
 
     def _message(self, fwd: Forward, h: torch.Tensor, captured: dict[int, torch.Tensor],
                  forward_s: float) -> Forward | Result:
