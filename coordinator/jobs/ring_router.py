@@ -40,6 +40,7 @@ class RingRouter:
         self.pinned: dict[str, Pinned] = {}
         self._closed: deque[str] = deque()  # closed jobs still pinned, oldest first (at most CLOSED_KEPT)
         self.moves = 0  # jobs routed again because their ring broke
+        swarm.busy = self.running_on  # a join's re-form of a ring waits for its jobs (coordinator.swarm.forming.drain)
 
     def route(self, job_id: str, prompt_tokens: int, max_tokens: int | None) -> RingState | None:
         """Pin a new job to the ring predicting its earliest completion; None if none is formed."""
@@ -86,6 +87,11 @@ class RingRouter:
     def ring_with_tail(self, peer: str) -> RingState | None:
         """The formed ring whose tail is `peer` (its results are ours to take)."""
         return next((r for r in self.swarm.rings.values() if r.tail == peer), None)
+
+    def running_on(self, epoch: int) -> int:
+        """Jobs open on the ring of `epoch` (0 once it is gone)."""
+        ring = self.swarm.ring_by_epoch(epoch)
+        return self.jobs_on(ring.ring_id) if ring is not None else 0
 
     def jobs_on(self, ring_id: int) -> int:
         return sum(1 for p in self.pinned.values() if p.ring_id == ring_id and not p.closed)

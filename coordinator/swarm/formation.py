@@ -61,6 +61,8 @@ class SwarmConfig:
     max_rings: int = option(1, "form up to this many rings over disjoint nodes when the pool holds enough (1: one ring)")
     ring_spares: int | None = option(None, "nodes kept off every ring for the first ring's roles before another "
                                            "ring forms (default: one hot standby per stage of the first ring)")
+    drain_s: float = option(60.0, "with one ring, a re-form that a join asks for waits at most this long for the "
+                                  "ring's running jobs to finish (they would re-prefill on the new ring)")
 
     def __post_init__(self) -> None:
         if self.planner not in ("select_ring", "all_nodes"):

@@ -46,8 +46,11 @@ async def form(swarm: Swarm, members: frozenset[PeerId]) -> None:
     if not decision.new_ring:
         # Same ring: keep the epoch (and every job's KV); only roles may have changed.
         _adopt(swarm, decision)
+        swarm.drain_until = None
         await send_roles(swarm, decision.roles)
         return
+    if swarm.ring is not None and ring_set.peers_of(swarm.ring) <= members and not await drain(swarm, members):
+        return  # membership changed while the ring drained: the formation loop decides again
     swarm._set_ring(None)
     swarm.epoch = epoch = decision.epoch
     assignments = [sign(swarm, a) for a in decision.assignments]
@@ -68,7 +71,27 @@ async def form(swarm: Swarm, members: frozenset[PeerId]) -> None:
         _adopt(swarm, decision)
         swarm.traversals.clear()
         swarm._set_ring(RingState(epoch, decision.stages, tuple(assignments)))
+        swarm.drain_until = None
         log.info("ring epoch %d ready", epoch)
+
+
+async def drain(swarm: Swarm, members: frozenset[PeerId]) -> bool:
+    """The ring in force is whole but a join makes formation choose another: wait until its
+    running jobs finish, so none re-prefills on the new ring, but at most `drain_s` from the
+    first wait (then they resume there). New requests still go to the ring in force. False
+    when the eligible membership changed meanwhile (the loop decides again, same deadline)."""
+    epoch = swarm.ring.epoch
+    if swarm.drain_until is None:
+        swarm.drain_until = trio.current_time() + swarm.config.drain_s
+        if swarm.busy(epoch):
+            log.info("ring epoch %d drains its %d running jobs (at most %.0f s) before it re-forms",
+                     epoch, swarm.busy(epoch), swarm.config.drain_s)
+    while swarm.busy(epoch) and trio.current_time() < swarm.drain_until:
+        if swarm._eligible() != members:
+            return False
+        with trio.move_on_after(0.2):
+            await swarm._changed.wait()
+    return True
 
 
 async def form_rings(swarm: Swarm, members: frozenset[PeerId]) -> None:

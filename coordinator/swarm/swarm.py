@@ -19,7 +19,7 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import trio
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -109,6 +109,8 @@ class Swarm:
         self.traversals, self.fetches, self.clocks = TraversalLog(), seeding.FetchLog(), clock_offset.ClockOffsets()  # measured against predicted; nodes' clocks against ours
         self._awaiting_reports: set[PeerId] = set()
         self._formed_for: frozenset[PeerId] | None = None  # eligible members at the last formation
+        self.busy: Callable[[int], int] = lambda epoch: 0  # jobs running on ring `epoch` (the engine's router sets it)
+        self.drain_until: float | None = None  # a join's re-form waits for running jobs until then (forming.drain)
 
     # -- control streams -------------------------------------------------------------
     async def handle_control(self, stream: FramedStream) -> None:
