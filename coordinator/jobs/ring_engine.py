@@ -91,6 +91,7 @@ class RingEngine:
         self.probation = probation.ProbationPolicy(config.probation_rounds)
         self.clean_rounds: probation.Book = {}
         self.shadow: Shadow | None = Shadow(store)  # None: this store cannot recompute (no layers)
+        self.probation_off: str | None = None  # why newcomers' rounds go out unverified, for /v1/ring
 
     def make_drafters(self) -> list[Drafter]:
         """Fresh drafters for one job; several means the router picks per round (hybrid),
@@ -145,7 +146,10 @@ class RingEngine:
 
     def info(self) -> dict[str, Any]:
         """/v1/ring: the first ring's fields as ever, and every ring (coordinator.jobs.ring_router)."""
-        return self.router.status(self.model_id, len(self._jobs))
+        verified = "off" if self.probation.clean_rounds == 0 else "no" if self.probation_off else "before release"
+        return {**self.router.status(self.model_id, len(self._jobs)),
+                "probation": {"clean_rounds": self.probation.clean_rounds, "rounds_verified": verified,
+                              "why_not": self.probation_off}}
 
     def clock_offsets_s(self, epoch: int) -> tuple[float, ...] | None:
         """Ring `epoch`'s stages' clock offsets against ours, in ring order (hop_times
@@ -254,7 +258,9 @@ class RingEngine:
             try:
                 await self.shadow.feed(ring, msg, self.quant_of())
             except (OSError, KeyError, ShardError) as exc:  # the store lacks a slice: audits alone vouch for newcomers
-                log.warning("probation checks are off: this coordinator cannot recompute the ring (%s)", exc)
+                self.probation_off = (f"this gateway cannot recompute the ring ({exc}); no verifier path yet: "
+                                      f"newcomers are vouched for by audits alone")
+                log.warning("probation checks are off: %s", self.probation_off)
                 self.shadow = None
 
     def verify_round(self, ring: RingState, result: Result) -> None:
@@ -278,6 +284,9 @@ class RingEngine:
             verdict = probation.blame(self.clean_rounds, suspects)
             if verdict.faulty is not None:
                 self.swarm.mark_faulty(verdict.faulty, f"on probation: {what}")
+                if self.receipts is not None:  # signed evidence against its receipt, as an audit's catch
+                    at = [p for p, _ in ring.stages].index(verdict.faulty)
+                    self.receipts.sign_catch(result, verdict.faulty, self.shadow.stage_digest(result, at), spot)
             for peer in verdict.sit_out:
                 self.swarm.report_unreachable(peer, f"on probation, as new as another: {what}", "unverified")
         raise JobFailedError(f"{what}; its tokens were not released")

@@ -7,7 +7,9 @@ the HTTP layer turns into a clear 503, never caught by the resume loop). At the 
 verified rounds, the assignments of every epoch the job used and the request/output token
 digests are signed into a `Bundle`, kept in memory (`recent` most recent) and appended to
 a BundleStore when a directory is configured. Finished jobs leave on a channel (to the
-auditor). The layer count and digests come from the coordinator's own model store; the
+auditor). A round that probation (coordinator.trust.shadow) caught is signed here as
+evidence against the blamed stage's own receipt (`sign_catch`), as an audit's catch is.
+The layer count and digests come from the coordinator's own model store; the
 expected signers from the epoch's signed assignments (peer id -> Ed25519 key).
 
 It does not send frames, choose rings, or recompute anything (coordinator.trust.audit does).
@@ -27,12 +29,17 @@ from coordinator.swarm.swarm import RingState
 from receipts import (
     Assignment,
     BundleStore,
+    EvidenceRecord,
+    MalformedError,
     NodeKey,
     Receipt,
     RoundRecord,
     StageAssignment,
+    SpotCheck,
     VerificationError,
+    decode_receipt,
     sign_bundle,
+    sign_evidence,
     token_digest,
     verify_chain,
 )
@@ -52,6 +59,7 @@ class ReceiptConfig:
     enabled: bool = True  # check every round's receipts and bundle every job
     receipts_dir: str | None = option(None, "append every job's signed receipt bundle here (default: memory only)")
     recent_bundles: int = 1024  # bundles kept in memory for GET /v1/receipts/{id}
+    recent_evidence: int = 256  # probation catches' evidence records kept in memory
 
 
 
@@ -97,6 +105,26 @@ class ReceiptChecker:
         self.bundle_store = BundleStore(config.receipts_dir) if config.receipts_dir else None
         self._epochs: dict[int, EpochView] = {}
         self._recent: OrderedDict[str, dict] = OrderedDict()
+        self.evidence: list[EvidenceRecord] = []  # probation catches (sign_catch), newest last
+
+    def sign_catch(self, result: Result, peer: PeerId, recomputed_digest: bytes | None,
+                   check: SpotCheck) -> EvidenceRecord | None:
+        """Sign evidence that `peer`'s output for `result`'s round failed `check` against
+        this coordinator's recomputation (`recomputed_digest`: of what `peer` should have
+        sent), embedding `peer`'s own receipt for the round from `result`; kept in
+        `evidence`. None when `result` carries no such receipt (none is accepted unchecked)."""
+        key = public_key_of_peer(peer)
+        for raw in result.receipts:
+            try:
+                receipt = decode_receipt(raw)
+            except MalformedError:
+                continue
+            if receipt.signer == key and receipt.job_id == result.job_id and receipt.round == result.round:
+                record = sign_evidence(self.key, receipt=receipt, recomputed_digest=recomputed_digest or bytes(32),
+                                       check=check)
+                self.evidence = [*self.evidence, record][-self.config.recent_evidence:]
+                return record
+        return None
 
     def epoch_view(self, ring: RingState) -> EpochView:
         view = self._epochs.get(ring.epoch)

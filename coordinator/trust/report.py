@@ -1,7 +1,7 @@
 """What the trust wing has found, as JSON for the operator (the status page, /metrics):
 whether receipts are checked, who recomputes audited slices (verifier nodes, and this
-gateway only as a fallback when it holds the layers), the auditor's counts, its newest
-evidence and the nodes audits excluded from rings.
+gateway only as a fallback when it holds the layers), the auditor's counts, the newest
+evidence (audits' and probation's catches) and the nodes audits excluded from rings.
 
 Pure: the checker and the auditor in, a dict out. It decides nothing and changes nothing.
 """
@@ -15,7 +15,7 @@ from coordinator.trust.receipt_check import ReceiptChecker
 from shard.identity import peer_id_from_public_key
 from shard.layers import LayerRange
 
-RECENT_EVIDENCE = 10
+RECENT_EVIDENCE = 10  # of each kind: audits' and probation's
 
 
 def recomputed_by(auditor: Auditor) -> str:
@@ -34,15 +34,16 @@ def trust_report(checker: ReceiptChecker | None, auditor: Auditor | None) -> dic
         return {"receipts": receipts, "audits": None, "faulty": {}}
     s = auditor.stats
     evidence = []
-    for record in auditor.evidence[-RECENT_EVIDENCE:][::-1]:
+    caught = {"audit": auditor.evidence, "probation": checker.evidence if checker is not None else []}
+    for found_by, record in [(k, r) for k, records in caught.items() for r in records[-RECENT_EVIDENCE:][::-1]]:
         r, check = record.receipt, record.check
         evidence.append({"peer_id": peer_id_from_public_key(r.signer), "job_id": r.job_id, "round": r.round,
                          "layers": [r.layer_start, r.layer_end], "outliers": check.num_outliers,
-                         "elements": check.num_elements, "max_abs_error": check.max_abs_error})
+                         "elements": check.num_elements, "max_abs_error": check.max_abs_error, "found_by": found_by})
     audits = {"rate": auditor.config.rate, "recomputed_by": recomputed_by(auditor), "audits": s.audits,
               "frames_compared": s.frames_compared, "replay_s": s.replay_s, "by_verifiers": s.by_verifiers,
               "by_coordinator": s.by_coordinator, "second_opinions": s.second_opinions, "unsettled": s.unsettled,
               "lying_verifiers": s.lying_verifiers, "skipped_stale": s.skipped_stale, "skipped_gone": s.skipped_gone,
-              "skipped_no_verifier": s.skipped_no_verifier, "evidence": len(auditor.evidence),
+              "skipped_no_verifier": s.skipped_no_verifier, "evidence": sum(map(len, caught.values())),
               "recent_evidence": evidence}
     return {"receipts": receipts, "audits": audits, "faulty": dict(auditor.swarm.faulty)}

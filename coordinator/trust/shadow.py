@@ -14,7 +14,9 @@ node on probation are shadowed.
 
 Error handling: a frame the shadow cannot compute (a ShardError: the ring refuses it too)
 leaves no expected result, and `check` of its round answers None (unverified), as does a
-round never fed. Resource handling: slices are cached (at most `max_slices`) until
+round never fed. Each stage's expected output is kept as the digest of its canonical bytes
+(what that stage's receipt signs as its output), so a probation catch is signed as
+evidence against the blamed stage's own receipt (`stage_digest`). Resource handling: slices are cached (at most `max_slices`) until
 `release`; a job's K/V is freed on its EndJob or when its ring changes; expected results
 are bounded.
 It does not know jobs, tokens or who is on probation.
@@ -32,7 +34,7 @@ import trio
 
 from coordinator.swarm.formation import RingState
 from coordinator.trust.tolerance import stage_tolerance
-from receipts import SpotCheck, Tolerance, compare_outputs
+from receipts import SpotCheck, Tolerance, compare_outputs, sha256_digest
 from shard.activations import from_wire
 from shard.errors import ShardError
 from shard.heap import return_freed_heap
@@ -41,6 +43,7 @@ from shard.quant import quantise_stage, scheme
 from shard.stage import Stage
 from shard.stage_worker import StageWorker, WorkerConfig
 from shard.store import ModelStore
+from shard.wire.codec import encode_body
 from shard.wire.messages import EndJob, Forward, Result
 
 MAX_EXPECTED = 4096  # results computed and not yet checked (rounds a job discarded stay until its end)
@@ -52,6 +55,10 @@ class Shadow:
         self._slices: OrderedDict[tuple[LayerRange, str], Stage] = OrderedDict()
         self._chain: tuple[int, list[StageWorker]] | None = None  # (ring epoch, one worker per stage)
         self._expected: OrderedDict[tuple[str, int, int], Result] = OrderedDict()  # (job, epoch, round)
+        # Per (job, epoch, round): each stage's expected output digest, in ring order; the
+        # last checked round's move to _checked for stage_digest.
+        self._digests: dict[tuple[str, int, int], tuple[bytes, ...]] = {}
+        self._checked: tuple[tuple[str, int, int], tuple[bytes, ...]] | None = None
         self._limiter = trio.CapacityLimiter(1)  # the workers share caches: one frame at a time
 
     async def feed(self, ring: RingState, msg: Forward | EndJob, quant_of: Mapping[str, str]) -> None:
@@ -66,15 +73,18 @@ class Shadow:
                 w.end_job(msg.job_id)
             return
         out: Forward | Result = msg
+        digests = []
         try:
             for w in workers:
                 out = w.process(out)  # type: ignore[arg-type]
+                digests.append(sha256_digest(encode_body(out)))
         except ShardError:
             return
         if isinstance(out, Result):
-            self._expected[(msg.job_id, msg.epoch, msg.round)] = out
+            key = (msg.job_id, msg.epoch, msg.round)
+            self._expected[key], self._digests[key] = out, tuple(digests)
             while len(self._expected) > MAX_EXPECTED:
-                self._expected.popitem(last=False)
+                self._digests.pop(self._expected.popitem(last=False)[0], None)
 
     def _workers(self, ring: RingState, quant_of: Mapping[str, str]) -> list[StageWorker]:
         if self._chain is not None and self._chain[0] == ring.epoch:
@@ -89,6 +99,7 @@ class Shadow:
                                                            max_context_tokens=cfg.max_context_tokens)))
         self._chain = (ring.epoch, workers)  # the old ring's caches go with its workers
         self._expected.clear()
+        self._digests.clear()
         return workers
 
     def _stage(self, r: LayerRange, quant: str) -> Stage:
@@ -110,6 +121,7 @@ class Shadow:
         self._slices.clear()
         self._chain = None
         self._expected.clear()
+        self._digests.clear()
         gc.collect()
         return_freed_heap()
 
@@ -120,9 +132,11 @@ class Shadow:
     def check(self, ring: RingState, result: Result, quant_of: Mapping[str, str]) -> SpotCheck | None:
         """The ring's `result` against the shadow's for the same round; None if the shadow
         has none (the round was not fed, or the shadow could not compute it)."""
-        expected = self._expected.pop((result.job_id, result.epoch, result.round), None)
+        key = (result.job_id, result.epoch, result.round)
+        expected = self._expected.pop(key, None)
         if expected is None:
             return None
+        self._checked = (key, self._digests.pop(key, ()))
         e = from_wire(expected.hidden, expected.hidden_scale, torch.float32)  # (T, H)
         a = from_wire(result.hidden, result.hidden_scale, torch.float32)
         tol = ring_tolerance(ring, quant_of)
@@ -130,6 +144,15 @@ class Shadow:
             return compare_outputs([0.0], [float("inf")], tol)  # a failed check, with its shape
         rms = e.pow(2).mean(dim=1, keepdim=True).sqrt().expand_as(e)  # (T, H): each element's row RMS
         return compare_outputs(e.reshape(-1).numpy(), a.reshape(-1).numpy(), tol, scale=rms.reshape(-1).numpy())
+
+
+    def stage_digest(self, result: Result, stage_index: int) -> bytes | None:
+        """The digest of what the ring's `stage_index`-th stage should have sent for the
+        round `check` last compared (`result`'s); None for another round."""
+        if self._checked is None or self._checked[0] != (result.job_id, result.epoch, result.round):
+            return None
+        digests = self._checked[1]
+        return digests[stage_index] if 0 <= stage_index < len(digests) else None
 
 
 def ring_tolerance(ring: RingState, quant_of: Mapping[str, str]) -> Tolerance:

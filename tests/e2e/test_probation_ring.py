@@ -5,7 +5,8 @@ The red team's lying stage had 2 and 14 wrong HTTP 200 answers delivered before 
 (which run after a job ends) caught it. Here two honest Nodes serve, then a third joins
 whose stage adds noise to every output it computes (and signs it: receipts pass); every
 request after it joins must still equal the honest ring's answer, and the newcomer must
-end up excluded, with the honest stages never blamed.
+end up excluded, with the honest stages never blamed, and the catch signed as evidence
+against the liar's own receipt, as an audit's catch is.
 """
 
 from __future__ import annotations
@@ -20,7 +21,10 @@ from coordinator.config import LOOPBACK_ANY_PORT, CoordConfig
 from coordinator.jobs.engine_config import EngineConfig
 from coordinator.swarm.formation import SwarmConfig
 from coordinator.trust.audit import AuditConfig
-from shard.identity import keypair_from_seed
+from coordinator.trust.report import trust_report
+from receipts import verify_evidence
+from shard.assignment_rules import public_key_of_peer
+from shard.identity import keypair_from_seed, peer_id_from_public_key
 from shard.node import Node, NodeConfig
 from tests.e2e.test_stalling_stage import _generate, _serve_host, _stages, _tokenizer
 
@@ -70,10 +74,22 @@ def test_a_lying_newcomer_delivers_no_wrong_token_and_is_excluded(tiny_llama_sto
                 answers = [await _generate(engine, 8) for _ in range(4)]
                 clean = dict(engine.clean_rounds)
                 nursery.cancel_scope.cancel()
-                return honest, reference, answers, liar, swarm, clean
+                report = trust_report(c.receipts, c.auditor)["audits"]
+                assert engine.info()["probation"] == {"clean_rounds": 64, "rounds_verified": "before release",
+                                                      "why_not": None}
+                return honest, reference, answers, liar, swarm, clean, c.receipts.evidence, c.host.peer_id, report
 
-    honest, reference, answers, liar, swarm, clean = trio.run(main)
+    honest, reference, answers, liar, swarm, clean, evidence, coordinator, report = trio.run(main)
     assert len(reference) == 8 and answers == [reference] * 4
     assert liar in swarm.faulty and "differs from the coordinator's recomputation" in swarm.faulty[liar]
     assert all(p not in swarm.faulty and swarm.unreachable.table.get(p) is None for p in honest)
     assert clean.get(liar, 0) == 0 and all(clean[p] > 0 for p in honest)
+    # The evidence (issue 20): signed by this coordinator over the liar's own signed
+    # receipt for the caught round, its check failed, and the digest the coordinator
+    # recomputed for the liar's output is not the one the liar signed.
+    (record,) = evidence
+    verify_evidence(record, coordinator_key=public_key_of_peer(coordinator))
+    assert peer_id_from_public_key(record.receipt.signer) == liar and not record.check.passed
+    assert record.recomputed_digest not in (record.claimed_output_digest, bytes(32))
+    assert report["evidence"] == 1 and report["recent_evidence"][0]["found_by"] == "probation"
+    assert report["recent_evidence"][0]["peer_id"] == liar
