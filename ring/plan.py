@@ -49,7 +49,6 @@ class RoleKind(enum.Enum):
     HOT_STANDBY = wire_roles.ROLE_HOT_STANDBY
     SPOT_CHECK_VERIFIER = wire_roles.ROLE_SPOT_CHECK_VERIFIER
     WEIGHT_SEEDER = wire_roles.ROLE_WEIGHT_SEEDER
-    DECODE_REPLICA = wire_roles.ROLE_DECODE_REPLICA
     RELAY = wire_roles.ROLE_RELAY
 
 

@@ -1,8 +1,10 @@
 """Roles for the nodes a plan leaves off the ring, each with a reason a person can read.
 
 Pure. Order of preference: one hot standby per stage (fastest to take that slice over),
-a few decode-only replicas (can hold the whole model), a few weight seeders (good
-uplink), spot-check verifiers (can hold a layer). Everything else gets no role here: the relay
+a few weight seeders (good uplink), spot-check verifiers (can hold a layer). A node
+that can hold the whole model gets no role of its own for it: with --max-rings > 1 it is
+a one-stage ring (coordinator.swarm.ring_set), the "decode-only replica" a role once
+promised. Everything else gets no role here: the relay
 role (RoleKind.RELAY) is given after the ring is chosen, to a dialable spare near a stage
 nobody can dial (coordinator.swarm.relay_choice), since it depends on who is on the ring.
 Knows nothing of how the ring was chosen.
@@ -22,10 +24,6 @@ from shard.layers import LayerRange
 @dataclass(frozen=True)
 class RolePolicy:
     standbys_per_stage: int = 1
-    # A decode-only replica would serve short requests alone as a ring of one, but nothing
-    # routes requests to a second ring yet, so it would only hold the model idle: a role
-    # nothing carries out is not assigned (such nodes are seeders or verifiers instead).
-    decode_replicas: int = 0
     seeders_per_stage: float = 1.0  # up to max(2, this times the stage count)
     seeder_min_upload_bytes_per_s: float = 12.5e6  # 100 Mbit/s
 
@@ -62,19 +60,14 @@ def assign_roles(plan: Plan, network: Network, model: ModelSpec, workload: Workl
                                f"fits stage {index}'s {len(stage.layers)} layers {stage.layers}; "
                                f"can load them in {seconds:.1f} s", index)
 
-    replicas = seeders = verifiers = 0
+    seeders = verifiers = 0
     seeder_quota = max(2, round(policy.seeders_per_stage * len(plan.stages)))
     for node in spare:
         if node.peer in roles:
             continue
         cap = max_layers(node, model, workload)
         mbit = node.upload_bytes_per_s * 8 / 1e6
-        if cap >= model.num_layers and replicas < policy.decode_replicas:
-            roles[node.peer] = Role(RoleKind.DECODE_REPLICA,
-                                    f"holds all {model.num_layers} layers with KV for {workload.context_tokens} "
-                                    f"tokens: serves short requests alone, no ring hops")
-            replicas += 1
-        elif node.upload_bytes_per_s >= policy.seeder_min_upload_bytes_per_s and seeders < seeder_quota:
+        if node.upload_bytes_per_s >= policy.seeder_min_upload_bytes_per_s and seeders < seeder_quota:
             roles[node.peer] = Role(RoleKind.WEIGHT_SEEDER, f"uplink {mbit:.0f} Mbit/s: seeds weight slices to new stages")
             seeders += 1
         elif cap >= 1:

@@ -276,8 +276,6 @@ def role_layers(plan: Plan, peer: PeerId, held: Mapping[PeerId, LayerRange], num
     role = plan.roles[peer]
     if role.stage_index is not None:
         return plan.stages[role.stage_index].layers
-    if role.kind is RoleKind.DECODE_REPLICA:
-        return LayerRange(0, num_layers)
     return held.get(peer)
 
 

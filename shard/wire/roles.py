@@ -9,8 +9,8 @@ ROLE_STAGE = "stage"  # a ring member; every other role serves no ring frames th
 ROLE_HOT_STANDBY = "hot_standby"  # keeps a stage's slice warm to take it over
 ROLE_SPOT_CHECK_VERIFIER = "spot_check_verifier"  # recomputes sampled frames of a stage
 ROLE_WEIGHT_SEEDER = "weight_seeder"  # serves layer files to nodes that lack them
-ROLE_DECODE_REPLICA = "decode_only_replica"  # holds the whole model: a ring of one
 ROLE_RELAY = "relay"  # forwards for unreachable nodes
 
-ROLE_NAMES = (ROLE_STAGE, ROLE_HOT_STANDBY, ROLE_SPOT_CHECK_VERIFIER, ROLE_WEIGHT_SEEDER, ROLE_DECODE_REPLICA,
-              ROLE_RELAY)
+# A node that holds the whole model is a one-stage ring of its own (coordinator.swarm.ring_set),
+# not a role: "decode_only_replica" is gone.
+ROLE_NAMES = (ROLE_STAGE, ROLE_HOT_STANDBY, ROLE_SPOT_CHECK_VERIFIER, ROLE_WEIGHT_SEEDER, ROLE_RELAY)

@@ -110,11 +110,11 @@ def test_role_layers_follow_the_role():
                     formation.choose(snapshot, frozenset("ab"), SwarmConfig(), MODEL)[1], MODEL,
                     SwarmConfig().topology.workload())
     plan = dataclasses.replace(plan, roles={
-        PeerId("c"): Role(RoleKind.HOT_STANDBY, "", 1), PeerId("d"): Role(RoleKind.DECODE_REPLICA, ""),
+        PeerId("c"): Role(RoleKind.HOT_STANDBY, "", 1),
         PeerId("e"): Role(RoleKind.WEIGHT_SEEDER, ""), PeerId("f"): Role(RoleKind.SPOT_CHECK_VERIFIER, "", 0)})
     got = formation.role_assignments(plan, snapshot, frozenset("abcdef"), 9, IDENTITY)
     assert [(a.peer_id, a.role, a.layer_start, a.layer_end, a.epoch) for a in got] == [
-        ("c", "hot_standby", 1, 4, 9), ("d", "decode_only_replica", 0, 4, 9), ("e", "weight_seeder", 2, 4, 9),
+        ("c", "hot_standby", 1, 4, 9), ("e", "weight_seeder", 2, 4, 9),
         ("f", "spot_check_verifier", 0, 1, 9)]
     assert all(a.predecessor is None and a.successor is None and a.signature == b"" for a in got)
     # Members not in `members` (left meanwhile) get nothing.
@@ -184,11 +184,11 @@ def test_no_takeover_without_a_standby_holding_the_slice():
     assert formation.standby_takeover(snapshot.plan, held, frozenset("acd"), network, MODEL, workload) is not None
 
 
-def test_no_node_is_made_a_decode_replica_while_nothing_serves_as_one():
+def test_whole_model_spares_of_one_ring_get_roles_that_something_carries_out():
     # Bug guarded: a role nothing carries out (a whole-model replica no request reaches)
-    # assigned anyway, holding a node's memory idle. Sound: every spare here can hold the
-    # whole model, the first thing the old policy made of such nodes.
+    # assigned anyway, holding a node's memory idle: with one ring such nodes are standbys,
+    # seeders or verifiers (with --max-rings > 1 they are one-stage rings: test_ring_set).
     snapshot = _snapshot([_reg(p, up=1e6) for p in "abcdefg"])
     f = _decide(snapshot)
     assert isinstance(f, Formation) and len(f.roles) == 7 - len(f.stages)
-    assert RoleKind.DECODE_REPLICA.value not in {a.role for a in f.roles}
+    assert {a.role for a in f.roles} <= {RoleKind.HOT_STANDBY.value, RoleKind.SPOT_CHECK_VERIFIER.value}
