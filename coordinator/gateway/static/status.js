@@ -88,11 +88,15 @@ function drawNodes(info) {
   const order = Object.fromEntries((info.members || []).map((m, i) => [m.peer_id, i]));
   const place = (peer) => order[peer] ?? Infinity;  // stages in ring order, then the other nodes
   const sorted = Object.entries(nodes).sort(([a], [b]) => place(a) - place(b) || (a < b ? -1 : 1));
+  const replica = {};  // peer -> [ring id, stage] for stages of the rings after the first (replica rings)
+  (info.rings || []).slice(1).forEach((r) => r.stages.forEach((s) => { replica[s.peer_id] = [r.ring_id, s]; }));
   const rows = sorted.map(([peer, n]) => {
-    const role = roles[peer] || {}, m = members[peer];
-    const layers = m ? `${m.layers[0]}–${m.layers[1]}` : n.held ? `holds ${n.held[0]}–${n.held[1]}` : "–";
+    const role = roles[peer] || {}, m = members[peer], rep = replica[peer];
+    const layers = m ? `${m.layers[0]}–${m.layers[1]}` : rep ? `${rep[1].layers[0]}–${rep[1].layers[1]}`
+      : n.held ? `holds ${n.held[0]}–${n.held[1]}` : "–";
     const state = n.faulty ? `<span class="pill bad" title="${esc(n.faulty)}">faulty</span>`
-      : m ? '<span class="pill ok">in ring</span>' : '<span class="pill">off ring</span>';
+      : m ? '<span class="pill ok">in ring</span>' : rep ? `<span class="pill ok">in ring ${rep[0]}</span>`
+      : '<span class="pill">off ring</span>';
     return `<tr class="node" data-peer="${esc(peer)}" data-role="${esc(role.role || (m && m.role) || "")}">
       <td class="mono" title="${esc(peer)}">${esc(short(peer))}</td><td>${esc(role.role || (m && m.role) || "–")}</td>
       <td>${layers}</td><td>${esc(role.reason || "")}</td><td>${esc((m && m.device) || "–")}</td>
@@ -170,7 +174,8 @@ async function refresh() {
     const [info, st] = await Promise.all([getJSON("/v1/ring"), getJSON("/v1/status")]);
     $("keyform").style.display = "none";
     $("model").textContent = info.model || "";
-    $("epoch").textContent = info.epoch ? `ring epoch ${info.epoch} · ${info.registered_nodes} nodes registered · wire ${info.wire_dtype || "?"}` : "";
+    const rings = info.rings || [];
+    $("epoch").textContent = info.epoch ? `ring epoch ${info.epoch}${rings.length > 1 ? ` · ${rings.length} rings (jobs ${rings.map((r) => r.jobs).join(" / ")})` : ""} · ${info.registered_nodes} nodes registered · wire ${info.wire_dtype || "?"}` : "";
     $("ready").textContent = info.ready ? "ready" : "no ring";
     $("ready").className = "pill " + (info.ready ? "ok" : "bad");
     $("ready").dataset.ready = String(!!info.ready);
