@@ -153,6 +153,7 @@ class Node:
                 memory_bytes=cfg.max_memory_bytes, decode_s_per_layer=decode_s, prefill_s_per_layer_token=prefill_s,
                 upload_bytes_per_s=upload, download_bytes_per_s=download, rtt_ms={self.coordinator_id: rtt_s * 1e3},
                 listen_addrs=tuple(self.host.addrs), held_epoch=self.held.epoch if self.held is not None else -1,
+                held_role=self.held.role if self.held is not None and self._loaded else "",
                 held_start=self._loaded.start if self._loaded else 0, held_end=self._loaded.end if self._loaded else 0,
                 quant=cfg.quant, bytes_per_layer=self._bytes_per_layer(),
                 stored_files=stored_weight_files(self.store.root, self.store.manifest),

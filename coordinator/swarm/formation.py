@@ -13,7 +13,7 @@ when to form (the swarm does those).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 
 from coordinator.swarm import relay_choice, seeding, topology
@@ -164,7 +164,7 @@ def choose(snapshot: Snapshot, members: frozenset[PeerId], config: SwarmConfig, 
     if snapshot.plan is not None and set(snapshot.plan.peers) & members:
         return reselect(snapshot.plan, network, model, workload, constraints, config.churn), network
     if snapshot.plan is None:  # a restarted coordinator: the ring that was serving, as it was
-        warm = warm_plan(snapshot.held, members, network, model, workload)
+        warm = warm_plan(snapshot.held, members, network, model, workload, stage_holders(snapshot.registrations))
         if warm is not None:
             return warm, network
     return select_ring(network, model, workload, constraints), network
@@ -199,33 +199,44 @@ def standby_takeover(plan: Plan | None, held: Mapping[PeerId, LayerRange], membe
 
 
 def warm_plan(held: Mapping[PeerId, LayerRange], members: frozenset[PeerId], network: Network, model: ModelSpec,
-              workload) -> Plan | None:
+              workload, stage_holders: Collection[PeerId] = ()) -> Plan | None:
     """The ring the members' loaded slices already make, when they tile [0, L) in order
     (a coordinator restarted under warm nodes has no plan, only what each re-registered
     holding): kept as it is, so nobody reloads; the next membership change re-selects
-    from it. Where two members hold the same slice the lower peer id is taken. None when
-    the slices leave a gap or the ring does not fit (ring.RingError)."""
-    stages = held_ring(held, members, model.num_layers)
+    from it. Where two members hold the same slice the one that held it as a stage
+    (`stage_holders`) is taken, then the lower peer id. The rest get roles
+    (ring.assign_roles, which keeps a standby on the slice it holds). None when the
+    slices leave a gap or the ring does not fit (ring.RingError)."""
+    stages = held_ring(held, members, model.num_layers, stage_holders)
     if stages is None:
         return None
     try:
-        return evaluate([Stage(p, r) for p, r in stages], network, model, workload)
+        plan = evaluate([Stage(p, r) for p, r in stages], network, model, workload)
     except RingError:
         return None
+    return dataclasses.replace(plan, roles=assign_roles(plan, network, model, workload))
+
+
+def stage_holders(registrations: Mapping[PeerId, Register]) -> frozenset[PeerId]:
+    """Nodes that re-registered holding a slice they served as a stage (not kept warm for a role)."""
+    return frozenset(p for p, reg in registrations.items() if reg.held_role == RoleKind.STAGE.value)
 
 
 def rejoining(snapshot: Snapshot, members: frozenset[PeerId], model: ModelSpec) -> bool:
     """Whether warm nodes are still re-registering with a restarted coordinator: no plan
-    yet, members hold slices, and those do not make a ring yet (forming now would reload)."""
+    yet, members hold slices, and the slices held as stages do not make a ring yet
+    (forming now would reload, or seat a standby where its stage is about to return)."""
     held = {p: r for p, r in snapshot.held.items() if p in members}
-    return snapshot.plan is None and bool(held) and held_ring(held, members, model.num_layers) is None
+    staged = {p: r for p, r in held.items() if p in stage_holders(snapshot.registrations)}
+    return snapshot.plan is None and bool(held) and held_ring(staged, members, model.num_layers) is None
 
 
-def held_ring(held: Mapping[PeerId, LayerRange], members: frozenset[PeerId],
-              num_layers: int) -> list[tuple[PeerId, LayerRange]] | None:
-    """The members' held slices in ring order when they tile [0, num_layers), else None."""
+def held_ring(held: Mapping[PeerId, LayerRange], members: frozenset[PeerId], num_layers: int,
+              preferred: Collection[PeerId] = ()) -> list[tuple[PeerId, LayerRange]] | None:
+    """The members' held slices in ring order when they tile [0, num_layers), else None;
+    of two holding one slice, one in `preferred` first, then the lower peer id."""
     stages, end = [], 0
-    for start, stop, peer in sorted((r.start, r.end, p) for p, r in held.items() if p in members):
+    for start, stop, _, peer in sorted((r.start, r.end, p not in preferred, p) for p, r in held.items() if p in members):
         if start == end:
             stages.append((peer, LayerRange(start, stop)))
             end = stop

@@ -189,6 +189,9 @@ class Register:
     held_epoch: int = spec(Int(-1), default=-1)
     held_start: int = spec(Int(), default=0)
     held_end: int = spec(Int(), default=0)
+    # The role it held them in ("stage", "hot_standby", ...; "": none): where a stage and a
+    # standby hold one slice, a restarted coordinator seats the stage again.
+    held_role: str = spec(Str(32), default="")
     # The weight quantisation the node runs its layers in (shard.quant), and what one layer
     # then holds in memory: the selector seats layers by it, the auditor replays under it.
     quant: str = spec(Str(16, choices=tuple(SCHEMES)), default="none")

@@ -31,21 +31,27 @@ def members(info: dict) -> dict[str, list[int]]:
     return {m["peer_id"]: m["layers"] for m in info["members"]}
 
 
+def roles(info: dict) -> dict[str, tuple[str, int | None]]:
+    return {p: (r["role"], r["stage_index"]) for p, r in ((info.get("topology") or {}).get("roles") or {}).items()}
+
+
 def test_kill_9_of_the_coordinator_and_a_restart_serve_the_same_text_on_the_warm_ring(tiny_llama, tiny_llama_store,
                                                                                          tmp_path):
     store, model = tiny_llama_store, str(tiny_llama.path)
     ring = ProcRing(tmp_path)
     base = f"http://127.0.0.1:{free_loopback_port()}"
     coord = coordinator_args(model, str(store.root), f"/ip4/127.0.0.1/tcp/{free_loopback_port()}",
-                             str(tmp_path / "coord.key"), min_nodes=2, http=base.removeprefix("http://"))
+                             str(tmp_path / "coord.key"), min_nodes=3, http=base.removeprefix("http://"))
     try:
         first = ring.spawn("coord", coord)
         addr = first.wait_for(JOIN, 120).group(1)
-        # No --key-path: each node claims its own default key.
+        # No --key-path: each node claims its own default key. Two stages and a hot standby
+        # holding one of their slices, which must not take that stage's place on restart.
         nodes = [ring.spawn("node", node_args(addr, model, str(store.root), memory_for_stages(store, 2)))
-                 for _ in range(2)]
-        before = members(wait_ring(base, 2, 120))
-        assert len(before) == 2  # two identities, not one registered twice
+                 for _ in range(3)]
+        info = wait_ring(base, 2, 120)
+        before, roles_before = members(info), roles(info)
+        assert len(before) == 2 and len(roles_before) == 1, info  # three identities, not one registered twice
         text = complete(base, store.manifest.name, PROMPT, TOKENS)
 
         first.kill9()
@@ -58,12 +64,14 @@ def test_kill_9_of_the_coordinator_and_a_restart_serve_the_same_text_on_the_warm
             except Exception:  # 503 until the ring re-forms
                 time.sleep(0.1)
         restart_s = time.monotonic() - t0
-        after = members(wait_ring(base, 2, 5)) if served is not None else {}
+        info = wait_ring(base, 2, 5) if served is not None else {"members": [], "topology": {}}
+        after, roles_after = members(info), roles(info)
     finally:
         ring.close()
     logs = "\n".join(p.text()[-2500:] for p in (second, *nodes))
     assert served == text, logs
     assert after == before  # the same nodes hold the same layers
+    assert roles_after == roles_before  # and the spare stands by for the stage whose slice it keeps warm
     assert all(n.popen.returncode == -9 for n in nodes)  # alive until close() killed them: none had exited
     assert all(re.search(r"lost the coordinator .* reconnecting in [0-9.]+ s \(attempt 1\)", n.text()) for n in nodes)
     print(f"\n[restart] kill -9 to first served request: {restart_s:.1f} s (coordinator start included)")
