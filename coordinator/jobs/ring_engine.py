@@ -73,7 +73,7 @@ class RingEngine:
             self.head = ObservedHead(self.head, observer)
         self.head_batch = HeadBatcher(self.head)  # every job's rows through one product (coordinator.jobs.head_batch)
         self._jobs: dict[str, trio.MemorySendChannel] = {}
-        self.router = RingRouter(swarm)  # which of the swarm's rings each job runs on
+        self.router = RingRouter(swarm, probation=self.on_probation)  # which of the swarm's rings each job runs on
         self.eagle_head = self._load_eagle(store)
         self._head_streams: dict[int, FramedStream] = {}
         self._send_lock = trio.Lock()
@@ -270,7 +270,7 @@ class RingEngine:
         resumes from its committed, verified tokens. Raises JobFailedError."""
         suspects = self.on_probation(ring)
         if not suspects or self.shadow is None:
-            if self.shadow is not None and self.shadow.loaded and not self.on_probation(self.swarm.ring or ring):
+            if self.shadow is not None and self.shadow.loaded and not any(map(self.on_probation, self.swarm.rings.values())):
                 self.shadow.release()  # the ring in force needs none: its slices' memory goes back
             return
         spot = self.shadow.check(ring, result, self.quant_of())

@@ -15,7 +15,7 @@ from __future__ import annotations
 import statistics
 from collections import deque
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from coordinator.jobs.ring_choice import RingLoad, choose_ring
 from coordinator.swarm.swarm import RingState, Swarm
@@ -34,8 +34,12 @@ class Pinned:
 
 
 class RingRouter:
-    def __init__(self, swarm: Swarm, default_max_tokens: int = 256) -> None:
-        self.swarm = swarm
+    def __init__(self, swarm: Swarm, default_max_tokens: int = 256,
+                 probation: Callable[[RingState], tuple] = lambda ring: ()) -> None:
+        """`probation(ring)`: the ring's stages whose rounds the coordinator recomputes (the
+        engine's shadow holds one ring's chain at a time, so at most one ring with stages
+        on probation takes new jobs; the others wait until it has none)."""
+        self.swarm, self.probation = swarm, probation
         self.default_max_tokens = default_max_tokens  # a request without max_tokens is costed as this many
         self.pinned: dict[str, Pinned] = {}
         self._closed: deque[str] = deque()  # closed jobs still pinned, oldest first (at most CLOSED_KEPT)
@@ -71,12 +75,22 @@ class RingRouter:
             return rings.get(pin.ring_id)
         if not rings:
             return None
-        loads = [self.load(rid) for rid in sorted(rings)]
+        loads = [self.load(rid) for rid in sorted(rings) if self.routable(rid)]
         chosen = choose_ring(loads, pin.prompt_tokens + self.produced(pin), max(1, self.owed(pin)))
         if pin.ring_id >= 0:
             self.moves += 1
         pin.ring_id = int(chosen) if chosen is not None else min(rings)
         return rings[pin.ring_id]
+
+    def routable(self, ring_id: int) -> bool:
+        """Whether new jobs may go to ring `ring_id`: yes unless it has stages on probation
+        and another such ring (the one with jobs, else the lowest id) has the shadow."""
+        rings = self.swarm.rings
+        probing = [rid for rid in sorted(rings) if self.probation(rings[rid])]
+        if ring_id not in probing:
+            return True
+        busy = [rid for rid in probing if self.jobs_on(rid)]
+        return ring_id == (busy or probing)[0]
 
     async def wait_ring(self, job_id: str) -> RingState:
         """`job_id`'s ring once one is formed."""

@@ -9,6 +9,9 @@ nodes join and the second ring forms beside the first, and the paused job then f
 with no resume (it never re-prefilled) and the output it has alone. Two more nodes join
 (roles: the rings are at their bound). Concurrent requests are routed over both rings, and
 a node of the second ring is killed while they run: every output still equals its own alone.
+Probation is on (the default): newcomers' rounds are recomputed by the coordinator's one
+shadow chain, one ring at a time (coordinator.jobs.ring_router.routable), and no honest
+node is blamed.
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ def test_six_half_model_nodes_serve_as_two_rings_and_a_join_restarts_nothing(tin
         tokenizer = AutoTokenizer.from_pretrained(str(store.tokenizer_dir))
         config = CoordConfig(listen=LOOPBACK_ANY_PORT, min_nodes=2,
                              swarm=SwarmConfig(max_rings=2, ring_spares=0, probe_wait_s=20),
-                             engine=EngineConfig(draft="none", probation_rounds=0),
+                             engine=EngineConfig(draft="none"),
                              receipts=ReceiptConfig(enabled=False))
         async with open_coordinator(config, store, tokenizer, keypair_from_seed(os.urandom(32))) as coordinator:
             swarm, engine = coordinator.swarm, coordinator.engine
@@ -119,6 +122,7 @@ def test_six_half_model_nodes_serve_as_two_rings_and_a_join_restarts_nothing(tin
                 nursery.start_soon(kill_soon)
             assert [results[i] for i in range(len(PROMPTS))] == alone
             assert victim not in {p for r in swarm.rings.values() for p, _ in r.stages}
+            assert swarm.faulty == {}  # probation (on, 64 rounds) recomputed both rings' newcomers: nobody blamed
             coordinator.nursery.cancel_scope.cancel()
 
     trio.run(run)

@@ -88,3 +88,19 @@ def test_a_job_whose_ring_breaks_is_routed_again_and_a_closed_job_keeps_its_ring
     swarm.rings.clear()
     assert router.route("y", 10, 64) is None  # no ring: the engine says not ready
     assert router.info() == []
+
+
+def test_only_one_ring_with_stages_on_probation_takes_new_jobs():
+    # Bug guarded: jobs alternating between two rings of newcomers, whose rounds the
+    # engine's one shadow chain recomputes: it would switch chains every frame, lose its
+    # caches and blame honest stages. Sound: the same pool with and without probation.
+    swarm = Rings()
+    swarm.add(0, 3, ("a", "b"))
+    swarm.add(1, 4, ("c", "d"))
+    newcomers = {"a", "b", "c", "d"}
+    router = RingRouter(swarm, probation=lambda ring: tuple(p for p, _ in ring.stages if p in newcomers))
+    assert [router.route(f"j{i}", 10, 64).ring_id for i in range(4)] == [0, 0, 0, 0]
+    newcomers -= {"a", "b"}  # ring 0 served its probation rounds: ring 1 may take its turn
+    assert sorted(router.route(f"k{i}", 10, 64).ring_id for i in range(4)) == [1, 1, 1, 1]
+    newcomers.clear()
+    assert router.routable(0) and router.routable(1)
