@@ -29,7 +29,7 @@ from coordinator.spec.sampling import SamplingParams
 from coordinator.swarm.formation import SwarmConfig
 from coordinator.trust.receipt_check import ReceiptConfig
 from shard.identity import keypair_from_seed
-from tests.e2e.ringkit import _run_node, generate_greedy, memory_for_stages
+from tests.e2e.ringkit import _run_node, generate_greedy, generate_greedy_with_stats, memory_for_stages
 
 PROMPTS = [[1, 3 + ord(c), 5, 9 + i, 17, 3 + ord("!")] for i, c in enumerate("abcdef")]
 TOKENS = 24
@@ -92,8 +92,11 @@ def test_six_half_model_nodes_serve_as_two_rings_and_a_join_restarts_nothing(tin
             rings_used: set[int] = set()
             results: dict[int, list[int]] = {}
 
+            resumes: list[int] = []
+
             async def one(i: int) -> None:
-                results[i] = await generate_greedy(engine, PROMPTS[i], TOKENS)
+                results[i], stats = await generate_greedy_with_stats(engine, PROMPTS[i], TOKENS)
+                resumes.append(stats["resumes"])
 
             async def watch() -> None:
                 while len(results) < len(PROMPTS):
@@ -112,8 +115,13 @@ def test_six_half_model_nodes_serve_as_two_rings_and_a_join_restarts_nothing(tin
             ids = [p for _, p, _ in started]
             results.clear()
 
-            async def kill_soon() -> None:
-                await trio.sleep(0.3)
+            resumes.clear()
+
+            async def kill_soon() -> None:  # once a job on the second ring has made tokens
+                on_second = lambda: [p for p in engine.router.pinned.values()  # noqa: E731
+                                     if p.ring_id == 1 and not p.closed and engine.router.produced(p) >= 2]
+                await _wait(lambda: on_second() or len(results) == len(PROMPTS), 60, "a job making tokens on ring 1", swarm)
+                assert on_second(), "no job ran on the second ring"
                 started[ids.index(victim)][0].cancel()
 
             async with trio.open_nursery() as nursery:
@@ -122,6 +130,7 @@ def test_six_half_model_nodes_serve_as_two_rings_and_a_join_restarts_nothing(tin
                 nursery.start_soon(kill_soon)
             assert [results[i] for i in range(len(PROMPTS))] == alone
             assert victim not in {p for r in swarm.rings.values() for p, _ in r.stages}
+            assert sum(resumes) >= 1  # its jobs resumed (on the other ring, or on it re-formed), none failed
             assert swarm.faulty == {}  # probation (on, 64 rounds) recomputed both rings' newcomers: nobody blamed
             coordinator.nursery.cancel_scope.cancel()
 
