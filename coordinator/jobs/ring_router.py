@@ -130,16 +130,22 @@ class RingRouter:
     def timings(self, ring: RingState | None) -> tuple[float, float]:
         """(decode round s, prefill s per prompt token) of `ring`: the median of its recent
         measured rounds; for a ring not measured yet, the median of the measured rings'
-        (a new ring is most like its siblings: the cost model's own estimate can be far off
-        on links it guessed); with nothing measured, its plan's prediction."""
+        (a new ring is most like its siblings); with no ring measured, the median of the
+        formed rings' plan predictions, the same for all. The cost model's estimates are
+        not compared across rings: they differ most where it guessed links (a ring chosen
+        from the nodes left over is the one whose links went unmeasured), several-fold in
+        bench_rings, which sent a first burst 14 / 2; a ring's first round measures it."""
         if ring is None:
             return 0.0, 0.0
-        planned = self.swarm.ring_plans.get(ring.ring_id)
-        prompt = max(self.swarm.config.topology.prompt_tokens, 1)
-        predicted = (planned[0].decode_step_s, planned[0].ttft_s / prompt) if planned is not None else (0.0, 0.0)
-        return self._measured(0, ring, predicted[0]), self._measured(1, ring, predicted[1])
+        return self._measured(0, ring), self._measured(1, ring)
 
-    def _measured(self, kind: int, ring: RingState, predicted: float) -> float:
+    def _predicted(self, kind: int) -> float:
+        prompt = max(self.swarm.config.topology.prompt_tokens, 1)
+        plans = [self.swarm.ring_plans[rid][0] for rid in self.swarm.rings if rid in self.swarm.ring_plans]
+        values = [p.decode_step_s if kind == 0 else p.ttft_s / prompt for p in plans]
+        return statistics.median(values) if values else 0.0
+
+    def _measured(self, kind: int, ring: RingState) -> float:
         by_epoch: dict[int, list[float]] = {}
         for t, _ in self.swarm.traversals.samples:
             if t.prefill == (kind == 1):
@@ -148,7 +154,7 @@ class RingRouter:
         if own:
             return statistics.median(own[-RECENT:])
         others = [statistics.median(v[-RECENT:]) for e, v in by_epoch.items() if self.swarm.ring_by_epoch(e) is not None]
-        return statistics.median(others) if others else predicted
+        return statistics.median(others) if others else self._predicted(kind)
 
     def status(self, model_id: str, active_jobs: int) -> dict[str, Any]:
         """The engine's /v1/ring: the first ring's members and epoch (the fields a single

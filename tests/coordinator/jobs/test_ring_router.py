@@ -6,6 +6,7 @@ of real RingStates, plans from ring.evaluate and a real TraversalLog.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from coordinator.jobs.ring_router import RingRouter
@@ -104,3 +105,16 @@ def test_only_one_ring_with_stages_on_probation_takes_new_jobs():
     assert sorted(router.route(f"k{i}", 10, 64).ring_id for i in range(4)) == [1, 1, 1, 1]
     newcomers.clear()
     assert router.routable(0) and router.routable(1)
+
+
+def test_unmeasured_rings_are_not_ranked_by_the_cost_models_guesses():
+    # Bug guarded (bench_rings, 16 clients at once): the ring chosen from the nodes left
+    # over had unmeasured links, its plan predicted rounds several times slower, and the
+    # first burst went 14 / 2. Sound: ring 1's plan predicts 10x ring 0's round.
+    swarm = Rings()
+    swarm.add(0, 3, ("a", "b"))
+    swarm.add(1, 4, ("c", "d"))
+    plan, network = swarm.ring_plans[1]
+    swarm.ring_plans[1] = (dataclasses.replace(plan, decode_step_s=10 * plan.decode_step_s), network)
+    router = RingRouter(swarm)
+    assert sorted(router.route(f"j{i}", 10, 64).ring_id for i in range(8)) == [0] * 4 + [1] * 4
