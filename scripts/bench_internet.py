@@ -7,8 +7,10 @@ public hosts), hole-punched (two hosts behind two port-keeping NATs) or relayed 
 the coordinator (one of the two NATs gives random ports); the time from kill -9 of the
 coordinator (restarted with the same key and listen address) to the first served token;
 the time from a stage's death (kill -9 of the tail mid-stream) to the resumed request's
-next token. A relayed hop is also set against the two legs it crosses with no model in
-the way (a ring's TTFT on 2 shared cores swings by more than a leg): one prefill chunk's
+next token. The relayed pair runs twice: through the gateway, and with a public spare that
+formation makes its relay (the relay role), so the hop crosses a volunteer. A relayed hop
+(through the gateway's host and through a relay-role host) is also set against the two
+legs it crosses with no model in the way (a ring's TTFT on 2 shared cores swings by more than a leg): one prefill chunk's
 activations from a host behind the random-port NAT to the other home through the relay,
 and over each leg alone (sender -> relay, relay -> destination); target: the relayed
 transfer within 110% of the two legs' sum. Needs root.
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import subprocess
 import sys
@@ -134,7 +137,9 @@ def wait_file(name):
 async def main():
     async with open_host(keypair_from_seed(os.urandom(32)), "/ip4/0.0.0.0/tcp/0", relay_hop=(role == "relay")) as host:
         host.set_handler(PROTO, ack)
-        if role == "relay":
+        if role == "node_relay":  # as a node given the relay role starts relaying
+            host.reach.enable_hop()
+        if role in ("relay", "node_relay"):
             open(os.path.join(workdir, "relay"), "w").write(host.addrs[0])
             dest = await trio.to_thread.run_sync(wait_file, "dest")
             await trio.to_thread.run_sync(wait_file, "measure")  # after the sender's runs: one transfer at a time
@@ -158,15 +163,16 @@ trio.run(main)
 """
 
 
-def hop_transfers(bed_hosts: dict, nbytes: int, tmp: Path, runs: int = 5) -> dict:
+def hop_transfers(bed_hosts: dict, nbytes: int, tmp: Path, runs: int = 5, relay_role: str = "relay") -> dict:
     """Seconds to move one `nbytes` frame over each path (best of `runs`, a 1-byte ack
     back): sender -> relay and relay -> destination (the two legs, each a direct
     connection), and sender -> destination through the relay (a symmetric NAT in front of
-    the sender: no punching)."""
-    work = tmp / "hops"
+    the sender: no punching). `relay_role`: "relay" (a host made to relay, as the gateway)
+    or "node_relay" (one that starts relaying later, as a node given the relay role)."""
+    work = tmp / f"hops_{relay_role}"
     work.mkdir()
     args = [str(work), str(nbytes), str(runs)]
-    relay = subprocess.Popen([*bed_hosts["relay"].prefix, sys.executable, "-c", HOST, "relay", *args],
+    relay = subprocess.Popen([*bed_hosts["relay"].prefix, sys.executable, "-c", HOST, relay_role, *args],
                              stdout=subprocess.PIPE, text=True)
     dest = subprocess.Popen([*bed_hosts["dest"].prefix, sys.executable, "-c", HOST, "dest", *args],
                             stdout=subprocess.PIPE, text=True)
@@ -197,26 +203,36 @@ def ring_info(host, base: str) -> dict:
                                      capture_output=True, text=True, timeout=60).stdout)
 
 
+def roles_of(host, base: str) -> dict:
+    """The off-ring roles /v1/ring reports: {peer id: (role, stage index)}."""
+    roles = ring_info(host, base)["topology"].get("roles") or {}
+    return {p: (r["role"], r["stage_index"]) for p, r in roles.items()}
+
+
 def timed(coord_host, base: str, model: str, tokens: int, runs: int = 3) -> dict:
     """Best of `runs` streamed completions: TTFT, time per token, and each hop's path."""
     got = [client(coord_host, base, model, tokens) for _ in range(runs)]
     t = min(got, key=lambda r: r["times"][-1])["times"]
     info = ring_info(coord_host, base)
     hops = info["topology"]["plan"]["hops"]
+    roles = info["topology"].get("roles") or {}
     return {"ttft_s": t[0], "s_per_token": (t[-1] - t[0]) / max(len(t) - 1, 1), "tokens": len(t), "best_of": runs,
-            "stages": [m["layers"] for m in info["members"]], "hop_paths": [h["path"] for h in hops]}
+            "stages": [m["layers"] for m in info["members"]], "hop_paths": [h["path"] for h in hops],
+            "hop_relays": [("gateway" if h.get("via") == hops[0]["src"] else f"{roles.get(h['via'], {}).get('role')} node")
+                           if h.get("via") else None for h in hops]}
 
 
-def serve_ring(ring: ProcRing, coord_host, nodes, model: str, store_dir: str, home: Path, memory: int):
-    """A coordinator on `coord_host` and a node on each of `nodes`; returns once it serves."""
-    coord_cmd = coordinator_args(model, store_dir, "/ip4/0.0.0.0/tcp/4001", str(home / "coord.key"), min_nodes=2,
-                                 http="127.0.0.1:8000")
+def serve_ring(ring: ProcRing, coord_host, nodes, model: str, store_dir: str, home: Path, memory: int, spares=()):
+    """A coordinator on `coord_host`, a node on each of `nodes` and a layer-less one (64 KiB
+    of memory: off the ring, a relay at most) on each of `spares`; returns once it serves."""
+    coord_cmd = coordinator_args(model, store_dir, "/ip4/0.0.0.0/tcp/4001", str(home / "coord.key"),
+                                 min_nodes=len(nodes) + len(spares), http="127.0.0.1:8000")
     coord = ring.spawn("coord", coord_cmd, prefix=coord_host.prefix)
     addr = coord.wait_for(JOIN, 600).group(1)
-    procs = [ring.spawn(h.name, node_args(addr, model, store_dir, memory, ["--listen", "/ip4/0.0.0.0/tcp/0"]),
-                        prefix=h.prefix) for h in nodes]
+    procs = [ring.spawn(h.name, node_args(addr, model, store_dir, memory if h in nodes else 1 << 16,
+                                          ["--listen", "/ip4/0.0.0.0/tcp/0"]), prefix=h.prefix) for h in (*spares, *nodes)]
     wait_served(coord_host, "http://127.0.0.1:8000", model, 600)
-    return coord, coord_cmd, procs
+    return coord, coord_cmd, procs[len(spares):]
 
 
 def main() -> int:
@@ -232,11 +248,13 @@ def main() -> int:
         "upload_mbit_each": args.upload_mbit, "latency": "none (netem unavailable)", "drafter": "none",
         "wire_dtype": "f32", "decode_tokens": args.tokens, "prompt": "196 tokens (SmolLM2's tokenizer), the same for every ring",
         "machine": "2 shared CPU cores, one torch thread a node; rings run one after another",
-        "git": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()}}
+        "git": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
+        "load_average_1min_at_start": os.getloadavg()[0]}}
     with tempfile.TemporaryDirectory() as tmp, Netbed() as bed:
         home = Path(tmp)
         coord_host = bed.add_public("coord", args.upload_mbit)
         hosts = [bed.add_public(f"n{i}", args.upload_mbit) for i in range(3)]
+        relay_host = bed.add_public("relay", args.upload_mbit)
         punched = bed.add_home("r1", ["h1"], args.upload_mbit) + bed.add_home("r2", ["h2"], args.upload_mbit)
         relayed = bed.add_home("r3", ["h3"], args.upload_mbit, symmetric=True) + bed.add_home("r4", ["h4"],
                                                                                               args.upload_mbit)
@@ -250,11 +268,18 @@ def main() -> int:
         out["relayed_hop_vs_two_legs"] = hop_transfers(
             {"relay": coord_host, "sender": relayed[0], "dest": relayed[1]}, 256 * store.config.hidden_size * 4, home)
         print(json.dumps(out["relayed_hop_vs_two_legs"]), flush=True)
-        for name, nodes in (("hole_punched", punched), ("relayed", relayed)):
+        out["relayed_hop_vs_two_legs_via_relay_node"] = hop_transfers(
+            {"relay": relay_host, "sender": relayed[0], "dest": relayed[1]}, 256 * store.config.hidden_size * 4, home,
+            relay_role="node_relay")
+        print(json.dumps(out["relayed_hop_vs_two_legs_via_relay_node"]), flush=True)
+        # The same relayed pair twice: through the gateway, then with a public spare that
+        # formation makes their relay (the relay role), so the hop crosses a volunteer.
+        for name, nodes, spares in (("hole_punched", punched, ()), ("relayed", relayed, ()),
+                                    ("relayed_via_relay_node", relayed, (relay_host,))):
             (home / name).mkdir()
             ring = ProcRing(home / name)
             try:
-                serve_ring(ring, coord_host, nodes, args.model, store_dir, home / name, memory)
+                serve_ring(ring, coord_host, nodes, args.model, store_dir, home / name, memory, spares)
                 out[name] = timed(coord_host, base, args.model, args.tokens)
             finally:
                 ring.close()
@@ -264,13 +289,17 @@ def main() -> int:
             coord, coord_cmd, nodes = serve_ring(ring, coord_host, hosts, args.model, store_dir, home, memory)
             out["direct"] = timed(coord_host, base, args.model, args.tokens)
 
-            before = [layers(n)[-1:] for n in nodes]
+            before, roles_before = [layers(n)[-1:] for n in nodes], roles_of(coord_host, base)
             coord.kill9()
             t0 = time.monotonic()
             coord = ring.spawn("coord", coord_cmd, prefix=coord_host.prefix)
             first = wait_served(coord_host, base, args.model, 120)
-            out["coordinator_restart"] = {"kill_to_first_token_s": time.monotonic() - t0, "served_after_s": first,
+            kill_to_first = time.monotonic() - t0
+            time.sleep(2.0)  # roles are sent right after the ring forms
+            out["coordinator_restart"] = {"kill_to_first_token_s": kill_to_first, "served_after_s": first,
                                           "same_layers_each_node": [layers(n)[-1:] for n in nodes] == before,
+                                          "same_roles": roles_of(coord_host, base) == roles_before,
+                                          "roles": roles_before,
                                           "includes": "coordinator process start (python, torch, tokenizer)"}
 
             tail = next(n for n in nodes if "succ coordinator" in n.text().rsplit("serving layers", 1)[-1])
@@ -280,6 +309,7 @@ def main() -> int:
                                  "tokens": len(got["times"]), "victim": "the ring's tail, kill -9 after 4 tokens"}
         finally:
             ring.close()
+    out["conditions"]["load_average_1min_at_end"] = os.getloadavg()[0]
     Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
     print(json.dumps(out, indent=2))
     return 0
