@@ -16,7 +16,14 @@ once each, one at a time, first). A sustained run at the highest C records coord
 and node RSS every 10 s (--sustain-s). The machine's load average is recorded with each
 figure: the 2 cores are shared.
 
+Each ring's levels are set against the issue's targets (tok/s at 16 streams over one
+stream's, ITL p95 likewise, errors, outputs equal alone), and the sustained run's RSS
+growth is counted from --warmup-s on (the gateway's and nodes' first loads are warm-up).
+
     python scripts/bench_load.py --json OUT [--window-s 30] [--sustain-s 300] [--links loopback,wan]
+    # a short smoke: C = 1 and 16 for 20 s each on loopback, batching on, short prompts only
+    python scripts/bench_load.py --json OUT --concurrency 1,16 --window-s 20 --sustain-s 0 \
+        --links loopback --batching on --kinds 0,1
 """
 
 from __future__ import annotations
@@ -224,6 +231,32 @@ async def alone(base: str, mix: list[dict]) -> list[str]:
         return [await stream_one(client, body, lambda ttft, gap: None) for body in mix]
 
 
+def rss_growth(samples: list[dict], warmup_s: float) -> dict:
+    """RSS growth over a sustained run after its warm-up: the first sample at or past
+    `warmup_s` against the last one taken while the clients ran, per process (percent)."""
+    running = [s for s in samples if not s.get("after_idle_5s")]
+    warm = next((s for s in running if s["t_s"] >= warmup_s), None)
+    if warm is None or warm is running[-1]:
+        return {"warmup_s": warmup_s, "coordinator_pct": None, "nodes_pct": []}
+    pct = lambda a, b: None if not a or b is None else round(100 * (b - a) / a, 1)  # noqa: E731
+    end = running[-1]
+    return {"warmup_s": warmup_s, "from_t_s": warm["t_s"], "to_t_s": end["t_s"],
+            "coordinator_pct": pct(warm["coordinator_mb"], end["coordinator_mb"]),
+            "nodes_pct": [pct(a, b) for a, b in zip(warm["nodes_mb"], end["nodes_mb"])]}
+
+
+def against_targets(levels: list[dict]) -> dict:
+    """The issue's targets on one ring's levels: tok/s at 16 streams over one stream's
+    (>= 6x), ITL p95 at 16 over one stream's (<= 3x), errors (none), outputs equal alone."""
+    by_c = {row["clients"]: row for row in levels}
+    one, many = by_c.get(1), by_c.get(16)
+    ratio = lambda a, b: None if a is None or not b else round(a / b, 2)  # noqa: E731
+    return {"tok_s_16_over_1": ratio(many and many["tok_per_s"], one and one["tok_per_s"]),
+            "itl_p95_16_over_1": ratio(many and many["itl_p95_s"], one and one["itl_p95_s"]),
+            "errors": sum(row["errors"] for row in levels),
+            "all_equal_alone": all(row["outputs_equal_alone"] is not False for row in levels)}
+
+
 async def sustained(ring: Ring, mix: list[dict], clients: int, seconds: float, refs: list[str]) -> dict:
     samples = [{"t_s": 0.0, **ring.rss()}]
     t0 = time.monotonic()
@@ -247,6 +280,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None)
     ap.add_argument("--concurrency", default="1,4,16,32")
     ap.add_argument("--window-s", type=float, default=30.0, help="closed-loop window per concurrency")
+    ap.add_argument("--warmup-s", type=float, default=60.0, help="RSS growth of the sustained run is counted from here")
     ap.add_argument("--sustain-s", type=float, default=300.0, help="sustained run at the highest concurrency (0: none)")
     ap.add_argument("--links", default="loopback,wan")
     ap.add_argument("--wan-concurrency", default=None, help="levels on the WAN ring (default: --concurrency)")
@@ -302,6 +336,11 @@ def main(argv=None) -> int:
                               f"{s[0]['coordinator_mb']:.0f} -> {s[-1]['coordinator_mb']:.0f} MB, nodes "
                               f"{[round(x) for x in s[0]['nodes_mb']]} -> {[round(x) for x in s[-1]['nodes_mb']]} MB",
                               flush=True)
+                    run["targets"] = against_targets(run["levels"])
+                    print(f"{name}: {run['targets']}", flush=True)
+                    if "sustained" in run:
+                        run["sustained"]["rss_growth"] = rss_growth(run["sustained"]["rss"], args.warmup_s)
+                        print(f"{name}: RSS growth after warm-up {run['sustained']['rss_growth']}", flush=True)
                     result["runs"].append(run)
                 finally:
                     ring.close()

@@ -34,6 +34,7 @@ from coordinator.jobs.ring_router import RingRouter
 from coordinator.errors import RingLost
 from coordinator.spec.sampling import SamplingParams
 from coordinator.jobs.head_batch import HeadBatcher
+from coordinator.jobs.heap_sweep import sweep_heap
 from coordinator.jobs.liveness import Liveness
 from coordinator.swarm.swarm import RingState, Swarm
 from coordinator.swarm.topology import Traversal
@@ -73,6 +74,7 @@ class RingEngine:
             self.head = ObservedHead(self.head, observer)
         self.head_batch = HeadBatcher(self.head)  # every job's rows through one product (coordinator.jobs.head_batch)
         self._jobs: dict[str, trio.MemorySendChannel] = {}
+        self.jobs_ended = 0
         self.router = RingRouter(swarm, probation=self.on_probation)  # which of the swarm's rings each job runs on
         self.eagle_head = self._load_eagle(store)
         self._head_streams: dict[int, FramedStream] = {}
@@ -182,6 +184,7 @@ class RingEngine:
         async with trio.open_nursery() as self._links:
             self._links.start_soon(self._serve_job_errors)
             self._links.start_soon(self._serve_ring_changes)
+            self._links.start_soon(sweep_heap, lambda: self.jobs_ended)  # freed memory back to the OS
             task_status.started()
             await trio.sleep_forever()
 
@@ -309,6 +312,7 @@ class RingEngine:
     def close_job(self, job_id: str) -> None:
         channel = self._jobs.pop(job_id, None)
         self.liveness.job_ended(job_id)
+        self.jobs_ended += channel is not None
         self.router.forget(job_id)
         if channel is not None:
             channel.close()

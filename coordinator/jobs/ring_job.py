@@ -146,10 +146,10 @@ class RingJob:
         return Verified(tree, rows, traversal_s, draft_s, queued_behind, fed, tree_aux, pipelined=False)
 
     async def _accept(self, got: Verified, seed: int, grammar: GrammarState | None) -> Acceptance:
-        """The target's token per row walked (coordinator.spec.target) on logits from the output head all jobs
-        share (coordinator.jobs.head_batch); logprobs when asked."""
+        """The target's token per row walked (coordinator.spec.target), from the head all jobs share (head_batch)."""
         acc, logprobs = await accept_batched(self.head, got.rows, lambda logits_of: accept_round(got.tree, logits_of,
-            self.params, seed, len(self.committed) - 1, self.committed[len(self.prompt_ids):], grammar))
+            self.params, seed, len(self.committed) - 1, self.committed[len(self.prompt_ids):], grammar),
+            cheap=self.params.greedy and grammar is None and self.params.logprobs is None)
         self.token_logprobs += logprobs[: self.max_context_tokens - len(self.committed)]  # as _commit clips
         return acc
 

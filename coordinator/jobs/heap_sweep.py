@@ -1,0 +1,39 @@
+"""The gateway's freed memory handed back to the operating system while it serves.
+
+Every round the gateway allocates and frees logits (SmolLM2: 196 KB a row, 3 MB for a
+16-row product), decoded frames, receipt chains and sampling buffers, on the event loop
+and in worker threads, each with its own glibc arena; glibc keeps what they free for
+reuse, so its RSS climbed under load and stayed up. Measured in-process (SmolLM2, 3
+local stages, receipts and audits on, 16 closed-loop clients, 24-token requests): live
+Python objects grew by 0.5 MB over 111 jobs while RSS was 1397 MB, and 989 MB right after
+one malloc_trim (shard.heap.return_freed_heap). So: every `period_s` in which a job ended,
+trim once, in a worker thread (it walks every arena). Knows nothing of jobs beyond a
+count that grows as they end.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+
+import trio
+
+from shard.heap import return_freed_heap
+
+PERIOD_S = 10.0
+
+
+async def trim_in_thread() -> None:
+    await trio.to_thread.run_sync(return_freed_heap)
+
+
+async def sweep_heap(jobs_ended: Callable[[], int], period_s: float = PERIOD_S,
+                     trim: Callable[[], Awaitable[None]] = trim_in_thread) -> None:
+    """Forever: every `period_s`, `trim()` if `jobs_ended()` grew since the last look (an
+    idle gateway is not woken for nothing)."""
+    seen = jobs_ended()
+    while True:
+        await trio.sleep(period_s)
+        now = jobs_ended()
+        if now != seen:
+            seen = now
+            await trim()
