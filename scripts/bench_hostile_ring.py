@@ -12,17 +12,18 @@ rate, no drafter) with its HTTP gateway, and three honest `shard-node join` proc
    must resume without it, and it must be out of the ring within 10 s of the missed deadline;
 4. a lying newcomer: adds noise to every output it computes (and signs it); then N
    requests, none of which may deliver a wrong token;
-5. hostile frames (`--frames`, scripts.bench_hostile's mutations at the ring's epoch) into
+5. frames_warmup, then frames: hostile frames (`--warmup-frames`, then `--frames`, scripts.bench_hostile's mutations at the ring's epoch) into
    the middle stage from its predecessor's own identity (its key file), then valid frames
-   from strangers, each on its own stream; every node's RSS before, right after, and once
-   its idle-job sweep has run (`--idle-timeout-s`);
+   from strangers, each on its own stream, all sent by scripts/bench_hostile_frames.py in a
+   process of its own; every node's RSS before, right after, and once its idle-job sweep
+   has run (`--idle-timeout-s`);
 6. a new honest node joins afterwards and is seated.
 Every answer is compared with the honest ring's answer to the same greedy request. Per
 attack: the coordinator's RSS before, right after and settled, and whether every node
 process is alive. The hostile nodes run as this script's own subprocesses (`node`).
 
     python scripts/bench_hostile_ring.py --json OUT [--requests 100] [--tokens 8] [--frames 100000]
-        [--attacks frames,new_node_joins_afterwards]   (a subset, in this order)
+        [--attacks frames_warmup,frames,new_node_joins_afterwards]   (a subset, in this order)
 """
 
 from __future__ import annotations
@@ -182,51 +183,30 @@ class Nodes:
             p.wait(timeout=30)
 
 
-async def hostile_frames(args, store, swarm, nodes: Nodes) -> dict:
-    """`args.frames` hostile frames into the ring's second stage from its predecessor's own
-    identity, then `args.stranger_frames` valid ones from strangers; every node's RSS."""
-    import random
+async def hostile_frames(args, swarm, nodes: Nodes, frames: int, seed: int) -> dict:
+    """`frames` hostile frames into the ring's second stage from its predecessor's own
+    identity, then `args.stranger_frames` valid ones from strangers, sent by
+    scripts/bench_hostile_frames.py in a process of its own (what the attackers allocate is
+    not the coordinator's RSS); every node's RSS before, right after and after its idle sweep."""
+    from shard.identity import load_or_create_identity, peer_id_of
 
-    from scripts.bench_hostile import expect_refused, forward, hostile_frame
-    from shard.errors import TransportError
-    from shard.identity import keypair_from_seed, load_or_create_identity, peer_id_of
-    from shard.node import RING_PROTOCOL
-    from shard.transport import open_host
-    from shard.wire.codec import encode
-
-    ring, rng = swarm.ring, random.Random(args.seed)
+    ring = swarm.ring
     (pred, _), (target, _) = ring.stages[0], ring.stages[1]
-    keys = {peer_id_of(k): k for k in (load_or_create_identity(os.path.join(nodes.tmp, f"{n}.key")) for n in nodes.procs)}
-    addr = swarm.members[target].register.listen_addrs[0]
+    key_of = {peer_id_of(load_or_create_identity(os.path.join(nodes.tmp, f"{n}.key"))): n for n in nodes.procs}
     pids = {n: p.pid for n, p in nodes.procs.items() if p.poll() is None}
     rss = lambda: {n: round(rss_mb(pid), 1) for n, pid in pids.items()}  # noqa: E731
-    before, kinds, resets, t0 = rss(), {}, 0, time.perf_counter()
-    async with open_host(keys[pred], "/ip4/127.0.0.1/tcp/0") as host:  # a second host of the predecessor's identity
-        await host.connect(addr)
-        stream = await host.open_stream(target, RING_PROTOCOL)
-        for i in range(args.frames):
-            kind, body = hostile_frame(rng, i, store.config, epoch=ring.epoch)
-            kinds[kind] = kinds.get(kind, 0) + 1
-            try:
-                await stream.send_frame(body)
-            except TransportError:  # the node reset the stream (a frame it refused whole): open another
-                resets += 1
-                stream = await host.open_stream(target, RING_PROTOCOL)
-    predecessor_s = time.perf_counter() - t0
-    refused = 0
-    for block in range(0, args.stranger_frames, 100):  # 100 streams per stranger identity
-        async with open_host(keypair_from_seed(os.urandom(32)), "/ip4/127.0.0.1/tcp/0") as stranger:
-            await stranger.connect(addr)
-            for i in range(block, min(block + 100, args.stranger_frames)):
-                refused += await expect_refused(lambda: stranger.open_stream(target, RING_PROTOCOL),  # noqa: B023
-                                                encode(forward(f"s{i}", [1, 2, 3], epoch=ring.epoch)))
+    before = rss()
+    cmd = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_hostile_frames.py"),
+           "--key", os.path.join(nodes.tmp, f"{key_of[pred]}.key"), "--addr", swarm.members[target].register.listen_addrs[0],
+           "--target", target, "--epoch", str(ring.epoch), "--frames", str(frames),
+           "--stranger-frames", str(args.stranger_frames), "--seed", str(seed)]
+    done = await trio.run_process(cmd, capture_stdout=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    sent = json.loads(done.stdout.decode().strip().splitlines()[-1])
     right_after = rss()
     await trio.sleep(args.idle_timeout_s + 15)  # the idle sweep frees the jobs the valid frames opened, then trims
-    return {"predecessor_frames": args.frames, "kinds": kinds, "predecessor_streams_reset": resets,
-            "predecessor_s": round(predecessor_s, 1), "stranger_frames": args.stranger_frames,
-            "stranger_frames_refused": refused, "target_stage": target[-6:], "predecessor": pred[-6:],
-            "node_rss_mb_before": before, "node_rss_mb_right_after": right_after, "node_rss_mb_after_idle_sweep": rss(),
-            "deaths_so_far": nodes.deaths()}
+    return {"predecessor_frames": frames, **sent, "target_stage": f"{key_of[target]} ({target[-6:]})",
+            "predecessor": f"{key_of[pred]} ({pred[-6:]})", "node_rss_mb_before": before,
+            "node_rss_mb_right_after": right_after, "node_rss_mb_after_idle_sweep": rss(), "deaths_so_far": nodes.deaths()}
 
 
 async def serve_and_attack(args, config, store, tokenizer, api, out: dict, nodes: Nodes) -> dict:
@@ -259,6 +239,12 @@ async def serve_and_attack(args, config, store, tokenizer, api, out: dict, nodes
             me = os.getpid()
 
             async def attack(name: str, body, settle_s: float = 2.0) -> None:
+                # The audits of the requests before it done and their replay slices handed back
+                # (AuditConfig.slice_idle_s): what they load is not the attack's.
+                with trio.move_on_after(config.audit.slice_idle_s + 30):
+                    await c.auditor.wait_idle()
+                    while c.auditor.slices_loaded:
+                        await trio.sleep(1.0)
                 before, t0 = rss_mb(me), time.perf_counter()
                 facts = await body()
                 facts.update(seconds=round(time.perf_counter() - t0, 2), rss_mb_before=round(before, 1),
@@ -266,7 +252,7 @@ async def serve_and_attack(args, config, store, tokenizer, api, out: dict, nodes
                 await trio.sleep(settle_s)
                 answer, _ = await ask(client, args.tokens)
                 facts.update(rss_mb_settled=round(rss_mb(me), 1), answer_after_equals_reference=answer == reference,
-                             node_processes_alive=nodes.alive())
+                             node_processes_alive=nodes.alive(), load_avg_1_5_15_at_end=[round(x, 2) for x in os.getloadavg()])
                 out["attacks"][name] = facts
                 print(name, json.dumps(facts), flush=True)
 
@@ -343,11 +329,14 @@ async def serve_and_attack(args, config, store, tokenizer, api, out: dict, nodes
                 return {"new_node_registered": bool(new), "new_node_seated": bool(new & seated)}
 
             async def frames() -> dict:
-                return await hostile_frames(args, store, swarm, nodes)
+                return await hostile_frames(args, swarm, nodes, args.frames, args.seed)
+
+            async def frames_warmup() -> dict:  # first use of every path the attack takes, not counted against it
+                return await hostile_frames(args, swarm, nodes, args.warmup_frames, args.seed + 1)
 
             attacks = {"probation_side_by_side": (probation_side_by_side, 2.0), "http": (http_attacks, args.header_timeout_s),
                        "stalling_stage": (stalling_stage, 2.0), "lying_newcomer": (lying_newcomer, 2.0),
-                       "frames": (frames, 2.0), "new_node_joins_afterwards": (newcomer_joins, 2.0)}
+                       "frames_warmup": (frames_warmup, 2.0), "frames": (frames, 2.0), "new_node_joins_afterwards": (newcomer_joins, 2.0)}
             for name in args.attacks.split(","):
                 await attack(name, *attacks[name])
         out["process_deaths"] = nodes.deaths()
@@ -368,8 +357,9 @@ def main() -> None:
     p.add_argument("--frames", type=int, default=10_000, help="hostile frames from the predecessor (the issue's: 100000)")
     p.add_argument("--stranger-frames", type=int, default=1_000, help="frames from strangers, each on its own stream")
     p.add_argument("--seed", type=int, default=0, help="of the hostile frames' mutations")
+    p.add_argument("--warmup-frames", type=int, default=3_000, help="hostile frames of frames_warmup (another seed)")
     p.add_argument("--idle-timeout-s", type=float, default=30.0, help="the honest nodes' --job-idle-timeout-s")
-    p.add_argument("--attacks", default="probation_side_by_side,http,stalling_stage,lying_newcomer,frames,"
+    p.add_argument("--attacks", default="probation_side_by_side,http,stalling_stage,lying_newcomer,frames_warmup,frames,"
                                         "new_node_joins_afterwards", help="which to run, in order (comma-separated)")
     args = p.parse_args()
     if unknown := set(args.attacks.split(",")) - set(p.get_default("attacks").split(",")):

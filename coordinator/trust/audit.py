@@ -33,8 +33,10 @@ It does not check receipt chains (receipt_check), choose rings, or serve HTTP.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import itertools
 import logging
+import math
 import random
 import time
 from collections import OrderedDict
@@ -52,6 +54,7 @@ from coordinator.trust.receipt_check import FinishedJob
 from coordinator.trust.tolerance import TOLERANCES
 from receipts import NodeKey, sign_evidence
 from ring import PeerId
+from shard.heap import return_freed_heap
 from shard.layers import LayerRange
 from shard.manifest import layer_file
 from shard.options import option
@@ -78,6 +81,10 @@ class AuditConfig:
     reply_timeout_s: float = 30.0
     max_queued_jobs: int = 256  # finished jobs waiting for audit; more are not audited
     max_cached_slices: int = 4  # slices kept loaded for replays
+    # Slices loaded for replays are dropped after this long with no audit to run: a
+    # 10-layer SmolLM2 slice is 140 MB in f32, which a gateway kept for good after one
+    # audit it recomputed itself (bench_hostile_ring read it as the attack's growth).
+    slice_idle_s: float = 60.0
     max_replay_rows: int = 1024  # rows per replay forward (its attention mask is rows x rows)
     # A job that waited longer than this for its audit is not audited: nodes drop a job's
     # frame log FrameLogConfig.grace_s (300 s) after it ends, and a dropped log reads as
@@ -153,7 +160,12 @@ class Auditor:
         while True:
             self._settled.set()
             self._settled = trio.Event()
-            job = await self._finished.receive()
+            job = None
+            with trio.move_on_after(self.config.slice_idle_s if self._slices else math.inf):
+                job = await self._finished.receive()
+            if job is None:  # no audit for a while: the slices loaded for replays go back
+                self._release_slices()
+                continue
             if time.monotonic() - job.finished_s > self.config.max_job_age_s:
                 log.warning("audit backlog: job %s waited %.0f s, its frame logs may be gone; not audited",
                             job.job_id, time.monotonic() - job.finished_s)
@@ -354,6 +366,15 @@ class Auditor:
         if slot is not None:  # replies nobody asked for (or from another peer) are dropped
             slot[1] = reply
             slot[0].set()
+
+    @property
+    def slices_loaded(self) -> int:
+        return len(self._slices)
+
+    def _release_slices(self) -> None:
+        self._slices.clear()
+        gc.collect()
+        return_freed_heap()
 
     async def _stage(self, r: LayerRange, quant: str = "none") -> Stage:
         key = (r, quant)
