@@ -1,6 +1,7 @@
 """A node's part in reaching peers across NATs, as its signed Assignment says.
 
-- The relay role: relay for hosts behind NATs (shard.relay's hop service, under its limits).
+- `relay_for` (the relay role, or a stage with upload to spare): relay for those hosts
+  behind NATs (shard.relay's hop service, under its limits), accepting their reservations only.
 - `relay_addrs`: a node nobody can dial reserves a slot on the relay-role node named there,
   and its predecessor is told to reach it through that node first. The relay gets its own
   assignment in the same formation, sent right after the stages', so the reservation is
@@ -32,11 +33,11 @@ RESERVE_RETRY_S = 0.25
 
 
 async def take_duty(host: Host, a: Assignment, reserve_within_s: float = RESERVE_WITHIN_S) -> None:
-    """What `a` asks of this host's reachability: relay (the relay role), and reserve on the
+    """What `a` asks of this host's reachability: relay for `a.relay_for`, and reserve on the
     first of `a.relay_addrs` that grants a slot. Error handling: never raises for a relay
     that cannot be reached; it is logged and the node stays reachable through the coordinator."""
-    if a.role == ROLE_RELAY:
-        host.reach.enable_hop()
+    if a.role == ROLE_RELAY or a.relay_for:
+        host.reach.enable_hop(a.relay_for)
     if a.relay_addrs:
         await reserve_on(host, a.relay_addrs, reserve_within_s)
 

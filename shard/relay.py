@@ -30,6 +30,7 @@ from __future__ import annotations
 import ipaddress
 import logging
 import weakref
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import multiaddr
@@ -291,14 +292,24 @@ class Reach:
             return None
         return next(filter(None, (relay_in(str(a)) for a in swarm_conn.get_transport_addresses() or [])), None)
 
-    def enable_hop(self) -> None:
+    def enable_hop(self, serve: Collection[str] | None = None) -> None:
         """Start relaying for others (the relay role), under the same limits as a relay
-        made with `hop=True`; the AutoNAT service stays the coordinator's. Idempotent."""
-        if self.hop:
-            return
-        self.hop = self.protocol.allow_hop = True
-        self._host.set_stream_handler(HOP_PROTOCOL, self.protocol._handle_hop_stream)
-        log.info("relaying for hosts behind NATs (up to %d reservations)", self.config.max_reservations)
+        made with `hop=True`; the AutoNAT service stays the coordinator's. `serve`: the
+        peer ids whose reservations it accepts (None: any); a later call replaces them."""
+        allowed = None if serve is None else frozenset(serve)
+        accepts = self.protocol.resource_manager.can_accept_reservation
+        accepts = getattr(accepts, "unrestricted", accepts)
+        if allowed is not None:
+            def restricted(peer_id: ID, accepts=accepts) -> bool:
+                return peer_id.to_base58() in allowed and accepts(peer_id)
+            restricted.unrestricted = accepts
+            self.protocol.resource_manager.can_accept_reservation = restricted
+        else:
+            self.protocol.resource_manager.can_accept_reservation = accepts
+        if not self.hop:
+            self.hop = self.protocol.allow_hop = True
+            self._host.set_stream_handler(HOP_PROTOCOL, self.protocol._handle_hop_stream)
+        log.info("relaying for %s", "any host" if allowed is None else f"{len(allowed)} hosts behind NATs")
 
     def _connections(self, peer: str) -> list:
         return list(self._host.get_network().connections.get(ID.from_base58(peer)) or [])

@@ -260,9 +260,9 @@ def decide(snapshot: Snapshot, members: frozenset[PeerId], config: SwarmConfig,
     assignments = stage_assignments(stages, snapshot, epoch, model, relays)
     if ring is not None and ring.stages == stages and relay_choice.in_force(ring.assignments) == relays:
         return Formation(members, plan, network, ring.epoch, False, stages, (),
-                         role_assignments(plan, snapshot, members, ring.epoch, model))
+                         role_assignments(plan, snapshot, members, ring.epoch, model, relays))
     return Formation(members, plan, network, epoch, True, stages, assignments,
-                     role_assignments(plan, snapshot, members, epoch, model))
+                     role_assignments(plan, snapshot, members, epoch, model, relays))
 
 
 def stage_assignments(stages: tuple[tuple[PeerId, LayerRange], ...], snapshot: Snapshot, epoch: int,
@@ -277,7 +277,8 @@ def stage_assignments(stages: tuple[tuple[PeerId, LayerRange], ...], snapshot: S
                                              MAX_SUCCESSOR_ADDRS) if successor is not None else ()
         out.append(_assignment(model, epoch, peer, RoleKind.STAGE, layers, predecessor=stages[i - 1][0] if i > 0 else None,
                                successor=successor, successor_addrs=addrs,
-                               relay_addrs=relay_choice.relay_addrs(relays.get(peer), snapshot.registrations)))
+                               relay_addrs=relay_choice.relay_addrs(relays.get(peer), snapshot.registrations),
+                               relay_for=relay_choice.relay_for(peer, relays)))
     return tuple(out)
 
 
@@ -291,12 +292,14 @@ def role_layers(plan: Plan, peer: PeerId, held: Mapping[PeerId, LayerRange], num
 
 
 def role_assignments(plan: Plan, snapshot: Snapshot, members: frozenset[PeerId], epoch: int,
-                     model: ModelIdentity) -> tuple[Assignment, ...]:
+                     model: ModelIdentity, relays: Mapping[PeerId, PeerId] | None = None) -> tuple[Assignment, ...]:
     """An Assignment naming its role for every member off the ring the plan gave one, in
-    peer order. A role that holds nothing names the empty range [0, 0) on the wire."""
+    peer order (a relay's naming whom it relays for, `relays`: stage -> relay). A role that
+    holds nothing names the empty range [0, 0) on the wire."""
     on_ring = set(plan.peers)
     return tuple(_assignment(model, epoch, peer, plan.roles[peer].kind,
-                             role_layers(plan, peer, snapshot.held, model.spec.num_layers))
+                             role_layers(plan, peer, snapshot.held, model.spec.num_layers),
+                             relay_for=relay_choice.relay_for(peer, relays))
                  for peer in sorted(members - on_ring) if peer in plan.roles)
 
 
@@ -307,9 +310,11 @@ def same_assignment(a: Assignment | None, b: Assignment) -> bool:
 
 def _assignment(model: ModelIdentity, epoch: int, peer: PeerId, kind: RoleKind, layers: LayerRange | None, *,
                 predecessor: PeerId | None = None, successor: PeerId | None = None,
-                successor_addrs: tuple[str, ...] = (), relay_addrs: tuple[str, ...] = ()) -> Assignment:
+                successor_addrs: tuple[str, ...] = (), relay_addrs: tuple[str, ...] = (),
+                relay_for: tuple[str, ...] = ()) -> Assignment:
     start, end = (layers.start, layers.end) if layers is not None else (0, 0)
     return Assignment(epoch=epoch, peer_id=peer, role=kind.value, layer_start=start, layer_end=end,
                       predecessor=predecessor, successor=successor, successor_addrs=successor_addrs, relay_addrs=relay_addrs,
+                      relay_for=relay_for,
                       model=model.spec.name, manifest_digest=model.manifest_digest, wire_dtype=model.wire_dtype,
                       aux_dtype=model.aux_dtype)

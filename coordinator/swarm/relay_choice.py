@@ -6,17 +6,20 @@ each relay's role. A stage needs a relay when nobody can dial it (it registered 
 circuit address first, shard.relay) and a node sends to it: not the head, which the
 coordinator reaches over the connection the head opened.
 
-Candidates are members off the ring that can be dialled (no circuit first), are no hot
-standby (a standby's job is to take its stage over at once) and have at least
-`min_upload_bytes_per_s`. Each relayed stage, in ring order, takes the candidate whose
-relayed hop costs least as topology.relayed_links costs it: both legs plus one decode
-round's bytes on the relay's upload, shared with the stages it already relays for. The
+Candidates are members that can be dialled (no circuit first), are no hot standby (a
+standby's job is to take its stage over at once) and have at least
+`min_upload_bytes_per_s`: spares off the ring, and stages other than the hop's own two
+ends (a stage's upload also carries its own activations, one more share of it). Each
+relayed stage, in ring order, takes the candidate whose relayed hop costs least as
+topology.relayed_links costs it: both legs plus one decode round's bytes on the relay's
+upload, shared with the stages it already relays for. The
 gateway keeps the hop only when its own relayed hop is cheaper by more than
 `gateway_margin_s`: its uplink also carries every user's token ids and every other
 relayed hop, and a volunteer that relays takes that off it. Chosen after the ring is
 (the selector prices relayed hops through the gateway, the safe side: a chosen relay is
-never dearer by more than the margin). On-ring relays (a stage with spare upload) are
-not chosen yet. Knows nothing of streams or of how the role is carried out (shard.reach_duty).
+never dearer by more than the margin). A spare that relays gets the relay role; a stage
+relays beside its stage work. Each learns whom it relays for from its Assignment
+(`relay_for`). Knows nothing of streams or of how relaying is done (shard.reach_duty).
 """
 
 from __future__ import annotations
@@ -61,11 +64,11 @@ def choose_relays(plan: Plan, registrations: Mapping[PeerId, Register], links: M
     on_ring = set(plan.peers)
     standbys = {p for p, r in plan.roles.items() if r.kind is RoleKind.HOT_STANDBY}
     candidates = sorted(p for p, reg in registrations.items()
-                        if p not in on_ring and p not in standbys and reg.upload_bytes_per_s >= policy.min_upload_bytes_per_s
+                        if p not in standbys and reg.upload_bytes_per_s >= policy.min_upload_bytes_per_s
                         and topology.relay_of(reg.listen_addrs) is None and reg.listen_addrs)
     order = [s.peer for s in plan.stages]
     chosen: dict[PeerId, PeerId] = {}
-    load: Counter[PeerId] = Counter()
+    load: Counter[PeerId] = Counter({p: 1 for p in on_ring})  # a stage's own activations share its upload
 
     def hop_s(src: PeerId, relay: PeerId, dst: PeerId, upload: float) -> float | None:
         legs = links.get((src, relay)), links.get((relay, dst))
@@ -75,7 +78,7 @@ def choose_relays(plan: Plan, registrations: Mapping[PeerId, Register], links: M
 
     for dst in needs_relay(plan, registrations):
         src = order[order.index(dst) - 1]
-        costs = sorted((s, p) for p in candidates if p != src
+        costs = sorted((s, p) for p in candidates if p not in (src, dst)
                        and (s := hop_s(src, p, dst, registrations[p].upload_bytes_per_s)) is not None)
         if not costs:
             continue
@@ -104,9 +107,7 @@ def through(plan: Plan, network: Network, relays: Mapping[PeerId, PeerId], regis
     present = {n.peer for n in network.nodes} | {network.coordinator}
     measured = {k: s for k, s in costed.items() if k[0] in present and k[1] in present}
     network = dataclasses.replace(network, latency=LatencyMatrix(measured, network.latency.unknown_s))
-    served: dict[PeerId, list[PeerId]] = {}
-    for stage, relay in sorted(relays.items()):
-        served.setdefault(relay, []).append(stage)
+    served = {relay: relay_for(relay, relays) for relay in set(relays.values()) if relay not in plan.peers}
     roles = {p: r for p, r in plan.roles.items() if p not in served}
     for relay, stages in served.items():
         mbit = registrations[relay].upload_bytes_per_s * 8e-6
@@ -116,6 +117,11 @@ def through(plan: Plan, network: Network, relays: Mapping[PeerId, PeerId], regis
         return evaluate(dataclasses.replace(plan, roles=roles), network, model, workload), network
     except RingError:
         return plan, network
+
+
+def relay_for(peer: PeerId, relays: Mapping[PeerId, PeerId] | None) -> tuple[PeerId, ...]:
+    """The stages `peer` relays for, in peer order (an Assignment's relay_for)."""
+    return tuple(sorted(stage for stage, relay in (relays or {}).items() if relay == peer))
 
 
 def relay_addrs(relay: PeerId | None, registrations: Mapping[PeerId, Register],

@@ -189,8 +189,7 @@ class Register:
     held_epoch: int = spec(Int(-1), default=-1)
     held_start: int = spec(Int(), default=0)
     held_end: int = spec(Int(), default=0)
-    # The role it held them in ("stage", "hot_standby", ...; "": none): where a stage and a
-    # standby hold one slice, a restarted coordinator seats the stage again.
+    # The role it held them in ("": none): of a stage and a standby holding one slice, the stage is re-seated.
     held_role: str = spec(Str(32), default="")
     # The weight quantisation the node runs its layers in (shard.quant), and what one layer
     # then holds in memory: the selector seats layers by it, the auditor replays under it.
@@ -232,9 +231,10 @@ class Assignment:
     predecessor: str | None = spec(OptionalOf(PEER_ID))  # None = the coordinator feeds me
     successor: str | None = spec(OptionalOf(PEER_ID))  # None = tail, returns to coordinator
     successor_addrs: tuple[str, ...] = spec(ListOf(NAME, max_items=16), default=())  # where to dial it
-    # A relay-role node's addresses (…/p2p/<relay>) where this node, not dialable, reserves
-    # a slot so its predecessor reaches it there (empty: the coordinator's relay only).
+    # Where this node, not dialable, reserves a relay slot (a node's addrs; empty: the coordinator's).
     relay_addrs: tuple[str, ...] = spec(ListOf(NAME, max_items=16), default=())
+    # The peers this node relays for: it starts relaying and accepts their reservations only.
+    relay_for: tuple[str, ...] = spec(ListOf(PEER_ID, max_items=64), default=())
     model: str = spec(NAME)
     manifest_digest: str = spec(NAME)
     wire_dtype: str = spec(Str(16, choices=tuple(sorted(FLOAT_NAMES))))

@@ -165,10 +165,10 @@ def test_a_node_on_the_relays_machine_listening_on_loopback_is_reachable():
     assert not any(map(is_circuit, addrs)), (relay_addr, addrs)
 
 
-def _assignment(peer: str, role: str, relay_addrs: tuple[str, ...] = ()):
+def _assignment(peer: str, role: str, relay_addrs: tuple[str, ...] = (), relay_for: tuple[str, ...] = ()):
     from shard.wire.messages import Assignment
     return Assignment(epoch=1, peer_id=peer, role=role, layer_start=0, layer_end=0, predecessor=None, successor=None,
-                      relay_addrs=relay_addrs, model="m", manifest_digest="d", wire_dtype="f32")
+                      relay_addrs=relay_addrs, relay_for=relay_for, model="m", manifest_digest="d", wire_dtype="f32")
 
 
 def test_a_relay_role_node_relays_and_a_sender_crosses_it_instead_of_the_gateways_circuit():
@@ -194,7 +194,7 @@ def test_a_relay_role_node_relays_and_a_sender_crosses_it_instead_of_the_gateway
                     nursery.start_soon(reach_duty.take_duty, dest, _assignment(dest.peer_id, "stage", tuple(relay.addrs)))
                     await trio.sleep(1.0)
                     got["relaying_before_role"] = relay.reach.hop
-                    await reach_duty.take_duty(relay, _assignment(relay.peer_id, "relay"))
+                    await reach_duty.take_duty(relay, _assignment(relay.peer_id, "relay", relay_for=(dest.peer_id,)))
                 assert relay.peer_id in dest.reach.reservations
                 await reach_duty.dial_first(src, [circuit_addr(relay.addrs[0], dest.peer_id)])
                 stream = await src.open_stream(dest.peer_id, PROTO)
@@ -208,3 +208,25 @@ def test_a_relay_role_node_relays_and_a_sender_crosses_it_instead_of_the_gateway
     assert got["before"] == gateway_id and got["relaying_before_role"] is False
     assert got["echo"] == b"hi"
     assert (got["hop"].path, got["hop"].via) == (RELAYED, relay_id)
+
+
+def test_a_relay_for_named_peers_refuses_anyone_elses_reservation():
+    # Bug guarded: a volunteer given the relay role relayed for whoever asked, its uplink
+    # open to any host. Sound: two hosts ask the same relay, only the named one is granted.
+    from shard.errors import DialError
+    got = {}
+
+    async def main():
+        async with open_host(_key()) as relay, open_host(_key()) as named, open_host(_key()) as other:
+            relay.reach.enable_hop([named.peer_id])
+            with trio.fail_after(60):
+                for host in (named, other):
+                    await host.connect(relay.addrs[0])
+                    try:
+                        await host.reach.reserve(relay.addrs[0])
+                        got[host is named] = "granted"
+                    except DialError as exc:
+                        got[host is named] = exc.reason
+
+    trio.run(main)
+    assert got[True] == "granted" and got[False] == "the relay refused a reservation", got

@@ -457,7 +457,7 @@ def test_assignment_signing_bytes_cover_every_field_but_signature():
     key.public_key().verify(received.signature, received.signing_bytes())  # raises if not
     assert dataclasses.replace(a, signature=b"other").signing_bytes() == a.signing_bytes()
     changes = dict(epoch=3, peer_id="other", role="verifier", layer_start=1, layer_end=16, predecessor="p",
-                   successor=None, successor_addrs=("/ip4/127.0.0.1/tcp/1",), relay_addrs=("/ip4/10.0.0.1/tcp/2",), model="other", manifest_digest="cd" * 32,
+                   successor=None, successor_addrs=("/ip4/127.0.0.1/tcp/1",), relay_addrs=("/ip4/10.0.0.1/tcp/2",), relay_for=("q",), model="other", manifest_digest="cd" * 32,
                    wire_dtype="f8_e4m3fn", aux_dtype="f8_e4m3fn")
     assert set(changes) == {f.name for f in dataclasses.fields(a)} - {"signature"}
     for name, value in changes.items():

@@ -126,8 +126,28 @@ def test_formation_names_the_relay_in_the_assignments_and_keeps_the_ring_while_i
     head, natted = f.assignments
     assert natted.relay_addrs == regs["r"].listen_addrs and head.relay_addrs == ()
     assert head.successor_addrs[0] == f"{regs['r'].listen_addrs[0]}/p2p-circuit/p2p/n"
-    assert {a.peer_id: a.role for a in f.roles}["r"] == "relay"
+    assert {a.peer_id: (a.role, a.relay_for) for a in f.roles}["r"] == ("relay", ("n",))
+    assert [a.relay_for for a in f.assignments] == [(), ()]
     ring = RingState(f.epoch, f.stages, f.assignments)
     again = formation.decide(dataclasses.replace(snap, ring=ring, plan=f.plan, epoch=f.epoch), frozenset(regs), cfg,
                              identity)
     assert not again.new_ring and again.epoch == f.epoch  # the same relay: no new epoch
+
+
+def test_a_stage_relays_when_no_spare_can_and_pays_one_more_share_of_its_upload():
+    # a -> n (NATed) -> b, no spares: b, a stage but not one of the hop's ends, relays for n
+    # (2 + 2 ms against the gateway's 10 + 40). With a spare as near, the spare wins: the
+    # stage's upload also carries its own activations.
+    regs = {p: r for p, r in REGS.items() if p in ("a", "n")} | {"b": _reg("b")}
+    links = _links({("a", COORD): 0.010, ("n", COORD): 0.040, ("b", COORD): 0.010, ("a", "b"): 0.002,
+                    ("b", "n"): 0.002, ("a", "n"): 0.050})
+    plan, network = _plan(regs, links, [("a", 0, 1), ("n", 1, 2), ("b", 2, 4)])
+    relays = relay_choice.choose_relays(plan, regs, links, COORD, CFG, ROUND_BYTES)
+    assert relays == {"n": "b"}
+    replanned, _ = relay_choice.through(plan, network, relays, regs, links, CFG, MODEL, CFG.workload())
+    assert "b" not in replanned.roles  # a stage keeps its stage; relay_for tells it to relay
+    assert relay_choice.relay_for(PeerId("b"), relays) == ("n",) and relay_choice.relay_for(PeerId("a"), relays) == ()
+    slow = {**regs, "b": _reg("b", up=1.25e6), "s": _reg("s", up=1.25e6)}  # a round's 1280 B: ~1 ms a share
+    both = {**links, **_links({("a", "s"): 0.002, ("s", "n"): 0.002, ("s", COORD): 0.010})}
+    plan, _ = _plan(slow, both, [("a", 0, 1), ("n", 1, 2), ("b", 2, 4)])
+    assert relay_choice.choose_relays(plan, slow, both, COORD, CFG, ROUND_BYTES) == {"n": "s"}
