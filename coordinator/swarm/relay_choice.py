@@ -56,7 +56,7 @@ def choose_relays(plan: Plan, registrations: Mapping[PeerId, Register], links: M
                   coordinator: PeerId, config: TopologyConfig, round_bytes: int,
                   in_force: Mapping[PeerId, PeerId] | None = None,
                   policy: RelayPolicy = RelayPolicy()) -> dict[PeerId, PeerId]:
-    """{stage: relay-role node} for the plan's relayed stages a volunteer serves better
+    """{stage: relay node} for the plan's relayed stages a volunteer serves better
     than the gateway (see the module docstring); a stage left out keeps the gateway.
     The relay `in_force` for a stage stays while it is a candidate within the margin of
     the best (re-measured links must not move relays, and so re-form the ring, for noise);
@@ -98,7 +98,8 @@ def through(plan: Plan, network: Network, relays: Mapping[PeerId, PeerId], regis
             links: Mapping[tuple[PeerId, PeerId], float], config: TopologyConfig, model: ModelSpec,
             workload) -> tuple[Plan, Network]:
     """`plan` and `network` re-costed with each relayed stage reached through its chosen
-    relay, and the relay role given to each relay (replacing any other role it had). The
+    relay, and the relay role given to each relay off the ring (replacing any other role
+    it had; the plan's cost shares a relay's upload among the stages it relays for). The
     plan unchanged when no relay was chosen or the re-costed ring does not fit."""
     if not relays:
         return plan, network
