@@ -18,9 +18,10 @@ from collections.abc import Sequence
 # largest, coordinator.jobs.engine_config) plus 64 decode or verify rows beside it.
 DEFAULT_TOKEN_BUDGET = 320
 # Prefill rows one forward carries while decode rows are about. Measured on 10 of SmolLM2's
-# 30 layers (one thread, this 2-core VM): 16 decode rows alone 26 ms, with a 64-row piece
-# beside them 86 ms, with a whole 256-row chunk 253 ms; pieces of 64 keep a decode row's
-# wait per forward near 3x its own forward's instead of ~10x (scripts/bench_batch.py --split).
+# 30 layers (one thread, this 2-core VM, load ~5): 16 decode rows alone 26 ms, with a
+# 64-row piece beside them 86 ms, with a whole 256-row chunk 253 ms; pieces of 64 keep a
+# forward that carries decode rows near 3x their own cost instead of ~10x
+# (scripts/bench_batch.py: prefill_beside_decode in docs/results/bench_batch.json).
 DEFAULT_PIECE_ROWS = 64
 
 
