@@ -162,11 +162,11 @@ class StageScheduler:
     def drop_failed(self, job_ids: Iterable[str]) -> None:
         """A failed piece ends its frame: the rest of a part-done frame of these jobs leaves."""
         for job_id in job_ids:
-            if self.done.pop(job_id, None) is not None:
-                first = next(i for i, w in enumerate(self.waiting) if w.job_id == job_id)
-                del self.waiting[first]
-                self._count_bytes()
-                self._notify()
+            if self.done.pop(job_id, None) is None:
+                continue  # its frame ran whole, or its last piece was taken: nothing waits
+            del self.waiting[next(i for i, w in enumerate(self.waiting) if w.job_id == job_id)]  # its first frame
+            self._count_bytes()
+            self._notify()
 
     async def serve(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Run batches until cancelled, each as soon as the previous one is done and a frame
