@@ -90,8 +90,9 @@ class StageScheduler:
         self.done: dict[str, int] = {}  # job id -> rows run of its first waiting frame (part done)
         self.decoding: dict[str, float] = {}  # job id -> when its last decode or verify rows were taken
         self._changed = trio.Event()  # set (and replaced) whenever a frame arrives or leaves
-        self.forwards = 0  # batches run, and frames (or pieces) they carried (for tests and benchmarks)
-        self.frames_run = 0
+        self.forwards = 0  # batches run, the frames (or pieces) they carried, and how many were pieces
+        self.frames_run = 0  # (for tests and benchmarks)
+        self.pieces_run = 0
 
     def _notify(self) -> None:
         self._changed.set()
@@ -181,4 +182,5 @@ class StageScheduler:
             if batch:
                 self.forwards += 1
                 self.frames_run += len(batch)
+                self.pieces_run += sum(w.piece is not None for w in batch)
                 self.drop_failed(await self.run_batch(state, batch) or ())
