@@ -142,6 +142,15 @@ class Ring:
             self.proc.wait(10)
 
 
+def head_counts(base: str) -> dict:
+    """From the gateway's /metrics: LM-head products run and ring rounds committed so far
+    (their ratio over a level: rounds per product, how much the head batched)."""
+    text = httpx.get(f"{base.rsplit('/v1', 1)[0]}/metrics", timeout=30).text
+    total = lambda name: sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()  # noqa: E731
+                             if line.startswith(name) and not line.startswith("#"))
+    return {"products": total("shard_lm_head_seconds_count"), "rounds": total("shard_traversals_total")}
+
+
 def cpu_spent(before: dict, after: dict) -> dict:
     """CPU seconds each process used between two Ring.cpu() readings (0 for one gone)."""
     d = lambda a, b: (b - a) if a is not None and b is not None else 0.0  # noqa: E731
@@ -318,14 +327,19 @@ def main(argv=None) -> int:
                         result["conditions"]["reference"] = f"each request alone on {name}, first"
                     for c in (levels if link != "wan" or not args.wan_concurrency
                               else [int(x) for x in args.wan_concurrency.split(",")]):
-                        before = ring.cpu()
+                        before, heads = ring.cpu(), head_counts(ring.base)
                         row = trio.run(closed_loop, ring.base, mix, c, args.window_s, refs)
                         row["cpu_s"] = cpu_spent(before, ring.cpu())
+                        time.sleep(2)  # jobs cut off at the window's end are counted once they end
+                        after = head_counts(ring.base)
+                        products = after["products"] - heads["products"]
+                        row["head_rounds_per_product"] = (after["rounds"] - heads["rounds"]) / products if products else None
                         print(f"{name:28s} C={c:3d}  {row['tok_per_s']:6.1f} tok/s  TTFT p50/p95 "
                               f"{row['ttft_p50_s'] or 0:.2f}/{row['ttft_p95_s'] or 0:.2f} s  ITL p50/p95 "
                               f"{row['itl_p50_s'] or 0:.3f}/{row['itl_p95_s'] or 0:.3f} s  errors {row['errors']}  "
                               f"equal alone {row['outputs_equal_alone']}  CPU s coordinator/nodes {row['cpu_s']['coordinator']:.1f}/"
-                              f"{'/'.join(f'{x:.1f}' for x in row['cpu_s']['nodes'])}  load {row['load_average'][0]:.1f}",
+                              f"{'/'.join(f'{x:.1f}' for x in row['cpu_s']['nodes'])}  rounds per head product "
+                              f"{row['head_rounds_per_product'] or 0:.2f}  load {row['load_average'][0]:.1f}",
                               flush=True)
                         run["levels"].append(row)
                     run["rss_end"] = ring.rss()
