@@ -15,8 +15,8 @@ new tokens; no 2k-token prompts: a half-model node's K/V budget holds ~8 short j
 Reported per configuration: rings formed, aggregate tok/s, p50/p95 TTFT and inter-token
 gap, errors, whether every finished request equals the same request served alone (once,
 on the one-ring pool, first), the most jobs each ring held at once (/v1/ring every 2 s),
-and the load average (the cores are shared); then the ratio of the two rings' tok/s to
-one ring's.
+the CPU seconds each process used in the window, and the load average (the cores are
+shared); then the ratio of the two rings' tok/s to one ring's.
 
     python scripts/bench_rings.py --json OUT [--window-s 30] [--clients 16]
 """
@@ -40,7 +40,7 @@ import trio
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from scripts.bench_ringkit import git_revision  # noqa: E402
-from scripts.bench_load import alone, closed_loop, rss_mb  # noqa: E402
+from scripts.bench_load import alone, closed_loop, cpu_s, rss_mb  # noqa: E402
 from coordinator.jobs.engine import encode_chat  # noqa: E402
 from coordinator.swarm.topology import TopologyConfig, model_spec  # noqa: E402
 from scripts import spec_prompts  # noqa: E402
@@ -48,7 +48,7 @@ from shard.store import ModelStore, default_store_dir, prepare  # noqa: E402
 
 BANNER = re.compile(r"serving \S+ at (http://[0-9.]+:\d+)/v1")
 JOIN = re.compile(r"shard-node join --coordinator (\S+)")
-WAN = ["--link-latency-ms", "25", "--link-upload-mbps", "50"]
+WAN = ["--link-latency-ms", "25", "--link-upload-mbps", "50"]  # --latency-ms replaces the 25
 NODES = 6
 
 
@@ -77,7 +77,7 @@ def half_model_bytes(store: ModelStore) -> int:
 class Pool:
     """A coordinator process and six node processes; all killed on close."""
 
-    def __init__(self, store: ModelStore, home: Path, max_rings: int, name: str) -> None:
+    def __init__(self, store: ModelStore, home: Path, max_rings: int, name: str, wan: list[str] = WAN) -> None:
         self.log_path, self.procs = home / f"{name}.log", []
         env = {**os.environ, "SHARD_HOME": str(home / f"{name}-home"), "OMP_NUM_THREADS": "1"}
         log = open(self.log_path, "w")
@@ -85,14 +85,14 @@ class Pool:
             [sys.executable, "-m", "coordinator.cli", "serve", "--model", "smollm2-135m", "--store-dir", str(store.root),
              "--min-nodes", str(NODES), "--max-rings", str(max_rings), "--http", "127.0.0.1:0",
              "--listen", "/ip4/127.0.0.1/tcp/0", "--draft", "none", "--max-concurrent-jobs", "64",
-             "--probation-rounds", "0", *WAN], stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True))
+             "--probation-rounds", "0", *wan], stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True))
         try:
             addr = self._wait_for(JOIN, 300)
             for i in range(NODES):
                 self.procs.append(subprocess.Popen(
                     [sys.executable, "-m", "shard.cli", "join", "--coordinator", addr, "--model", "smollm2-135m",
                      "--store-dir", str(store.root), "--key-path", str(home / f"{name}-node{i}.key"),
-                     "--max-memory-bytes", str(half_model_bytes(store)), "--torch-threads", "1", *WAN],
+                     "--max-memory-bytes", str(half_model_bytes(store)), "--torch-threads", "1", *wan],
                     stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True))
             self.base = self._wait_for(BANNER, 600)
         except BaseException:
@@ -126,6 +126,10 @@ class Pool:
     def rss(self) -> dict:
         return {"coordinator_mb": rss_mb(self.procs[0].pid), "nodes_mb": [rss_mb(p.pid) for p in self.procs[1:]]}
 
+    def cpu(self) -> list[float | None]:
+        """CPU seconds used so far: the coordinator's, then each node's."""
+        return [cpu_s(p.pid) for p in self.procs]
+
     def close(self) -> None:
         for p in reversed(self.procs):
             if p.poll() is None:
@@ -155,6 +159,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", required=True, help="write the results here")
     ap.add_argument("--window-s", type=float, default=30.0, help="closed-loop window per configuration")
     ap.add_argument("--clients", type=int, default=16)
+    ap.add_argument("--latency-ms", type=float, default=25.0, help="one-way latency of every emulated link")
     args = ap.parse_args(argv)
 
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))  # pools closed on kill
@@ -165,31 +170,35 @@ def main(argv=None) -> int:
     store = ModelStore.open(out_dir)
     mix = request_mix(AutoTokenizer.from_pretrained(str(store.tokenizer_dir)))
     results = {"revision": git_revision(), "model": "smollm2-135m", "nodes": NODES,
-               "node_memory_bytes": half_model_bytes(store), "links": "emulated WAN: 25 ms one way, 50 Mbit/s uplinks",
+               "node_memory_bytes": half_model_bytes(store), "links": f"emulated WAN: {args.latency_ms:g} ms one way, 50 Mbit/s uplinks",
                "clients": args.clients, "window_s": args.window_s, "cpus": os.cpu_count(), "configs": []}
     refs = None
     with tempfile.TemporaryDirectory(prefix="bench_rings_") as tmp:
         for max_rings in (1, 2):
             print(f"== --max-rings {max_rings}: starting 6 half-model nodes", flush=True)
-            pool = Pool(store, Path(tmp), max_rings, f"rings{max_rings}")
+            wan = ["--link-latency-ms", f"{args.latency_ms:g}", "--link-upload-mbps", "50"]
+            pool = Pool(store, Path(tmp), max_rings, f"rings{max_rings}", wan)
             try:
                 info = pool.wait_rings(max_rings)
                 if refs is None:  # served alone once, on the first pool: both pools are held to it
                     refs = trio.run(alone, pool.base, mix)
                 jobs_seen: dict[int, int] = {}
-                rss_start = pool.rss()
+                rss_start, cpu_start = pool.rss(), pool.cpu()
                 run = trio.run(_loop_watching_rings, pool, mix, args.clients, args.window_s, refs, jobs_seen)
-                after = pool.ring()
+                after, cpu_end = pool.ring(), pool.cpu()
+                spent = [round(b - a, 1) if a is not None and b is not None else None for a, b in zip(cpu_start, cpu_end)]
                 row = {"max_rings": max_rings, "rings": [{k: r[k] for k in ("ring_id", "epoch", "stages")}
                                                          for r in info["rings"]],
                        "jobs_moved": after.get("jobs_moved"), "max_jobs_seen_per_ring": jobs_seen, **run,
+                       "cpu_s_in_window": {"coordinator": spent[0], "nodes": spent[1:]},
                        "rss_start": rss_start, "rss_end": pool.rss()}
             finally:
                 pool.close()
             results["configs"].append(row)
             print(f"   rings {len(row['rings'])}: {row['tok_per_s']:.1f} tok/s, TTFT p50 {row['ttft_p50_s']}, "
                   f"ITL p50/p95 {row['itl_p50_s']}/{row['itl_p95_s']}, errors {row['errors']}, "
-                  f"equal alone {row['outputs_equal_alone']}, load {row['load_average']}", flush=True)
+                  f"equal alone {row['outputs_equal_alone']}, load {row['load_average']}, "
+                  f"CPU s coordinator {spent[0]} nodes {spent[1:]}", flush=True)
     one, two = (c["tok_per_s"] for c in results["configs"])
     results["two_over_one"] = two / one if one else None
     print(f"two rings / one ring aggregate tok/s: {results['two_over_one']:.2f}x (target >= 1.8x)", flush=True)
