@@ -131,6 +131,9 @@ def test_six_half_model_nodes_serve_as_two_rings_and_a_join_restarts_nothing(tin
             assert [results[i] for i in range(len(PROMPTS))] == alone
             assert victim not in {p for r in swarm.rings.values() for p, _ in r.stages}
             assert sum(resumes) >= 1  # its jobs resumed (on the other ring, or on it re-formed), none failed
+            # The broken ring re-forms alone, from its survivor and a spare; the first is untouched.
+            await _wait(lambda: len(swarm.rings) == 2, 90, "the second ring re-formed", swarm)
+            assert swarm.rings[0] == first and swarm.rings[1].epoch > first.epoch
             assert swarm.faulty == {}  # probation (on, 64 rounds) recomputed both rings' newcomers: nobody blamed
             coordinator.nursery.cancel_scope.cancel()
 
