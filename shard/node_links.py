@@ -136,7 +136,7 @@ class NodeLinks:
             with trio.fail_after(self.probe_timeout_s):
                 for addr in addrs:
                     try:
-                        await self.host.connect(addr)
+                        await self.host.connect(addr, probing=True)  # a hole punch the NATs defeat is not waited for
                         break
                     except TransportError as exc:
                         log.info("could not dial %s at %s: %s", peer, addr, exc)

@@ -68,6 +68,10 @@ class ReachConfig:
     dial_back_timeout_s: float = 5.0  # one AutoNAT dial-back
     autonat_timeout_s: float = 15.0  # the whole reachability query
     punch_timeout_s: float = 12.0  # DCUtR's exchange and its simultaneous dials
+    # How long a link probe waits for that: a reversal (the prober dialable, its peer dialling
+    # back) is done well within it, so the probe measures the direct path; a punch the NATs
+    # defeat takes punch_timeout_s, which a link report must not wait for.
+    probe_punch_wait_s: float = 4.0
 
     def limits(self) -> RelayLimits:
         # duration 0: a circuit lives as long as its ring (py-libp2p reads 0 as no cap).
@@ -201,6 +205,7 @@ class Reach:
         self.reservations: dict[str, str] = {}  # relay peer id -> our circuit address through it
         self._checked: dict[str, object] = {}  # relay peer id -> the connection its verdict came over
         self._upgrades = _Upgrades()
+        self._punches: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # relayed conn -> its attempt, ended when set
         libp2p_host.get_network().register_notifee(self._upgrades)
         self._nursery: trio.Nursery | None = None
 
@@ -256,29 +261,49 @@ class Reach:
         else:
             self.reservations.pop(peer, None)
 
-    async def connect_relayed(self, addr: str, peer_id: str, timeout_s: float) -> None:
-        """Reach `peer_id` through the relay in circuit `addr`, then try DCUtR once for a
-        direct connection (staying relayed when the NATs do not allow one).
+    async def connect_relayed(self, addr: str, peer_id: str, timeout_s: float, punch_wait_s: float | None = None) -> None:
+        """Reach `peer_id` through the relay in circuit `addr`, and try DCUtR once per relayed
+        connection for a direct one (staying relayed when the NATs do not allow one); return
+        once that attempt ended, so a stream opened next crosses the direct connection if one
+        opened, or after `punch_wait_s` (a link probe: ReachConfig.probe_punch_wait_s), the
+        attempt going on in the background.
         Error handling: DialError if no circuit opens within `timeout_s`.
         A direct connection to the peer is kept and so is one through this same relay; one
         through another relay (a link probe's, through the coordinator) is closed once this
         circuit is open, so the streams opened next cross the relay `addr` names."""
         relay, conns = relay_in(addr), self._connections(peer_id)
-        if any(not is_relayed(c) or self.via_of(c) == relay for c in conns):
+        if any(not is_relayed(c) for c in conns):
             return
-        with trio.move_on_after(timeout_s) as scope:
-            try:
-                await self.client.dial(multiaddr.Multiaddr(addr))
-            except Exception as exc:  # noqa: BLE001 (the relay's errors are all "no circuit")
-                raise DialError(addr, f"no circuit: {type(exc).__name__}: {exc}", peer_id) from exc
-        if scope.cancelled_caught:
-            raise DialError(addr, f"no circuit within {timeout_s} s", peer_id)
-        for other in conns:
-            with trio.CancelScope(shield=True), trio.move_on_after(1.0):
-                await other.close()
+        if not any(self.via_of(c) == relay for c in conns):
+            with trio.move_on_after(timeout_s) as scope:
+                try:
+                    await self.client.dial(multiaddr.Multiaddr(addr))
+                except Exception as exc:  # noqa: BLE001 (the relay's errors are all "no circuit")
+                    raise DialError(addr, f"no circuit: {type(exc).__name__}: {exc}", peer_id) from exc
+            if scope.cancelled_caught:
+                raise DialError(addr, f"no circuit within {timeout_s} s", peer_id)
+            for other in conns:
+                with trio.CancelScope(shield=True), trio.move_on_after(1.0):
+                    await other.close()
+        circuit = next((c for c in self._connections(peer_id) if self.via_of(c) == relay), None)
+        if circuit is None or any(not is_relayed(c) for c in self._connections(peer_id)):
+            return
+        attempt = self._punches.get(circuit)
+        if attempt is None:
+            attempt = self._punches[circuit] = trio.Event()
+            self._nursery.start_soon(self._punch, peer_id, attempt)
+        with trio.move_on_after(self.config.punch_timeout_s + 1.0 if punch_wait_s is None else punch_wait_s):
+            await attempt.wait()
+
+    async def _punch(self, peer_id: str, done: trio.Event) -> None:
         punched = False
-        with trio.move_on_after(self.config.punch_timeout_s):
-            punched = await self.dcutr.initiate_hole_punch(ID.from_base58(peer_id))
+        try:
+            with trio.move_on_after(self.config.punch_timeout_s):
+                punched = await self.dcutr.initiate_hole_punch(ID.from_base58(peer_id))
+        except Exception as exc:  # noqa: BLE001 (a failed punch leaves the relayed connection)
+            log.debug("hole punch to %s raised: %s", peer_id, exc)
+        finally:
+            done.set()
         log.info("reached %s through a relay; hole punch %s", peer_id, "succeeded" if punched else "failed")
 
     def path_of(self, swarm_conn) -> str:

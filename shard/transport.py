@@ -257,8 +257,10 @@ class Host:
         """The relay's peer id when `stream` crosses a relayed connection, else None."""
         return self.reach.via_of(stream._stream.swarm_conn)
 
-    async def connect(self, addr: str) -> str:
+    async def connect(self, addr: str, probing: bool = False) -> str:
         """Dial `addr` (which must end in /p2p/<id>) unless already connected; return the peer id.
+        A circuit address is reached through its relay, then hole-punched (Reach.connect_relayed;
+        `probing`: a link probe, which waits for the punch only ReachConfig.probe_punch_wait_s).
 
         Error handling: DialError if the address is malformed, the peer is unreachable, the
         handshake fails, or it takes longer than `dial_timeout_s`.
@@ -271,7 +273,8 @@ class Host:
         if info.addrs:
             self._known_addrs[peer_id] = info.addrs[0]
         if is_circuit(addr):
-            await self.reach.connect_relayed(addr, peer_id, self._config.dial_timeout_s)
+            await self.reach.connect_relayed(addr, peer_id, self._config.dial_timeout_s,
+                                             self.reach.config.probe_punch_wait_s if probing else None)
             return peer_id
         # Callers pace retries: py-libp2p's 60 s block would bar a coordinator restarted at once.
         self._host.get_network().unblock_peer(info.peer_id)
