@@ -38,3 +38,11 @@ def test_trims_once_per_period_in_which_a_job_ended():
 
 def test_the_real_trim_runs():
     trio.run(heap_sweep.trim_in_thread)  # glibc's malloc_trim in a worker thread (nothing where libc has none)
+
+
+def test_the_mmap_threshold_is_fixed_on_glibc():
+    import platform
+
+    if platform.libc_ver()[0] != "glibc":
+        return  # musl, macOS: nothing to fix, nothing fixed
+    assert heap_sweep.fix_mmap_threshold()
