@@ -52,5 +52,9 @@ def test_local_nodes_form_one_stage_each_and_the_banner_means_ready(tiny_llama_s
         proc.wait(30)
     assert r.status_code == 200, r.text
     assert served_key == key.group(1)  # the key printed is the key served
-    stages = [m["layers"] for m in ring["members"] if m["role"] == "stage"]
-    assert sorted(stages) in ([[0, 3], [3, 5]], [[0, 2], [2, 5]]), ring["members"]
+    # Two stages tiling the model, one per node. Where the cut falls follows each node's
+    # measured speed (sub-millisecond per tiny layer, so noisy: a clean-clone CI run cut
+    # 1 / 4), which is not what this test guards.
+    stages = sorted(m["layers"] for m in ring["members"] if m["role"] == "stage")
+    assert len(stages) == 2 and stages[0][0] == 0 and stages[0][1] == stages[1][0] and stages[1][1] == 5, ring["members"]
+    assert all(a < b for a, b in stages), ring["members"]
