@@ -4,8 +4,9 @@ glibc keeps freed heap (a stage's logged frames once dropped, a prefill chunk's
 activations) in its arenas for reuse, so a node's RSS never fell after load however much
 it freed; malloc_trim gives the free pages back. Measured on a 5-layer SmolLM2 stage after
 20 jobs of a 1024-token prompt and 10 decode steps: 452 MB with their logged frames held,
-still 452 MB once the log dropped them, 336 MB after malloc_trim. Knows nothing of what
-was freed.
+still 452 MB once the log dropped them, 336 MB after malloc_trim. fix_mmap_threshold stops glibc raising its mmap threshold, so
+large blocks keep leaving the arenas (coordinator.jobs.heap_sweep measures why). Knows
+nothing of what was freed.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import ctypes
 import ctypes.util
 
 _LIBC = ctypes.CDLL(ctypes.util.find_library("c") or None)
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
+MMAP_THRESHOLD_BYTES = 128 * 1024  # glibc's default
 
 
 def return_freed_heap() -> None:
@@ -22,3 +25,11 @@ def return_freed_heap() -> None:
     trim = getattr(_LIBC, "malloc_trim", None)
     if trim is not None:
         trim(0)
+
+
+def fix_mmap_threshold(nbytes: int = MMAP_THRESHOLD_BYTES) -> bool:
+    """Blocks of `nbytes` and more are mapped and unmapped on their own, for good (setting
+    it stops glibc's dynamic raise). False where libc has no mallopt (musl, macOS) or
+    refuses."""
+    mallopt = getattr(_LIBC, "mallopt", None)
+    return mallopt is not None and mallopt(M_MMAP_THRESHOLD, nbytes) == 1

@@ -19,25 +19,13 @@ with a moving threshold, steadily, and 0.3% with it fixed (MALLOC_MMAP_THRESHOLD
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 from collections.abc import Awaitable, Callable
 
 import trio
 
-from shard.heap import return_freed_heap
+from shard.heap import fix_mmap_threshold, return_freed_heap
 
 PERIOD_S = 10.0
-M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
-MMAP_THRESHOLD_BYTES = 128 * 1024  # glibc's default, fixed
-
-
-def fix_mmap_threshold(nbytes: int = MMAP_THRESHOLD_BYTES) -> bool:
-    """Blocks of `nbytes` and more are mapped and unmapped on their own, for good (setting
-    it stops glibc's dynamic raise). False where libc has no mallopt (musl, macOS) or
-    refuses."""
-    mallopt = getattr(ctypes.CDLL(ctypes.util.find_library("c") or None), "mallopt", None)
-    return mallopt is not None and mallopt(M_MMAP_THRESHOLD, nbytes) == 1
 
 
 async def trim_in_thread() -> None:
