@@ -3,14 +3,16 @@
 What a user runs: `shard-coord serve --local-nodes 3` (three `shard-node join` processes,
 one stage each, receipts checked, no drafter) on the default model (SmolLM2-135M-Instruct,
 f32), spoken to over HTTP by C closed-loop clients (C = 1, 4, 16, 32 by default), each
-sending its next streamed /v1/completions request as soon as the last one ends, for a
-fixed window per C. Requests cycle through a fixed mix: greedy and seeded sampled, 64-256
+sending its next streamed /v1/completions request as soon as the last one ends: per C a
+ramp (--ramp-s, every client's first request at once: reported, not measured) and then
+the measured window. Requests cycle through a fixed mix: greedy and seeded sampled, 64-256
 new tokens, short prompts and ~2k-token ones. Rings: loopback, and the emulated WAN (25 ms
 one way, 50 Mbit/s uplinks on every edge); on each, node batching on (the default token
 budget) and off (--node-batch-token-budget 1), side by side in one run.
 
 Reported per ring and C: aggregate tok/s (content chunks received in the window: with no
-drafter each is one token), p50/p95 time to first token and inter-token gap, errors,
+drafter each is one token), CPU ms per token (all four processes' CPU in the window over
+its tokens), p50/p95 time to first token and inter-token gap, errors,
 and whether every request that finished equals the same request served alone (served
 once each, one at a time, first). A sustained run at the highest C records coordinator
 and node RSS every 10 s (--sustain-s). The machine's load average is recorded with each
@@ -189,15 +191,27 @@ def pct(xs: list[float], q: float) -> float | None:
     return xs[min(len(xs) - 1, max(0, math.ceil(q * len(xs)) - 1))]
 
 
-async def closed_loop(base: str, mix: list[dict], clients: int, window_s: float, refs: list[str] | None) -> dict:
-    """C clients, each sending its next request when the last ends, for window_s seconds;
-    requests still running at the end are cut off (their tokens so far count, their TTFT
-    and ITL too; they are not `requests_done` and not compared)."""
+async def closed_loop(base: str, mix: list[dict], clients: int, window_s: float, refs: list[str] | None,
+                      ramp_s: float = 0.0, at_ramp_end=None) -> dict:
+    """C clients, each sending its next request when the last ends, for ramp_s + window_s
+    seconds; what is measured (tokens, TTFT and ITL of chunks received, requests started)
+    is the window after the ramp: the clients all start at once, so the ramp holds every
+    client's first prompt at the same time, which a steady load does not. The ramp's own
+    tokens are reported beside it (`ramp_tok_per_s`). `at_ramp_end()` runs when the
+    window opens (the CPU reading). Requests still running at the end are cut off (their
+    tokens so far count, their TTFT and ITL too; they are not `requests_done` and not
+    compared, and every request that finished, ramp or window, is compared)."""
     chunks, ttfts, gaps, errors, done, mismatches, started = [0], [], [], [], [0], [], [0]
-    deadline = time.monotonic() + window_s
+    ramp_chunks = [0]
+    opens = time.monotonic() + ramp_s
+    deadline = opens + window_s
 
     def on_chunk(ttft, gap):
-        if time.monotonic() < deadline:
+        now = time.monotonic()
+        if now < opens:
+            ramp_chunks[0] += 1
+            return
+        if now < deadline:
             chunks[0] += 1
         if ttft is not None:
             ttfts.append(ttft)
@@ -209,7 +223,7 @@ async def closed_loop(base: str, mix: list[dict], clients: int, window_s: float,
         while time.monotonic() < deadline:
             kind = (i + k * clients) % len(mix)
             k += 1
-            started[0] += 1
+            started[0] += time.monotonic() >= opens
             try:
                 text = await stream_one(client, mix[kind], on_chunk)
             except Exception as exc:  # noqa: BLE001 - every failure is a counted error
@@ -222,13 +236,17 @@ async def closed_loop(base: str, mix: list[dict], clients: int, window_s: float,
     limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=clients + 4)
     async with httpx.AsyncClient(base_url=base, timeout=600, limits=limits) as client:
         t0 = time.monotonic()
-        with trio.move_on_at(trio.current_time() + window_s):  # requests in flight then are cut off
+        with trio.move_on_at(trio.current_time() + ramp_s + window_s):  # requests in flight then are cut off
             async with trio.open_nursery() as nursery:
                 for i in range(clients):
                     nursery.start_soon(client_loop, i, client)
+                if at_ramp_end is not None:
+                    await trio.sleep(ramp_s)
+                    at_ramp_end()
         elapsed = time.monotonic() - t0
-    return {"clients": clients, "window_s": window_s, "wall_s": elapsed, "tokens": chunks[0],
-            "tok_per_s": chunks[0] / window_s, "requests_started": started[0], "requests_done": done[0],
+    return {"clients": clients, "ramp_s": ramp_s, "window_s": window_s, "wall_s": elapsed, "tokens": chunks[0],
+            "tok_per_s": chunks[0] / window_s, "ramp_tok_per_s": ramp_chunks[0] / ramp_s if ramp_s else None,
+            "requests_started": started[0], "requests_done": done[0],
             "ttfts_measured": len(ttfts), "errors": len(errors),
             "error_samples": errors[:3], "outputs_equal_alone": None if refs is None else not mismatches,
             "mismatched_kinds": sorted(set(mismatches)), "ttft_p50_s": pct(ttfts, 0.5), "ttft_p95_s": pct(ttfts, 0.95),
@@ -289,6 +307,8 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None)
     ap.add_argument("--concurrency", default="1,4,16,32")
     ap.add_argument("--window-s", type=float, default=30.0, help="closed-loop window per concurrency")
+    ap.add_argument("--ramp-s", type=float, default=30.0,
+                    help="each level's clients run this long before its window opens (not measured, reported)")
     ap.add_argument("--warmup-s", type=float, default=60.0, help="RSS growth of the sustained run is counted from here")
     ap.add_argument("--sustain-s", type=float, default=300.0, help="sustained run at the highest concurrency (0: none)")
     ap.add_argument("--links", default="loopback,wan")
@@ -310,7 +330,7 @@ def main(argv=None) -> int:
         "(one stage per node, 10 layers each), receipts on, --draft none, f32 wire, 1 torch thread per node",
         "requests": [{"prompt_tokens": len(b["prompt"]), "max_tokens": b["max_tokens"],
                       "temperature": b["temperature"]} for b in mix],
-        "window_s": args.window_s, "sustain_s": args.sustain_s, "cpus": os.cpu_count(),
+        "window_s": args.window_s, "ramp_s": args.ramp_s, "sustain_s": args.sustain_s, "cpus": os.cpu_count(),
         "tokens": "content chunks of the stream received within the window (no drafter: one token a round)",
         "git_revision": git_revision(), "started_load_average": list(os.getloadavg())}, "runs": []}
     home = Path(tempfile.mkdtemp(prefix="bench_load_"))
@@ -327,9 +347,13 @@ def main(argv=None) -> int:
                         result["conditions"]["reference"] = f"each request alone on {name}, first"
                     for c in (levels if link != "wan" or not args.wan_concurrency
                               else [int(x) for x in args.wan_concurrency.split(",")]):
-                        before, heads = ring.cpu(), head_counts(ring.base)
-                        row = trio.run(closed_loop, ring.base, mix, c, args.window_s, refs)
+                        opened = {}
+                        row = trio.run(closed_loop, ring.base, mix, c, args.window_s, refs, args.ramp_s,
+                                       lambda: opened.update(cpu=ring.cpu(), heads=head_counts(ring.base)))
+                        before, heads = opened["cpu"], opened["heads"]
                         row["cpu_s"] = cpu_spent(before, ring.cpu())
+                        spent = row["cpu_s"]["coordinator"] + sum(row["cpu_s"]["nodes"])
+                        row["cpu_ms_per_token"] = round(1000 * spent / row["tokens"], 1) if row["tokens"] else None
                         time.sleep(2)  # jobs cut off at the window's end are counted once they end
                         after = head_counts(ring.base)
                         products = after["products"] - heads["products"]
@@ -339,7 +363,8 @@ def main(argv=None) -> int:
                               f"{row['itl_p50_s'] or 0:.3f}/{row['itl_p95_s'] or 0:.3f} s  errors {row['errors']}  "
                               f"equal alone {row['outputs_equal_alone']}  CPU s coordinator/nodes {row['cpu_s']['coordinator']:.1f}/"
                               f"{'/'.join(f'{x:.1f}' for x in row['cpu_s']['nodes'])}  rounds per head product "
-                              f"{row['head_rounds_per_product'] or 0:.2f}  load {row['load_average'][0]:.1f}",
+                              f"{row['head_rounds_per_product'] or 0:.2f}  CPU ms/token {row['cpu_ms_per_token']}  "
+                              f"(ramp {row['ramp_tok_per_s'] or 0:.1f} tok/s)  load {row['load_average'][0]:.1f}",
                               flush=True)
                         run["levels"].append(row)
                     run["rss_end"] = ring.rss()
