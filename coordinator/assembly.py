@@ -20,6 +20,7 @@ import trio
 from libp2p.crypto.keys import KeyPair
 
 from coordinator.config import CoordConfig
+from coordinator.gateway.api import ApiConfig
 from coordinator.jobs.ring_engine import RingEngine
 from coordinator.swarm.seeding import Seeding
 from coordinator.swarm.swarm import REPORT_BUFFER, Swarm
@@ -29,10 +30,12 @@ from shard.addresses import refuse_if_in_use
 from shard.identity import identity_signing_key
 from shard.node import CONTROL_PROTOCOL, RING_PROTOCOL
 from shard.ring_observer import NO_OBSERVER, RingObserver
+from shard.stage_worker import WorkerConfig
 from shard.store import ModelStore
 from shard.transport import Host, open_host
 from shard.weight_fetch import SOURCES_PROTOCOL
 from shard.weight_server import WEIGHTS_PROTOCOL
+from shard.wire.limits import MAX_OPEN_JOBS
 
 
 @dataclass(frozen=True)
@@ -53,15 +56,28 @@ class Coordinator:
 def assembled(config: CoordConfig) -> CoordConfig:
     """`config` with the values one component takes from another filled in: the swarm's
     first-ring size, the topology's prefill chunk and coordinator link latency (the
-    engine's own), and with --local-nodes one stage per node (planner "all_nodes"): on
-    loopback the selector rightly seats every layer on one node, and a newcomer would
-    never see the pipeline (--local-selector-split keeps the selector's choice)."""
+    engine's own), the open-jobs cap every Assignment carries (the gateway's), and with
+    --local-nodes one stage per node (planner "all_nodes"): on loopback the selector
+    rightly seats every layer on one node, and a newcomer would never see the pipeline
+    (--local-selector-split keeps the selector's choice)."""
     swarm, engine = config.swarm, config.engine
     topology = dataclasses.replace(swarm.topology, prefill_chunk_tokens=engine.prefill_chunk_tokens,
                                    coordinator_link_latency_s=engine.link_latency_ms / 1e3)
     planner = "all_nodes" if config.local_nodes > 1 and not config.local_selector_split else swarm.planner
     return dataclasses.replace(config, swarm=dataclasses.replace(
-        swarm, min_nodes=config.first_ring_nodes, topology=topology, planner=planner))
+        swarm, min_nodes=config.first_ring_nodes, topology=topology, planner=planner,
+        max_open_jobs=swarm.max_open_jobs or open_jobs_per_stage(config.api)))
+
+
+def open_jobs_per_stage(api: ApiConfig) -> int:
+    """The jobs a stage must be able to hold K/V for at once (Assignment.max_open_jobs)
+    to serve this gateway: one per generation it runs (--max-concurrent-jobs counts each
+    choice; a queued request holds nothing on the ring), and as many again for jobs that
+    ended or failed elsewhere while their K/V here waits for the EndJob or the idle
+    timeout; never below a node's own default (WorkerConfig.max_open_jobs, 128), which
+    in-process benchmarks driving the engine past the gateway rely on, nor above what
+    the wire carries (MAX_OPEN_JOBS)."""
+    return min(MAX_OPEN_JOBS, max(WorkerConfig.max_open_jobs, 2 * api.max_concurrent_jobs))
 
 
 @contextlib.asynccontextmanager

@@ -4,7 +4,9 @@ model, and forward in epoch. Pure decisions (and the signature check), no I/O.
 Epochs only move forward: an assignment older than the one held is a replay. Within the
 epoch held, the ring is fixed once formed, so only an off-ring node's role may change
 (the coordinator re-sends roles without a new epoch); an identical re-send is
-acknowledged and changes nothing. Does not load layers, serve frames or talk to anyone.
+acknowledged and changes nothing. The jobs a stage holds K/V for at once are what the
+coordinator asks for, under the volunteer's own ceiling (open_jobs_cap). Does not load
+layers, serve frames or talk to anyone.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from libp2p.peer.id import ID
 
 from shard.errors import ShardError
+from shard.stage_worker import WorkerConfig
 from shard.wire.messages import ROLE_STAGE, Assignment
 
 TAKE, ACKNOWLEDGE = "take", "acknowledge"
@@ -57,3 +60,14 @@ def decide(a: Assignment, me: str, digest: str, held: Assignment | None) -> str:
         return TAKE  # an off-ring role changed within the epoch
     raise AssignmentRefused(f"assignment for epoch {a.epoch} changes this node's place in an epoch it already "
                             "holds (a ring change takes a new epoch)")
+
+
+def open_jobs_cap(own: int, assigned: int) -> int:
+    """The most jobs a stage holds K/V for at once: the coordinator's `assigned` need
+    (Assignment.max_open_jobs, derived from its gateway's concurrency) under `own`, the
+    volunteer's --max-open-jobs, a ceiling where set; 0 on either side names none, and
+    with neither WorkerConfig's default. The K/V budget (--max-memory-bytes) bounds the
+    bytes whatever the count."""
+    if own and assigned:
+        return min(own, assigned)
+    return own or assigned or WorkerConfig.max_open_jobs

@@ -22,7 +22,8 @@ from dataclasses import dataclass, field, replace
 import torch
 import trio
 
-from shard.assignment_rules import ACKNOWLEDGE, decide, public_key_of_peer, verify_assignment  # noqa: F401 (re-exported)
+from shard.assignment_rules import (ACKNOWLEDGE, decide, open_jobs_cap, public_key_of_peer,  # noqa: F401 (re-exported)
+                                    verify_assignment)
 from shard.errors import JobRef, ShardError, WireError
 from shard.frame_log import FrameLog
 from shard.heap import return_freed_heap
@@ -242,14 +243,13 @@ class Node:
             await self._send_control(Ready(peer_id=self.host.peer_id, epoch=a.epoch))
             return
         self._warm = None
-        signer = None
-        if self.config.receipts and self.signing_seed is not None:
-            signer = make_signer(self.signing_seed, self.store, a, self.frame_log)
+        signer = (make_signer(self.signing_seed, self.store, a, self.frame_log)
+                  if self.config.receipts and self.signing_seed is not None else None)
         worker = StageWorker(stage, WorkerConfig(
             wire_dtype=a.wire_dtype, aux_dtype=a.aux_dtype, is_tail=a.successor is None,
-            max_context_tokens=self.store.config.max_context_tokens,
+            max_context_tokens=self.store.config.max_context_tokens, job_idle_timeout_s=self.config.job_idle_timeout_s,
             max_kv_bytes=max(self.config.max_memory_bytes - (len(r) * self._bytes_per_layer() or self.store.layer_bytes(r)), 64 << 20),
-            job_idle_timeout_s=self.config.job_idle_timeout_s, max_open_jobs=self.config.max_open_jobs,
+            max_open_jobs=open_jobs_cap(self.config.max_open_jobs, a.max_open_jobs),  # the coordinator's, under ours
         ), signer=signer, wall_clock=self.wall_clock)
         self.state = EpochState(a, worker, a.predecessor or self.coordinator_id, a.successor or self.coordinator_id)
         self.held = a

@@ -47,8 +47,9 @@ class NodeConfig:
                                   "their cost)")
     job_idle_timeout_s: float = option(WorkerConfig.job_idle_timeout_s,
                                        "free the KV of a job that ran no frame for this long")
-    max_open_jobs: int = option(WorkerConfig.max_open_jobs, "jobs holding KV on this node at once; a frame opening "
-                                "one more fails its job (match the gateway's --max-concurrent-jobs if it is higher)")
+    max_open_jobs: int = option(0, "most jobs holding KV on this node at once, a ceiling on what the coordinator "
+                                "asks for (its gateway's concurrency); a frame opening one more fails its job "
+                                "(0: the coordinator's, 128 if it names none)")
     weights: WeightsConfig = WeightsConfig()  # fetching and seeding weight files (shard.weight_plan)
     batch_token_budget: int = option(DEFAULT_TOKEN_BUDGET, "rows one forward may carry across the jobs waiting at "
                                      "this stage (prefill chunks and decode rows share it); 1 = one frame per forward")
@@ -57,6 +58,10 @@ class NodeConfig:
     # shard-coord serve --local-nodes passes its own pid: a gateway killed with SIGKILL
     # cannot stop its children, which otherwise retried the gone coordinator forever.
     exit_with_parent_pid: int = option(0, "exit once this process' parent is no longer this pid (0 = never)")
+
+    def __post_init__(self) -> None:
+        if self.max_open_jobs < 0:
+            raise ValueError(f"max_open_jobs must be >= 0 (0: the coordinator's), got {self.max_open_jobs}")
 
 
 def measure_compute(store: ModelStore, dtype: torch.dtype, device: str, quant: QuantScheme = NONE) -> tuple[float, float]:

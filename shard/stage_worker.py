@@ -53,8 +53,9 @@ class WorkerConfig:
     # A predecessor opening jobs it never ends held ~250 KB each of a 10-layer SmolLM2
     # stage's pages until the idle timeout (+136 MB under bench_hostile_ring's 100k frames);
     # the gateway runs 8 jobs at once by default (ApiConfig.max_concurrent_jobs) and the
-    # scheduler is sized for 64, so 128 leaves room for both. A gateway run wider needs
-    # its nodes' --max-open-jobs raised to match.
+    # scheduler is sized for 64, so 128 leaves room for both. A node serves what its
+    # Assignment names instead (the coordinator's need) under its own --max-open-jobs
+    # (shard.assignment_rules.open_jobs_cap); this is the figure where neither names one.
     max_open_jobs: int = 128
 
 

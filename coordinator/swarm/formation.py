@@ -61,6 +61,9 @@ class SwarmConfig:
     max_rings: int = option(1, "form up to this many rings over disjoint nodes when the pool holds enough (1: one ring)")
     ring_spares: int | None = option(None, "nodes kept off every ring for the first ring's roles before another "
                                            "ring forms (default: one hot standby per stage of the first ring)")
+    # Jobs a stage may hold K/V for at once, sent with every Assignment: derived from the
+    # gateway's concurrency at assembly (coordinator.assembly.open_jobs_per_stage); 0 names none.
+    max_open_jobs: int = 0
     drain_s: float = option(60.0, "with one ring, a re-form that a join asks for waits at most this long for the "
                                   "ring's running jobs to finish (they would re-prefill on the new ring)")
 
@@ -105,12 +108,13 @@ class Snapshot:
 
 @dataclass(frozen=True)
 class ModelIdentity:
-    """What every Assignment names about the model and its wire format."""
+    """What every Assignment names about the model, its wire format and the jobs a stage holds."""
 
     spec: ModelSpec
     manifest_digest: str
     wire_dtype: str
     aux_dtype: str | None
+    max_open_jobs: int = 0  # jobs a stage may hold K/V for at once (SwarmConfig.max_open_jobs; 0: none named)
 
 
 @dataclass(frozen=True)
@@ -317,4 +321,4 @@ def _assignment(model: ModelIdentity, epoch: int, peer: PeerId, kind: RoleKind, 
                       predecessor=predecessor, successor=successor, successor_addrs=successor_addrs, relay_addrs=relay_addrs,
                       relay_for=relay_for,
                       model=model.spec.name, manifest_digest=model.manifest_digest, wire_dtype=model.wire_dtype,
-                      aux_dtype=model.aux_dtype)
+                      aux_dtype=model.aux_dtype, max_open_jobs=model.max_open_jobs)

@@ -101,7 +101,8 @@ class Swarm:
         self._ring_ready = trio.Event()
         # Topology: measurements, the chosen plan, and how its rounds actually went.
         self.model = topology.model_spec(store, config.wire_dtype, config.topology.kv_bytes_per_value)
-        self.identity = ModelIdentity(self.model, store.digest, config.wire_dtype, config.aux_dtype)
+        self.identity = ModelIdentity(self.model, store.digest, config.wire_dtype, config.aux_dtype,
+                                      config.max_open_jobs)
         self.links: dict[tuple[PeerId, PeerId], float] = {}  # measured one-way latency (src, dst) -> s
         self.held: dict[PeerId, LayerRange] = {}  # layers each node reported Ready with
         self.plan: Plan | None = None

@@ -22,6 +22,9 @@ MAX_PAYLOAD_BYTES = 1 * _MiB
 MAX_RECEIPT_BYTES = 4096
 MAX_RECEIPTS = 64
 MAX_RANK = 4
+# An Assignment's open-jobs cap (jobs a stage holds KV for at once): past it a stage's
+# first KV pages alone (~250 KB a job on a 10-layer SmolLM2 slice) outgrow any node.
+MAX_OPEN_JOBS = 1 << 16
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from shard.errors import WireError
 from shard.quant import SCHEMES
 from shard.wire.dtypes import FLOAT_NAMES
 from shard.wire.fields import Bytes, Float, Int, ListOf, MapOf, OptionalOf, Str, Tensor, kind_of, spec
-from shard.wire.limits import MAX_PAYLOAD_BYTES, MAX_RECEIPT_BYTES, MAX_RECEIPTS, Limits
+from shard.wire.limits import MAX_OPEN_JOBS, MAX_PAYLOAD_BYTES, MAX_RECEIPT_BYTES, MAX_RECEIPTS, Limits
 from shard.wire.shapes import (check_activations, check_context, check_nonnegative, check_tokens_dim, check_vector,
                               fail_shape)
 from shard.wire.roles import ROLE_STAGE
@@ -241,6 +241,7 @@ class Assignment:
     # The EAGLE aux features' own dtype (None: wire_dtype). fp8 aux on a 16-bit wire halves
     # what every draft row carries at no measured cost in acceptance (docs/benchmarks.md).
     aux_dtype: str | None = spec(OptionalOf(Str(16, choices=tuple(sorted(FLOAT_NAMES)))), default=None)
+    max_open_jobs: int = spec(Int(hi=MAX_OPEN_JOBS), default=0)  # jobs a stage holds KV for at once (0: none named)
     signature: bytes = spec(Bytes(64), default=b"")  # Ed25519 over signing_bytes()
 
     def check(self, limits: Limits) -> None:

@@ -5,6 +5,7 @@ component's own (one home per fact), and that each parsed value lands in its com
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import pytest
 
@@ -114,3 +115,19 @@ def test_assembly_derives_what_one_component_takes_from_another():
     assert config.swarm.planner == "all_nodes"
     assert assembled(_parse("--local-nodes", "3", "--local-selector-split")).swarm.planner == "select_ring"
     assert assembled(_parse("--local-nodes", "1")).swarm.planner == assembled(_parse()).swarm.planner == "select_ring"
+
+
+def test_the_open_jobs_cap_every_assignment_carries_serves_the_gateway():
+    # Bug guarded (issue 20): a gateway run with --max-concurrent-jobs past the nodes'
+    # 128 open jobs failed jobs until every volunteer raised --max-open-jobs. Sound: the
+    # cap assembled follows the gateway (two per concurrent generation), never drops
+    # below a node's 128, stays within what the wire carries, and a cap a caller set
+    # on the swarm is kept.
+    from coordinator.assembly import assembled, open_jobs_per_stage
+    from shard.wire.limits import MAX_OPEN_JOBS
+
+    assert assembled(_parse()).swarm.max_open_jobs == 128
+    assert assembled(_parse("--max-concurrent-jobs", "300")).swarm.max_open_jobs == 600
+    assert open_jobs_per_stage(ApiConfig(max_concurrent_jobs=10**6)) == MAX_OPEN_JOBS
+    kept = dataclasses.replace(_parse(), swarm=dataclasses.replace(_parse().swarm, max_open_jobs=7))
+    assert assembled(kept).swarm.max_open_jobs == 7

@@ -234,6 +234,34 @@ def test_replayed_or_misaddressed_assignments_are_refused(tiny_llama_store):
     trio.run(run_scenario, store, os.urandom(32), script)
 
 
+def test_the_node_serves_the_open_jobs_cap_its_assignment_names(tiny_llama_store):
+    # Bug guarded (issue 20): the open-jobs cap was the node's flag alone (128), so a
+    # gateway running more jobs failed them until every volunteer raised it. Sound: a node
+    # whose volunteer set no cap serves 128 while the coordinator names none, then exactly
+    # what its next assignment names (2: a third job's first frame fails that job alone);
+    # an assignment naming a cap past the wire's limit is dropped at decode, not taken.
+    store = tiny_llama_store
+
+    async def script(ctx):
+        node = ctx["node"]
+        assert node.state.worker.config.max_open_jobs == 128
+        await ctx["control"].send_frame(tampered(signed_assignment(ctx, max_open_jobs=2), max_open_jobs=1 << 20))
+        await ctx["control"].send_frame(encode(signed_assignment(ctx, max_open_jobs=2)))
+        ready = await ctx["results"].receive()
+        assert isinstance(ready, Ready) and ready.epoch == 2  # the tampered one got no Ready
+        assert node.state.worker.config.max_open_jobs == 2
+        stream = await ctx["coord"].open_stream(node.host.peer_id, RING_PROTOCOL)
+        for i, job in enumerate(("a", "b", "c")):
+            await stream.send_frame(encode(dataclasses.replace(forward(i + 1, [5, 9], epoch=2), job_id=job)))
+        got = [await ctx["results"].receive() for _ in range(3)]
+        assert sorted(m.job_id for m in got if isinstance(m, Result)) == ["a", "b"]
+        [refused] = [m for m in got if isinstance(m, JobError)]
+        assert refused.job_id == "c" and refused.message == ("KV cache full: open jobs (--max-open-jobs) needs 3 "
+                                                             "but the limit is 2")
+
+    trio.run(run_scenario, store, os.urandom(32), script)
+
+
 def test_an_idle_job_frees_its_kv_and_a_late_frame_of_it_fails(tiny_llama_store):
     # Bug guarded: a predecessor could open jobs and never end them, holding the KV budget
     # for good. Sound: after the idle timeout the job's KV is gone from the worker's cache,

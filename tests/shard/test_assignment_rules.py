@@ -62,3 +62,24 @@ def test_refusals_say_which_rule_broke(case):
     with pytest.raises(AssignmentRefused) as info:
         decide(a, ME, DIGEST, held)
     assert str(info.value) == text
+
+
+def test_the_open_jobs_cap_is_the_coordinators_under_the_volunteers_ceiling():
+    # Bug guarded (issue 20): --max-open-jobs was a node flag only, so a gateway running
+    # more than 128 jobs failed jobs until every volunteer raised it. The coordinator's
+    # need now rules, the volunteer's own flag stays a ceiling, 0 names none.
+    from shard.assignment_rules import open_jobs_cap
+    from shard.stage_worker import WorkerConfig
+
+    assert open_jobs_cap(0, 600) == 600  # the volunteer set nothing: the gateway's need
+    assert open_jobs_cap(200, 600) == 200  # the volunteer's ceiling holds
+    assert open_jobs_cap(200, 50) == 50
+    assert open_jobs_cap(200, 0) == 200  # a coordinator naming none
+    assert open_jobs_cap(0, 0) == WorkerConfig.max_open_jobs == 128
+
+
+def test_a_negative_open_jobs_flag_is_refused():
+    from shard.node_config import NodeConfig
+
+    with pytest.raises(ValueError, match=r"max_open_jobs must be >= 0 \(0: the coordinator's\), got -1"):
+        NodeConfig(coordinator="/ip4/127.0.0.1/tcp/1", max_open_jobs=-1)

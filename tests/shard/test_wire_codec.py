@@ -66,6 +66,7 @@ SMALL = {
     "assignment": Assignment(
         epoch=2, peer_id="12D3KooWA", role="stage", layer_start=0, layer_end=15, predecessor=None,
         successor="12D3KooWB", model="SmolLM2-135M", manifest_digest="ab" * 32, wire_dtype="bf16", signature=b"s" * 64,
+        max_open_jobs=300,
     ),
     "ready": Ready(peer_id="12D3KooWA", epoch=2),
     "ping": Ping(nonce=2**64 - 2**63 - 1, sent_ns=123, payload=b"\x01" * 1000),
@@ -458,7 +459,7 @@ def test_assignment_signing_bytes_cover_every_field_but_signature():
     assert dataclasses.replace(a, signature=b"other").signing_bytes() == a.signing_bytes()
     changes = dict(epoch=3, peer_id="other", role="verifier", layer_start=1, layer_end=16, predecessor="p",
                    successor=None, successor_addrs=("/ip4/127.0.0.1/tcp/1",), relay_addrs=("/ip4/10.0.0.1/tcp/2",), relay_for=("q",), model="other", manifest_digest="cd" * 32,
-                   wire_dtype="f8_e4m3fn", aux_dtype="f8_e4m3fn")
+                   wire_dtype="f8_e4m3fn", aux_dtype="f8_e4m3fn", max_open_jobs=512)
     assert set(changes) == {f.name for f in dataclasses.fields(a)} - {"signature"}
     for name, value in changes.items():
         assert dataclasses.replace(a, **{name: value}).signing_bytes() != a.signing_bytes(), name
@@ -488,6 +489,26 @@ def test_positions_context_and_layers_are_bounded_by_the_model():
     assert str(_refuse(encode(layers), limits)) == "field 'want_aux_layers' values (limit < 2 (the model's layers), got 2)"
     slice_past = dataclasses.replace(SMALL["assignment"], layer_start=1, layer_end=3)
     assert str(_refuse(encode(slice_past), limits)) == "field 'layer_end' (limit <= 2 (the model's layers), got 3)"
+
+
+def test_assignment_open_jobs_cap_round_trips_within_its_range():
+    # Bug guarded: the open-jobs cap a coordinator sends sizes what a stage lets jobs hold
+    # (issue 20); a negative, absurd or non-int cap must cost the message at decode with
+    # the range named, never reach the worker. 0 (none named) and the limit itself decode.
+    from shard.wire.limits import MAX_OPEN_JOBS
+
+    for cap in (0, 1, 300, MAX_OPEN_JOBS):
+        a = dataclasses.replace(SMALL["assignment"], max_open_jobs=cap)
+        assert decode(encode(a), LIMITS) == a
+    header, tail = _split(encode(SMALL["assignment"]))
+    for junk, want in ((MAX_OPEN_JOBS + 1, f"field 'max_open_jobs' range (limit [0, {MAX_OPEN_JOBS}], got 65537)"),
+                       (-1, f"field 'max_open_jobs' range (limit [0, {MAX_OPEN_JOBS}], got -1)"),
+                       (2**63, None), ("128", "field 'max_open_jobs' type (limit int, got str)"),
+                       (True, None)):
+        err = str(_refuse(_frame({**header, "max_open_jobs": junk}, tail)))
+        assert "\n" not in err and (err == want if want else "max_open_jobs" in err), (junk, err)
+    with pytest.raises(WireError, match="max_open_jobs"):
+        encode(dataclasses.replace(SMALL["assignment"], max_open_jobs=MAX_OPEN_JOBS + 1))
 
 
 def test_a_refused_frame_names_its_job_when_it_can():

@@ -54,6 +54,11 @@ def test_a_first_ring_gets_the_next_epoch_and_a_linked_chain_of_unsigned_assignm
     for a in f.assignments[:-1]:  # where to dial the successor: its own listen addresses
         assert a.successor_addrs == snapshot.registrations[a.successor].listen_addrs
     assert all((a.model, a.manifest_digest, a.wire_dtype) == ("m", "digest", "f32") for a in f.assignments)
+    # The open-jobs cap the identity names (the gateway's need, issue 20) goes to every stage and role.
+    capped = formation.decide(snapshot, formation.eligible(snapshot.registrations, snapshot.faulty),
+                              SwarmConfig(planner="all_nodes"), dataclasses.replace(IDENTITY, max_open_jobs=600))
+    assert {a.max_open_jobs for a in (*capped.assignments, *capped.roles)} == {600}
+    assert {a.max_open_jobs for a in f.assignments} == {0}
 
 
 def test_the_same_stages_keep_the_epoch_and_send_no_stage_assignments():
