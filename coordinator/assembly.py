@@ -26,6 +26,7 @@ from coordinator.swarm.seeding import Seeding
 from coordinator.swarm.swarm import REPORT_BUFFER, Swarm
 from coordinator.trust.audit import Auditor
 from coordinator.trust.receipt_check import ReceiptChecker
+from coordinator.trust.round_verifier import RoundVerifier
 from shard.addresses import refuse_if_in_use
 from shard.identity import identity_signing_key
 from shard.node import CONTROL_PROTOCOL, RING_PROTOCOL
@@ -110,7 +111,8 @@ async def open_coordinator(config: CoordConfig, store: ModelStore, tokenizer: An
     refuse_if_in_use(config.listen)
     async with open_host(keypair, config.listen, relay_hop=True) as host:  # relays for nodes behind NATs
         engine = RingEngine(swarm, host, tokenizer, config.engine, receipts=checker, job_errors=job_errors,
-                            ring_changes=ring_changes, observer=observer)
+                            ring_changes=ring_changes, observer=observer,
+                            round_verifier=RoundVerifier(swarm, auditor, checker) if auditor is not None else None)
         host.set_handler(CONTROL_PROTOCOL, swarm.handle_control)
         host.set_handler(RING_PROTOCOL, engine.handle_ring_stream)
         seeding = Seeding(swarm, store, seed, config.swarm.churn, swarm.fetches)  # weights from peers

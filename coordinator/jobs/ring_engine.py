@@ -22,13 +22,15 @@ import trio
 from receipts import sha256_digest
 from coordinator.errors import JobFailedError, NotReadyError
 from coordinator.trust import probation
-from coordinator.trust.receipt_check import JobReceipts, ReceiptChecker
+from coordinator.trust.receipt_check import ReceiptChecker
+from coordinator.trust.round_verifier import RoundVerifier
 from coordinator.trust.shadow import Shadow
 from coordinator.spec import adapt
 from coordinator.spec.drafting import Drafter, NgramDrafter, grammar_pruned
 from coordinator.spec.eagle import EagleDrafter, EagleHead, shipped_head_dir
 from coordinator.jobs.engine_config import EngineConfig
 from coordinator.jobs.port import Arrived
+from coordinator.jobs.release_gate import ReleaseGate
 from coordinator.jobs.ring_job import RingJob
 from coordinator.jobs.ring_router import RingRouter
 from coordinator.errors import RingLost
@@ -53,10 +55,12 @@ log = logging.getLogger("shard.coordinator")
 class RingEngine:
     def __init__(self, swarm: Swarm, host: Host, tokenizer: Any, config: EngineConfig,
                  receipts: ReceiptChecker | None = None, *, job_errors: trio.MemoryReceiveChannel[JobError],
-                 ring_changes: trio.MemoryReceiveChannel[RingState | None], observer: RingObserver = NO_OBSERVER) -> None:
+                 ring_changes: trio.MemoryReceiveChannel[RingState | None], observer: RingObserver = NO_OBSERVER,
+                 round_verifier: RoundVerifier | None = None) -> None:
         """`job_errors` and `ring_changes` carry what the swarm reports (its JobErrors, its
         RingState or None on every change); serve() hands them to the jobs they concern.
-        `observer` watches its frames, its jobs' rounds and their logits (benchmarks)."""
+        `observer` watches its frames, its jobs' rounds and their logits (benchmarks).
+        `round_verifier`: checks newcomers' rounds by verifier nodes when this store cannot."""
         self.receipts = receipts  # None: rounds are not checked (receipts off)
         store = swarm.store
         self.swarm, self.host, self.tokenizer, self.config = swarm, host, tokenizer, config
@@ -94,6 +98,7 @@ class RingEngine:
         self.clean_rounds: probation.Book = {}
         self.shadow: Shadow | None = Shadow(store)  # None: this store cannot recompute (no layers)
         self.probation_off: str | None = None  # why newcomers' rounds go out unverified, for /v1/ring
+        self.round_verifier = round_verifier  # used once the shadow is off (coordinator.jobs.release_gate)
 
     def make_drafters(self) -> list[Drafter]:
         """Fresh drafters for one job; several means the router picks per round (hybrid),
@@ -133,7 +138,7 @@ class RingEngine:
         self.router.attach(job_id, job)
         job.drafters = grammar_pruned(job.drafters, params.constraint, len(job.prompt_ids))  # no draft the grammar forbids
         inner = self.receipts.open_job(job_id, job.nonce, job.prompt_ids) if self.receipts is not None else None
-        job.receipts = ProbationGate(inner, self)  # type: ignore[assignment]
+        job.receipts = ReleaseGate(inner, self)
         return job
 
     def starting_adapt(self, epoch: int) -> adapt.AdaptState:
@@ -149,9 +154,10 @@ class RingEngine:
     def info(self) -> dict[str, Any]:
         """/v1/ring: the first ring's fields as ever, and every ring (coordinator.jobs.ring_router)."""
         verified = "off" if self.probation.clean_rounds == 0 else "no" if self.probation_off else "before release"
+        by = None if verified != "before release" else "gateway" if self.shadow is not None else "verifier nodes"
         return {**self.router.status(self.model_id, len(self._jobs)),
                 "probation": {"clean_rounds": self.probation.clean_rounds, "rounds_verified": verified,
-                              "why_not": self.probation_off}}
+                              "verified_by": by, "why_not": self.probation_off}}
 
     def clock_offsets_s(self, epoch: int) -> tuple[float, ...] | None:
         """Ring `epoch`'s stages' clock offsets against ours, in ring order (hop_times
@@ -244,8 +250,9 @@ class RingEngine:
 
     # -- probation ----------------------------------------------------------------------
     def on_probation(self, ring: RingState) -> tuple[PeerId, ...]:
-        """`ring`'s stages whose rounds are verified before release (none without a shadow)."""
-        if self.shadow is None:
+        """`ring`'s stages whose rounds are verified before release (none with neither a shadow
+        nor verifier nodes)."""
+        if self.shadow is None and self.round_verifier is None:
             return ()
         return probation.probation_stages(self.clean_rounds, [p for p, _ in ring.stages], self.probation)
 
@@ -260,11 +267,14 @@ class RingEngine:
         if isinstance(msg, (Forward, EndJob)):
             try:
                 await self.shadow.feed(ring, msg, self.quant_of())
-            except (OSError, KeyError, ShardError) as exc:  # the store lacks a slice: audits alone vouch for newcomers
-                self.probation_off = (f"this gateway cannot recompute the ring ({exc}); no verifier path yet: "
-                                      f"newcomers are vouched for by audits alone")
-                log.warning("probation checks are off: %s", self.probation_off)
+            except (OSError, KeyError, ShardError) as exc:  # the store lacks a slice: verifier nodes check instead
                 self.shadow = None
+                if self.round_verifier is not None:
+                    log.info("this gateway cannot recompute the ring (%s): verifier nodes check newcomers' rounds", exc)
+                    return
+                self.probation_off = (f"this gateway cannot recompute the ring ({exc}) and receipts are off, so no "
+                                      f"verifier node can check its rounds: audits alone vouch for newcomers")
+                log.warning("probation checks are off: %s", self.probation_off)
 
     def verify_round(self, ring: RingState, result: Result) -> None:
         """Before a round's tokens are released: on a ring with stages on probation, its
@@ -354,25 +364,3 @@ class EnginePort:
 
     def close(self) -> None:
         self.engine.close_job(self.job_id)
-
-
-@dataclass
-class ProbationGate:
-    """A job's receipt checks (None: receipts off), then RingEngine.verify_round: what the
-    job calls before a round's tokens are committed."""
-
-    inner: JobReceipts | None
-    engine: RingEngine
-
-    def sent(self, fwd: Forward, digest: bytes) -> None:
-        if self.inner is not None:
-            self.inner.sent(fwd, digest)
-
-    def check(self, ring: RingState, result: Result, received_digest: bytes) -> None:
-        if self.inner is not None:
-            self.inner.check(ring, result, received_digest)
-        self.engine.verify_round(ring, result)
-
-    def finish(self, output_ids: list[int]) -> None:
-        if self.inner is not None:
-            self.inner.finish(output_ids)

@@ -26,7 +26,6 @@ import trio
 
 from receipts import sha256_digest
 from coordinator.errors import EmptyPromptError, JobFailedError, RingLost, RingWaitTimeout
-from coordinator.trust.receipt_check import JobReceipts
 from coordinator.spec import adapt
 from coordinator.spec.accept import Acceptance, accept_as_committed
 from coordinator.spec.grammar import GrammarState, start_grammar
@@ -42,13 +41,14 @@ from coordinator.jobs.job_stats import JobStats
 from coordinator.jobs.pipeline import Ahead, ahead_drafter, next_ahead, pipeline_depth, queued_rows, still_valid
 from coordinator.jobs.port import JobPort
 from coordinator.jobs.prefill import prefill_chunks
+from coordinator.jobs.release_gate import ReleaseGate, receive_result
 from coordinator.spec.sampling import SamplingParams, job_seed
 from coordinator.swarm.swarm import RingState
 from coordinator.swarm.topology import Traversal
 from shard.ring_observer import NO_OBSERVER, RingObserver
 from shard.transport import TransportError
 from shard.wire.codec import encode, encode_body, encode_trailer
-from shard.wire.messages import EndJob, Forward, JobError, Result
+from shard.wire.messages import EndJob, Forward, Result
 
 log = logging.getLogger("shard.coordinator")
 
@@ -93,7 +93,7 @@ class RingJob:
     counts: JobStats = field(default_factory=JobStats)
     ahead: deque[Ahead] = field(default_factory=deque)  # rounds sent ahead of the awaited one, oldest first
     discarded_in_flight: list[Ahead] = field(default_factory=list)  # discarded rounds a fresh one may queue behind
-    receipts: JobReceipts | None = None
+    receipts: ReleaseGate | None = None  # receipts, probation: what a round passes before release
     token_logprobs: list[TokenLogprob] = field(default_factory=list)  # one per committed token, when asked
     observer: RingObserver = NO_OBSERVER  # what a benchmark watches of its rounds
 
@@ -285,6 +285,7 @@ class RingJob:
                     else:
                         tree_aux = aux
         traversal_s = time.monotonic() - t0
+        await self._release(ring, last)  # outside the deadline: a verifier's time is not the ring's
         self.port.record_traversal(dataclasses.replace(shape, traversal_s=traversal_s, compute_s=tuple(last.compute_s)))
         return hidden_rows(last, tree.num_nodes + 1), traversal_s, fed, tree_aux
 
@@ -333,6 +334,7 @@ class RingJob:
             with trio.fail_after(self.port.round_deadline_s(ring, Traversal(
                     ring.epoch, prefill=False, frames=1, tokens=ahead.tree.num_nodes + 1, traversal_s=0.0, compute_s=()))):
                 result = await self._receive(ring, ahead.round)
+            await self._release(ring, result)
         except ROUND_FAILURES as exc:
             log.warning("job %s: pipelined round failed (%s); resuming", self.job_id, exc)
             if isinstance(exc, trio.TooSlowError):  # as in _verify
@@ -357,25 +359,14 @@ class RingJob:
         return self.round
 
     async def _receive(self, ring: RingState, expected_round: int) -> Result:
-        """The Result of `expected_round` on `ring`, its receipts checked first when
-        receipts are on (ReceiptRejected fails the job closed)."""
-        epoch = ring.epoch
-        while True:
-            msg = await self.inbox.receive()
-            if isinstance(msg, RingLost):
-                current = self.port.ring
-                if current is not None and current.epoch == epoch:
-                    continue  # queued before this ring formed (epochs only grow): stale
-                raise msg
-            if isinstance(msg, JobError):
-                if msg.epoch == epoch:
-                    raise JobFailedError(f"stage {msg.stage} failed: {msg.code}: {msg.message}")
-                continue
-            if msg.result.epoch == epoch and msg.result.round == expected_round:
-                if self.receipts is not None:
-                    self.receipts.check(ring, msg.result, msg.digest)
-                return msg.result
-            # a stale result from a discarded round or an old epoch: ignore it
+        """The Result of `expected_round` on `ring`, its receipts checked first (coordinator.jobs.release_gate)."""
+        return await receive_result(self.inbox, self.port, ring, expected_round, self.receipts)
+
+    async def _release(self, ring: RingState, result: Result) -> None:
+        """Before `result`'s rows become tokens: the probation checks that wait on verifier
+        nodes (JobFailedError on a catch: the round, and those sent ahead on it, go)."""
+        if self.receipts is not None:
+            await self.receipts.release(ring, result)
 
     def stats(self) -> dict[str, Any]:
         return job_stats.figures(self.counts, generated=max(len(self.committed) - len(self.prompt_ids), 0),

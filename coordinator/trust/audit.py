@@ -188,7 +188,7 @@ class Auditor:
         if member is not None:
             plan = dataclasses.replace(plan, quant=member.register.quant)
         try:
-            records = await self._fetch_all(plan)
+            records = await self.fetch_all(plan)
         except (TransportError, trio.TooSlowError) as exc:
             if plan.peer_id not in self.swarm.members:
                 raise
@@ -253,7 +253,7 @@ class Auditor:
         that fails to answer is passed over), else here if allowed and held, else None."""
         while (peer := opinions.pick(self._verifiers(), plan.layers, asked | set(self.swarm.faulty), self.rng)):
             asked.add(peer)
-            expected = await self._ask_verifier(peer, plan, logged)
+            expected = await self.ask_verifier(peer, plan, logged)
             if expected is not None:
                 self.stats.by_verifiers += 1
                 return peer, expected
@@ -280,7 +280,7 @@ class Auditor:
                 out[peer] = LayerRange(a.layer_start, a.layer_end) if a.layer_end > a.layer_start else None
         return out
 
-    async def _ask_verifier(self, peer: PeerId, plan: AuditPlan, logged: Logged) -> list[Replayed | None] | None:
+    async def ask_verifier(self, peer: PeerId, plan: AuditPlan, logged: Logged) -> list[Replayed | None] | None:
         """`peer`'s recomputation of the logged frames; None if it could not give one (too
         large to send, left, timed out, answered an error or a malformed reply)."""
         limits = self.swarm.control_limits
@@ -322,7 +322,7 @@ class Auditor:
         self.evidence.append(record)
         self.swarm.mark_faulty(plan.peer_id, f"audit {finding.check}: job {plan.job_id}, {finding.detail}")
 
-    async def _fetch_all(self, plan: AuditPlan) -> dict[int, tuple[bytes, bytes]]:
+    async def fetch_all(self, plan: AuditPlan) -> dict[int, tuple[bytes, bytes]]:
         """Both logged frames of every planned round, requested concurrently (a few at a
         time). Error handling: the first TransportError or TooSlowError is re-raised."""
         got: dict[tuple[int, str], bytes | None] = {}

@@ -120,11 +120,15 @@ class ReceiptChecker:
             except MalformedError:
                 continue
             if receipt.signer == key and receipt.job_id == result.job_id and receipt.round == result.round:
-                record = sign_evidence(self.key, receipt=receipt, recomputed_digest=recomputed_digest or bytes(32),
-                                       check=check)
-                self.evidence = [*self.evidence, record][-self.config.recent_evidence:]
-                return record
+                return self.keep_catch(receipt, recomputed_digest, check)
         return None
+
+    def keep_catch(self, receipt: Receipt, recomputed_digest: bytes | None, check: SpotCheck) -> EvidenceRecord:
+        """Sign evidence that the stage's output under `receipt` failed `check` against a
+        recomputation (`recomputed_digest`: of what it should have sent); kept in `evidence`."""
+        record = sign_evidence(self.key, receipt=receipt, recomputed_digest=recomputed_digest or bytes(32), check=check)
+        self.evidence = [*self.evidence, record][-self.config.recent_evidence:]
+        return record
 
     def epoch_view(self, ring: RingState) -> EpochView:
         view = self._epochs.get(ring.epoch)
@@ -199,6 +203,14 @@ class JobReceipts:
             raise ReceiptRejected(self.job_id, result.round, exc, peer) from exc
         self._rounds[result.round] = RoundRecord(result.round, ring.epoch, sent_digest, received, tuple(result.receipts))
         self._verified[result.round] = VerifiedRound(ring.epoch, decoded)
+
+    def rounds_on(self, epoch: int, upto_round: int) -> tuple[list[int], dict[int, list[Receipt]]]:
+        """The rounds sent on `epoch` up to `upto_round` (in send order), and the receipts
+        (head first) of those verified on it."""
+        sent = self._order.get(epoch, [])
+        sent = sent[:sent.index(upto_round) + 1] if upto_round in sent else list(sent)
+        return sent, {r: self._verified[r].receipts for r in sent
+                      if r in self._verified and self._verified[r].epoch == epoch}
 
     def finish(self, output_ids: list[int]) -> None:
         """Sign and keep the bundle of the verified rounds; hand the job to the auditor.

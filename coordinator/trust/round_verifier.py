@@ -1,0 +1,171 @@
+"""A probation stage's round recomputed by verifier nodes before its tokens are released.
+
+A gateway that cannot recompute the ring itself (its store lacks the layers, so the shadow
+of coordinator.trust.shadow is off) still verifies a newcomer's rounds before release: for
+a job's newest round on a stage on probation it fetches the stage's logged frames of the
+job on that epoch (AuditRequest, only those not fetched yet), checks them against the
+stage's verified receipts, and has a verifier node replay the stage's inputs
+(VerifyRequest, shard.verifier). The stage's outputs are held to the recomputation under
+the stage's tolerance (coordinator.trust.compare); a verifier that disagrees with the stage
+gets a second opinion, and verifiers that disagree with each other a third
+(coordinator.trust.opinions), as in an audit. The round's frames travel through the
+auditor's request machinery (coordinator.trust.audit), which the swarm's replies reach.
+
+Who verifies (`candidates`, pure): a member other than the stage, not faulty, whose node
+keeps every layer of the slice (loaded or in its store): those off probation first, then
+those holding exactly the slice loaded, then by peer id.
+
+A catch is signed evidence against the stage's own receipt for the round (kept with the
+gateway's probation catches, ReceiptChecker.keep_catch) and marks the stage faulty; an
+outvoted verifier is marked faulty too. Costs: the verifier replays every row the stage
+computed for the job on that epoch at each check, and the gateway compares them (a job's
+rounds on probation cost O(rounds x rows) of one slice). It does not know tokens or the
+probation book; the caller credits the rounds and releases them (coordinator.jobs.release_gate).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import trio
+
+from coordinator.swarm.formation import RingState
+from coordinator.swarm.speed_probe import keeps
+from coordinator.swarm.swarm import Swarm
+from coordinator.trust import opinions
+from coordinator.trust.audit import Auditor
+from coordinator.trust.audit_plan import AuditPlan
+from coordinator.trust.compare import Finding, agree, compare, logged_frames
+from coordinator.trust.receipt_check import JobReceipts, ReceiptChecker
+from ring import PeerId
+from shard.layers import LayerRange
+from shard.transport import TransportError
+from shard.wire.messages import Register
+
+log = logging.getLogger("shard.coordinator")
+
+MAX_JOBS_KEPT = 256  # (job, epoch, stage) whose fetched frames are kept for the next check
+FETCH_TIMEOUT_S = 30.0  # for a stage to hand over the frames of one check
+MAX_OPINIONS = 3
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One stage's check for one round: passed (True), caught (False), or None when no
+    verifier node could recompute it (the round goes out unverified, `detail` says why)."""
+
+    passed: bool | None
+    rounds: int  # the stage's rounds compared for the first time (what it earns when passed)
+    detail: str
+
+
+def keeps_slice(reg: Register, layers: LayerRange) -> bool:
+    return all(keeps(reg, i) for i in layers)
+
+
+def candidates(registers: Mapping[PeerId, Register], layers: LayerRange, excluded: set[PeerId],
+               on_probation: Callable[[PeerId], bool]) -> list[PeerId]:
+    """The verifiers to ask, in order: members keeping every layer of `layers`, not in
+    `excluded` (the stage itself, faulty nodes); off probation first (a newcomer vouching
+    for a newcomer is the weaker word), then those holding exactly `layers` loaded (no
+    load before the replay), then by peer id (deterministic)."""
+    found = [p for p, reg in registers.items() if p not in excluded and keeps_slice(reg, layers)]
+    warm = {p for p in found if (registers[p].held_start, registers[p].held_end) == (layers.start, layers.end)}
+    return sorted(found, key=lambda p: (on_probation(p), p not in warm, p))
+
+
+def stage_plan(job: JobReceipts, ring: RingState, index: int, upto_round: int, quant: str) -> AuditPlan:
+    """The frames of `ring`'s `index`-th stage to check for `job`'s round `upto_round`:
+    every round sent on the epoch up to it (in send order), with the stage's receipts."""
+    sent, verified = job.rounds_on(ring.epoch, upto_round)
+    peer, layers = ring.stages[index]
+    a = ring.assignments[index]
+    return AuditPlan(job.job_id, ring.epoch, peer, layers, index == len(ring.stages) - 1, a.wire_dtype, a.aux_dtype,
+                     tuple(sent), {r: receipts[index] for r, receipts in verified.items()}, quant)
+
+
+@dataclass
+class _Fetched:
+    records: dict[int, tuple[bytes, bytes]] = dataclasses.field(default_factory=dict)  # round -> (input, output)
+    compared: set[int] = dataclasses.field(default_factory=set)  # rounds with a receipt already held to a replay
+
+
+class RoundVerifier:
+    def __init__(self, swarm: Swarm, auditor: Auditor, checker: ReceiptChecker | None) -> None:
+        self.swarm, self.auditor, self.checker = swarm, auditor, checker
+        self._fetched: OrderedDict[tuple[str, int, PeerId], _Fetched] = OrderedDict()
+        self.checks = 0  # stage rounds checked by a verifier node
+        self.catches = 0
+
+    def forget(self, job_id: str) -> None:
+        """Drop what was fetched for `job_id` (it finished)."""
+        for key in [k for k in self._fetched if k[0] == job_id]:
+            del self._fetched[key]
+
+    async def check(self, ring: RingState, index: int, upto_round: int, job: JobReceipts,
+                    on_probation: Callable[[PeerId], bool]) -> Outcome:
+        """Check `ring`'s `index`-th stage's frames of `job` up to round `upto_round` against
+        verifier nodes' recomputation. Error handling: a stage that does not hand over its
+        frames in FETCH_TIMEOUT_S fails the check (it sits out: it may be only slow); a
+        verifier that does not answer is passed over; nothing here raises."""
+        peer = ring.stages[index][0]
+        member = self.swarm.members.get(peer)
+        plan = stage_plan(job, ring, index, upto_round, member.register.quant if member is not None else "none")
+        key = (job.job_id, ring.epoch, peer)
+        fetched = self._fetched.setdefault(key, _Fetched())
+        self._fetched.move_to_end(key)
+        while len(self._fetched) > MAX_JOBS_KEPT:
+            self._fetched.popitem(last=False)
+        missing = tuple(r for r in plan.rounds if r not in fetched.records)
+        try:
+            with trio.fail_after(FETCH_TIMEOUT_S):
+                fetched.records.update(await self.auditor.fetch_all(dataclasses.replace(plan, rounds=missing)))
+        except (TransportError, trio.TooSlowError) as exc:
+            why = f"on probation: it did not hand over its frames of round {upto_round} to be verified ({type(exc).__name__})"
+            self.swarm.report_unreachable(peer, why, "unverified")
+            return Outcome(False, 0, f"stage {peer[-6:]} {why}")
+        logged = await trio.to_thread.run_sync(logged_frames, plan, fetched.records, self.swarm.control_limits)
+        if isinstance(logged, Finding):  # its log does not match its own receipts
+            return self._caught(plan, logged, "its receipts")
+        fresh = [r for r in plan.receipts if r not in fetched.compared]
+        ids, parties, findings, recomputed = [0], [peer], [None], [None]
+        excluded = {peer} | set(self.swarm.faulty)
+        registers = {p: m.register for p, m in self.swarm.members.items()}
+        for verifier in candidates(registers, plan.layers, excluded, on_probation):
+            if not opinions.need_another(ids, MAX_OPINIONS):
+                break
+            expected = await self.auditor.ask_verifier(verifier, plan, logged)
+            if expected is None:
+                continue
+            finding = await trio.to_thread.run_sync(compare, plan, logged, expected)
+            opinion = 0 if finding is None else next(
+                (i for i in range(1, len(ids)) if ids[i] == i and agree(plan, logged, recomputed[i], expected)), len(ids))
+            parties.append(verifier), ids.append(opinion), findings.append(finding), recomputed.append(expected)
+        if len(ids) == 1:
+            return Outcome(None, 0, f"no verifier node could recompute layers [{plan.layers.start}, {plan.layers.end}) "
+                                    f"of stage {peer[-6:]} on probation")
+        self.checks += 1
+        verdict = opinions.settle(ids)
+        for i in verdict.lying:
+            self.swarm.mark_faulty(parties[i], f"verifier outvoted: its recomputation of layers {plan.layers} on "
+                                   f"probation round {upto_round} of job {job.job_id} disagreed with the others")
+        if not verdict.stage_faulty:
+            fetched.compared.update(fresh)
+            return Outcome(True, len(fresh), "")
+        found = next(i for i, f in enumerate(findings) if f is not None and i not in verdict.lying)
+        return self._caught(plan, findings[found], f"verifier node {parties[found][-6:]}")  # type: ignore[arg-type]
+
+    def _caught(self, plan: AuditPlan, finding: Finding, by: str) -> Outcome:
+        """Sign evidence against the stage's receipt for the round and mark it faulty."""
+        self.catches += 1
+        what = (f"round {finding.round} on ring epoch {plan.epoch} differs from the recomputation of {by} "
+                f"({finding.check}: {finding.detail})")
+        receipt = plan.receipts.get(finding.round) or next(iter(plan.receipts.values()), None)
+        if self.checker is not None and receipt is not None:
+            self.checker.keep_catch(receipt, finding.recomputed_digest, finding.spot)
+        self.swarm.mark_faulty(plan.peer_id, f"on probation: {what}")
+        return Outcome(False, 0, f"stage {plan.peer_id[-6:]}'s {what}")

@@ -1,0 +1,91 @@
+"""Probation through verifier nodes, on a real in-process ring whose gateway holds no layers
+(issue 20): a newcomer's rounds are recomputed by other nodes before release.
+
+The gateway's store has the manifest, tokenizer, embedding and head but no layer file, so
+its shadow cannot recompute the ring. Two honest Nodes serve first: each is on probation
+and verified by the other, and both earn their clean rounds that way and leave it. Then a
+third joins whose stage adds noise to every output it computes (and signs it: receipts
+pass): every request after it joins must still equal the honest ring's greedy answer, the
+newcomer must be excluded with evidence signed over its own receipt, and the honest
+stages never blamed.
+"""
+
+from __future__ import annotations
+
+import os
+
+import trio
+
+from coordinator.assembly import open_coordinator
+from coordinator.config import LOOPBACK_ANY_PORT, CoordConfig
+from coordinator.jobs.engine_config import EngineConfig
+from coordinator.swarm.formation import SwarmConfig
+from coordinator.trust.audit import AuditConfig
+from coordinator.trust.report import trust_report
+from receipts import verify_evidence
+from shard.assignment_rules import public_key_of_peer
+from shard.identity import keypair_from_seed, peer_id_from_public_key
+from shard.node import Node, NodeConfig
+from tests.e2e.test_probation_ring import LyingNode
+from tests.e2e.test_stalling_stage import _generate, _serve_host, _stages, _tokenizer
+from tests.e2e.test_verifier_ring import layerless_store
+
+CLEAN_ROUNDS = 6  # an 8-token request is 9 rounds: the honest nodes leave probation in their first
+
+
+def test_a_layerless_gateway_verifies_newcomers_by_verifier_nodes(tiny_llama_store, tmp_path):
+    # Sound: the liar corrupts every frame it computes (noise of half the row's std), so any
+    # of its rounds released unverified changes the greedy tokens; audits are off (rate 0)
+    # and the gateway holds no layer (its shadow is off), so only a verifier node's check
+    # can have excluded it and kept its tokens back.
+    config = CoordConfig(listen=LOOPBACK_ANY_PORT, min_nodes=2,
+                         swarm=SwarmConfig(ready_timeout_s=30, planner="all_nodes"),
+                         engine=EngineConfig(draft="none", resume_wait_s=10, probation_rounds=CLEAN_ROUNDS),
+                         audit=AuditConfig(rate=0.0))
+    gateway = layerless_store(tiny_llama_store, tmp_path)
+
+    async def main():
+        with trio.fail_after(180):
+            async with open_coordinator(config, gateway, _tokenizer(), keypair_from_seed(os.urandom(32))) as c:
+                swarm, engine, nursery = c.swarm, c.engine, c.nursery
+                nodes, out = [], {}
+                for cls in (Node, Node, LyingNode):
+                    seed = os.urandom(32)
+                    host = await nursery.start(_serve_host, seed)
+                    node = cls(NodeConfig(coordinator=c.addr), host, tiny_llama_store, signing_seed=seed)
+                    if cls is LyingNode:
+                        out["honest"] = await _stages(swarm, 2)
+                        out["reference"] = await _generate(engine, 8)
+                        out["clean_before"] = dict(engine.clean_rounds)
+                        out["checks_before"] = engine.round_verifier.checks
+                        out["info_before"] = engine.info()["probation"]
+                    await nursery.start(node.serve)
+                    nodes.append(node)
+                out["liar"] = liar = nodes[2].host.peer_id
+                assert liar in await _stages(swarm, 3)
+                out["answers"] = [await _generate(engine, 8) for _ in range(4)]
+                out["clean"] = dict(engine.clean_rounds)
+                out["checks"], out["catches"] = engine.round_verifier.checks, engine.round_verifier.catches
+                nursery.cancel_scope.cancel()
+                out["report"] = trust_report(c.receipts, c.auditor)["audits"]
+                out.update(swarm=swarm, evidence=c.receipts.evidence, coordinator=c.host.peer_id,
+                           shadow=engine.shadow, info=engine.info()["probation"])
+                return out
+
+    out = trio.run(main)
+    honest, liar, swarm = out["honest"], out["liar"], out["swarm"]
+    assert out["shadow"] is None  # this gateway cannot recompute: every check was a verifier node's
+    # The honest newcomers earned their clean rounds through each other's recomputations.
+    assert all(out["clean_before"][p] >= CLEAN_ROUNDS for p in honest) and out["checks_before"] >= 2
+    assert out["info_before"] == {"clean_rounds": CLEAN_ROUNDS, "rounds_verified": "before release",
+                                  "verified_by": "verifier nodes", "why_not": None}
+    assert len(out["reference"]) == 8 and out["answers"] == [out["reference"]] * 4  # 0 wrong tokens delivered
+    assert liar in swarm.faulty and "recomputation of verifier node" in swarm.faulty[liar]
+    assert all(p not in swarm.faulty and swarm.unreachable.table.get(p) is None for p in honest)
+    assert out["clean"].get(liar, 0) == 0
+    assert out["checks"] > out["checks_before"] and out["catches"] == 1
+    (record,) = out["evidence"]  # signed over the liar's own receipt, its check failed
+    verify_evidence(record, coordinator_key=public_key_of_peer(out["coordinator"]))
+    assert peer_id_from_public_key(record.receipt.signer) == liar and not record.check.passed
+    assert record.recomputed_digest not in (record.claimed_output_digest, bytes(32))
+    assert out["report"]["recent_evidence"][0]["found_by"] == "probation"
