@@ -3,7 +3,8 @@
 Prepares (or opens) the store, claims an identity (`--key-path`, else the first default key
 no running node on this machine holds), opens the libp2p host (which reserves a relay slot
 on the coordinator whenever the coordinator cannot dial it back) and serves the node until
-cancelled. Knows nothing of what the node does once it serves.
+cancelled, with glibc's thresholds fixed so what the node frees can leave the process
+(shard.heap). Knows nothing of what the node does once it serves.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import trio
 from libp2p.peer.peerinfo import InvalidAddrError, info_from_p2p_addr
 
 from shard.errors import DeviceError, DialError
-
+from shard.heap import fix_mmap_threshold
 from shard.identity import claim_key_path, identity_signing_key, load_or_create_identity
 from shard.node import Node, NodeConfig
 from shard.store import cache_root, open_or_prepare
@@ -53,6 +54,7 @@ async def run_node(config: NodeConfig, task_status=trio.TASK_STATUS_IGNORED) -> 
     Resource handling: the default key's claim (a lock file descriptor) is held until
     this returns, when the process' exit releases it."""
     check_device(config.device)
+    fix_mmap_threshold()  # before the forwards' worker threads: what they free can leave (shard.heap)
     if not config.exit_with_parent_pid:
         return await _run_node(config, task_status)
     async with trio.open_nursery() as nursery:
