@@ -13,7 +13,9 @@ auditor's request machinery (coordinator.trust.audit), which the swarm's replies
 
 Who verifies (`candidates`, pure): a member other than the stage, not faulty, whose node
 keeps every layer of the slice (loaded or in its store): those off probation first, then
-those holding exactly the slice loaded, then by peer id.
+those holding exactly the slice loaded, then the one that verified this slice last, then
+those verifying no other slice (a node keeps one verify slice loaded: asked for two in
+turn, it reloads one per round), then by peer id.
 
 A catch is signed evidence against the stage's own receipt for the round (kept with the
 gateway's probation catches, ReceiptChecker.keep_catch) and marks the stage faulty; an
@@ -68,14 +70,17 @@ def keeps_slice(reg: Register, layers: LayerRange) -> bool:
 
 
 def candidates(registers: Mapping[PeerId, Register], layers: LayerRange, excluded: set[PeerId],
-               on_probation: Callable[[PeerId], bool]) -> list[PeerId]:
+               on_probation: Callable[[PeerId], bool], verifying: Mapping[PeerId, LayerRange] = {}) -> list[PeerId]:
     """The verifiers to ask, in order: members keeping every layer of `layers`, not in
     `excluded` (the stage itself, faulty nodes); off probation first (a newcomer vouching
     for a newcomer is the weaker word), then those holding exactly `layers` loaded (no
-    load before the replay), then by peer id (deterministic)."""
+    load before the replay), then the one that last verified `layers` (`verifying`:
+    verifier -> the slice it last verified: its verify slice is still loaded), then those
+    verifying no other slice, then by peer id (deterministic)."""
     found = [p for p, reg in registers.items() if p not in excluded and keeps_slice(reg, layers)]
     warm = {p for p in found if (registers[p].held_start, registers[p].held_end) == (layers.start, layers.end)}
-    return sorted(found, key=lambda p: (on_probation(p), p not in warm, p))
+    return sorted(found, key=lambda p: (on_probation(p), p not in warm, verifying.get(p) != layers,
+                                        p in verifying, p))
 
 
 def stage_plan(job: JobReceipts, ring: RingState, index: int, upto_round: int, quant: str) -> AuditPlan:
@@ -98,6 +103,7 @@ class RoundVerifier:
     def __init__(self, swarm: Swarm, auditor: Auditor, checker: ReceiptChecker | None) -> None:
         self.swarm, self.auditor, self.checker = swarm, auditor, checker
         self._fetched: OrderedDict[tuple[str, int, PeerId], _Fetched] = OrderedDict()
+        self._verifying: dict[PeerId, LayerRange] = {}  # verifier -> the slice it last recomputed
         self.checks = 0  # stage rounds checked by a verifier node
         self.catches = 0
 
@@ -132,15 +138,19 @@ class RoundVerifier:
         if isinstance(logged, Finding):  # its log does not match its own receipts
             return self._caught(plan, logged, "its receipts")
         fresh = [r for r in plan.receipts if r not in fetched.compared]
+        # Every frame is replayed (the stage's K/V holds them all); only the rounds not yet
+        # compared are held to the replay (the gateway's share of the cost stays per round).
+        plan = dataclasses.replace(plan, receipts={r: plan.receipts[r] for r in fresh})
         ids, parties, findings, recomputed = [0], [peer], [None], [None]
         excluded = {peer} | set(self.swarm.faulty)
         registers = {p: m.register for p, m in self.swarm.members.items()}
-        for verifier in candidates(registers, plan.layers, excluded, on_probation):
+        for verifier in candidates(registers, plan.layers, excluded, on_probation, self._verifying):
             if not opinions.need_another(ids, MAX_OPINIONS):
                 break
             expected = await self.auditor.ask_verifier(verifier, plan, logged)
             if expected is None:
                 continue
+            self._verifying[verifier] = plan.layers
             finding = await trio.to_thread.run_sync(compare, plan, logged, expected)
             opinion = 0 if finding is None else next(
                 (i for i in range(1, len(ids)) if ids[i] == i and agree(plan, logged, recomputed[i], expected)), len(ids))

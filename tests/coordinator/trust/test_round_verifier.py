@@ -46,6 +46,17 @@ def test_verifiers_keep_the_whole_slice_and_trusted_nodes_come_first():
     assert candidates(registers, SLICE, set(registers), lambda p: False) == []
 
 
+def test_a_verifier_stays_on_the_slice_it_verified_last():
+    # Bug guarded: every slice checked by the same lowest-id node, which keeps one verify
+    # slice loaded and so reloaded a 27-layer slice for every round it alternated between
+    # two (a SmolLM2 request on probation took 14 s instead of a few). Sound: all three keep
+    # the slice and are trusted; only what each verified last differs.
+    registers = {p: _reg(p, stored=(1, 2, 3)) for p in ("a", "b", "c")}
+    other = LayerRange(3, 4)
+    assert candidates(registers, SLICE, set(), lambda p: False, {"a": other, "c": SLICE}) == ["c", "b", "a"]
+    assert candidates(registers, SLICE, set(), lambda p: False, {"a": other}) == ["b", "c", "a"]
+
+
 def _fwd(epoch: int, round: int) -> Forward:
     frame = chunk_frame("job", epoch, bytes(16), 0, [1, 2], decode=False, commit=((), 0), aux_layers=())
     return dataclasses.replace(frame, round=round)
