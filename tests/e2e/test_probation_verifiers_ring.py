@@ -12,8 +12,10 @@ stages never blamed.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
+import torch
 import trio
 
 from coordinator.assembly import open_coordinator
@@ -26,7 +28,9 @@ from receipts import verify_evidence
 from shard.assignment_rules import public_key_of_peer
 from shard.identity import keypair_from_seed, peer_id_from_public_key
 from shard.node import Node, NodeConfig
+from tests.e2e.ringkit import generate_greedy, generate_greedy_with_stats
 from tests.e2e.test_probation_ring import LyingNode
+from tests.e2e.test_spec_ring import PROMPTS, NoisyOracleDrafter
 from tests.e2e.test_stalling_stage import _generate, _serve_host, _stages, _tokenizer
 from tests.e2e.test_verifier_ring import layerless_store
 
@@ -89,3 +93,76 @@ def test_a_layerless_gateway_verifies_newcomers_by_verifier_nodes(tiny_llama_sto
     assert peer_id_from_public_key(record.receipt.signer) == liar and not record.check.passed
     assert record.recomputed_digest not in (record.claimed_output_digest, bytes(32))
     assert out["report"]["recent_evidence"][0]["found_by"] == "probation"
+
+
+class LateLiar(Node):
+    """Computes honestly for its first LIE_AFTER frames, then adds noise to every output:
+    caught in the middle of a job, with rounds sent ahead on tokens not yet verified."""
+
+    LIE_AFTER = 4
+
+    async def _assume(self, a):
+        await super()._assume(a)
+        stage = self.state.worker.stage
+        honest, seen = stage.forward_batch, [0]
+
+        def lying(frames):
+            outs = honest(frames)
+            seen[0] += len(frames)
+            if seen[0] <= self.LIE_AFTER:
+                return outs
+            return [out if isinstance(out, Exception) else (out[0] + 0.5 * out[0].std() * torch.randn(out[0].shape), out[1])
+                    for out in outs]
+
+        stage.forward_batch = lying
+
+
+def test_rounds_sent_ahead_stay_lossless_under_verifier_checks(tiny_llama_store, tmp_path):
+    # Bug guarded: a round sent ahead (pipelined) built on tokens whose round a verifier
+    # has not yet checked, kept when that check fails, or an honest stage blamed for the
+    # K/V slots those rounds leave. Sound: the drafter proposes the honest greedy
+    # continuation (97% right), so rounds go ahead; every stage stays on probation
+    # (clean_rounds far above the run), so every round is checked by a verifier node; the
+    # late liar computes honestly at first, so it is caught mid-job, and the job's tokens
+    # must still equal plain greedy.
+    tokens = 48
+    config = CoordConfig(listen=LOOPBACK_ANY_PORT, min_nodes=2,
+                         swarm=SwarmConfig(ready_timeout_s=30, planner="all_nodes"),
+                         engine=EngineConfig(draft="none", resume_wait_s=10, link_latency_ms=8, probation_rounds=10_000),
+                         audit=AuditConfig(rate=0.0))
+    gateway = layerless_store(tiny_llama_store, tmp_path)
+
+    async def main():
+        with trio.fail_after(240):
+            async with open_coordinator(config, gateway, _tokenizer(), keypair_from_seed(os.urandom(32))) as c:
+                swarm, engine, nursery = c.swarm, c.engine, c.nursery
+                nodes, out = [], {}
+                for cls in (Node, Node, LateLiar):
+                    seed = os.urandom(32)
+                    host = await nursery.start(_serve_host, seed)
+                    node = cls(NodeConfig(coordinator=c.addr, link_latency_ms=8), host, tiny_llama_store, signing_seed=seed)
+                    if cls is LateLiar:
+                        out["honest"] = await _stages(swarm, 2)
+                        plain = {tuple(PROMPTS[0]): await generate_greedy(engine, PROMPTS[0], tokens)}
+                        engine.config = dataclasses.replace(engine.config, max_pipeline_depth=4)
+                        engine.make_drafters = lambda: [NoisyOracleDrafter(plain, tree=False, seed=7, accuracy=0.97)]
+                        out["honest_run"] = await generate_greedy_with_stats(engine, PROMPTS[0], tokens)
+                        out["plain"] = plain[tuple(PROMPTS[0])]
+                    await nursery.start(node.serve)
+                    nodes.append(node)
+                out["liar"] = nodes[2].host.peer_id
+                assert out["liar"] in await _stages(swarm, 3)
+                out["liar_run"] = await generate_greedy_with_stats(engine, PROMPTS[0], tokens)
+                out["swarm"], out["clean"] = swarm, dict(engine.clean_rounds)
+                nursery.cancel_scope.cancel()
+                return out
+
+    out = trio.run(main)
+    (honest_tokens, honest_stats), (liar_tokens, liar_stats) = out["honest_run"], out["liar_run"]
+    assert honest_tokens == out["plain"] and honest_stats["pipelined_rounds"] > 0, honest_stats
+    assert all(out["clean"][p] > 0 for p in out["honest"])  # checked round by round, no false alarm
+    assert liar_tokens == out["plain"] and liar_stats["pipelined_rounds"] > 0, liar_stats
+    swarm = out["swarm"]
+    assert out["liar"] in swarm.faulty and "recomputation of verifier node" in swarm.faulty[out["liar"]]
+    assert liar_stats["resumes"] >= 1 and out["clean"][out["liar"]] > 0  # caught after it had earned rounds
+    assert all(p not in swarm.faulty for p in out["honest"])
