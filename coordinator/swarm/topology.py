@@ -8,6 +8,7 @@ summaries out. Knows nothing of streams, of how probes ran, of how a ring is cho
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import math
 import statistics
@@ -16,7 +17,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ring import LatencyMatrix, ModelSpec, Network, NodeInfo, PeerId, Plan, Workload, evaluate
+from ring import LatencyMatrix, ModelSpec, Network, NodeInfo, PeerId, Plan, Workload, evaluate, speed_bands
+from ring.assign import SPEED_TOLERANCE
 from shard.layers import LayerRange
 from shard.options import option
 from shard.store import ModelStore
@@ -39,6 +41,9 @@ class TopologyConfig:
     # Pongs on control streams do not pass through it, so it is added to nodes' reports.
     coordinator_link_latency_s: float = 0.0
     unknown_latency_s: float = 0.150  # a link nobody measured (ring.LatencyMatrix)
+    # Nodes' measured speeds within this factor of each other are planned as one (the
+    # slowest of them: ring.speed_bands), so identical nodes get an even split.
+    speed_tolerance: float = SPEED_TOLERANCE
     one_per_subnet: bool = True
     # The head sees each prompt's token ids and the tail the final hidden states: an
     # operator may keep both ends on machines it runs (ring.Constraints.trusted_ends).
@@ -100,6 +105,16 @@ def node_info(reg: Register, held: LayerRange | None = None, trusted: bool = Fal
         bytes_per_layer=reg.bytes_per_layer,
         trusted=trusted,
     )
+
+
+def even_speeds(nodes: Sequence[NodeInfo], tolerance: float) -> tuple[NodeInfo, ...]:
+    """`nodes` with decode and prefill speeds each banded (ring.speed_bands): figures within
+    `tolerance` of each other are the measurement's noise (three processes of one machine
+    read 1.3x apart at load 8), not a reason to give one of them more layers."""
+    decode = speed_bands([n.decode_s_per_layer_token for n in nodes], tolerance)
+    prefill = speed_bands([n.prefill_s_per_layer_token for n in nodes], tolerance)
+    return tuple(dataclasses.replace(n, decode_s_per_layer_token=d, prefill_s_per_layer_token=p)
+                 for n, d, p in zip(nodes, decode, prefill))
 
 
 def record_rtts(links: Mapping[tuple[PeerId, PeerId], float], reporter: PeerId, rtt_ms: Mapping[str, float],
@@ -175,7 +190,8 @@ def build_network(coordinator: PeerId, registrations: Mapping[PeerId, Register],
     to the coordinator (others estimated by ring.LatencyMatrix), hops into relayed nodes as
     the relay makes them (`relayed_links`, with `model`'s activation bytes per decode
     round, through `relays` where named), and what each holds."""
-    nodes = tuple(node_info(reg, held.get(peer), peer in config.trusted_peers) for peer, reg in sorted(registrations.items()))
+    nodes = even_speeds([node_info(reg, held.get(peer), peer in config.trusted_peers)
+                         for peer, reg in sorted(registrations.items())], config.speed_tolerance)
     present = set(registrations) | {coordinator}
     links = relayed_links(links, registrations, coordinator, config, round_bytes(config, model), relays)
     measured = {(a, b): s for (a, b), s in links.items() if a in present and b in present}
