@@ -79,7 +79,8 @@ class RingEngine:
         self.head_batch = HeadBatcher(self.head)  # every job's rows through one product (coordinator.jobs.head_batch)
         self._jobs: dict[str, trio.MemorySendChannel] = {}
         self.jobs_ended = 0
-        self.router = RingRouter(swarm, probation=self.on_probation)  # which of the swarm's rings each job runs on
+        # Which of the swarm's rings each job runs on; one ring at a time with rounds the shadow recomputes.
+        self.router = RingRouter(swarm, probation=lambda ring: self.on_probation(ring) if self.shadow is not None else ())
         self.eagle_head = self._load_eagle(store)
         self._head_streams: dict[int, FramedStream] = {}
         self._send_lock = trio.Lock()

@@ -166,3 +166,29 @@ def test_rounds_sent_ahead_stay_lossless_under_verifier_checks(tiny_llama_store,
     assert out["liar"] in swarm.faulty and "recomputation of verifier node" in swarm.faulty[out["liar"]]
     assert liar_stats["resumes"] >= 1 and out["clean"][out["liar"]] > 0  # caught after it had earned rounds
     assert all(p not in swarm.faulty for p in out["honest"])
+
+
+def test_with_no_verifier_the_round_goes_out_and_v1_ring_says_why(tiny_llama_store, tmp_path):
+    # Bug guarded: a layerless gateway with no node that could recompute a newcomer's slice
+    # hanging or failing its requests, or releasing them while /v1/ring claims they were
+    # verified. Sound: the only node is the newcomer itself, which never verifies itself.
+    config = CoordConfig(listen=LOOPBACK_ANY_PORT, min_nodes=1, swarm=SwarmConfig(ready_timeout_s=30),
+                         engine=EngineConfig(draft="none"), audit=AuditConfig(rate=0.0))
+
+    async def main():
+        with trio.fail_after(120):
+            async with open_coordinator(config, layerless_store(tiny_llama_store, tmp_path), _tokenizer(),
+                                        keypair_from_seed(os.urandom(32))) as c:
+                seed = os.urandom(32)
+                host = await c.nursery.start(_serve_host, seed)
+                await c.nursery.start(Node(NodeConfig(coordinator=c.addr), host, tiny_llama_store, signing_seed=seed).serve)
+                await _stages(c.swarm, 1)
+                answer = await _generate(c.engine, 8)
+                c.nursery.cancel_scope.cancel()
+                return answer, c.engine.info()["probation"], dict(c.engine.clean_rounds), c.engine.round_verifier.checks
+
+    answer, info, clean, checks = trio.run(main)
+    assert len(answer) == 8 and clean == {} and checks == 0
+    assert info["rounds_verified"] == "no" and info["verified_by"] is None
+    assert info["why_not"].startswith("no verifier node could recompute layers [0, ")
+    assert info["why_not"].endswith("on probation: its rounds go out unverified (audits alone vouch for it)")
