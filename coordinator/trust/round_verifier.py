@@ -50,7 +50,10 @@ from shard.wire.messages import Register
 
 log = logging.getLogger("shard.coordinator")
 
-MAX_JOBS_KEPT = 256  # (job, epoch, stage) whose fetched frames are kept for the next check
+# (job, epoch, stage) whose fetched frames are kept for the next check (a job's are dropped
+# when it finishes); past it the oldest are fetched again. A 2k-token prompt's frames on
+# SmolLM2 are ~10 MB.
+MAX_JOBS_KEPT = 64
 FETCH_TIMEOUT_S = 30.0  # for a stage to hand over the frames of one check
 MAX_OPINIONS = 3
 
