@@ -94,6 +94,12 @@ class _Plan:
     local_mask: torch.Tensor | None
     capture: set[int]
     rows: slice = field(default_factory=lambda: slice(0))  # set by forward_batch: this frame's rows of (T_total, H)
+    # The job's cache, every layer at once (views taken once per forward, not per layer):
+    # this frame's slots (L, Hkv, T, D) and the slots it attends to, (L, 1, Hkv, S, D).
+    k_new: torch.Tensor | None = None
+    v_new: torch.Tensor | None = None
+    keys: torch.Tensor | None = None
+    values: torch.Tensor | None = None
 
 
 class Stage:
@@ -224,7 +230,10 @@ class Stage:
         mask = None if causal else attention_mask(ctx_len, tree_parents, t, self.device)
         windowed = cfg.sliding_window is not None and t and int(positions.max()) >= cfg.sliding_window
         local_mask = window_mask(ctx_len, tree_parents, positions.to(self.device), cfg.sliding_window) if windowed else mask
-        return _Plan(index, frame.job, ctx_len, h, rope, local_rope, causal, mask, local_mask, set(frame.capture))
+        job, end = frame.job, ctx_len + t
+        return _Plan(index, job, ctx_len, h, rope, local_rope, causal, mask, local_mask, set(frame.capture),
+                     k_new=job.k[:, :, ctx_len:end], v_new=job.v[:, :, ctx_len:end],
+                     keys=job.k[:, None, :, :end], values=job.v[:, None, :, :end])
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
         return x if weight is None else rms_norm(x, weight, self.cfg.rms_norm_eps)
@@ -238,30 +247,37 @@ class Stage:
         q = apply_rotary(self._norm(q.view(t, hq, d), w.q_norm).transpose(0, 1), cos, sin)  # (Hq, T_total, D)
         k = apply_rotary(self._norm(k.view(t, hkv, d), w.k_norm).transpose(0, 1), cos, sin)  # (Hkv, T_total, D)
         v = v.view(t, hkv, d).transpose(0, 1)  # (Hkv, T_total, D)
+        rows = [p.h.shape[0] for p in plans]
+        qs, ks, vs = (_split(part, rows) for part in (q, k, v))  # each job's rows: one op per layer, not one per job
         outs = []
-        for p in plans:  # attention per job, against its own cache and mask
+        for p, q_j, k_j, v_j in zip(plans, qs, ks, vs):  # attention per job, against its own cache and mask
             mask = p.local_mask if w.sliding else p.mask
-            outs.append(self._attend(p.job, local, p.ctx_len, q[:, p.rows], k[:, p.rows], v[:, p.rows], mask,
-                                     p.causal and mask is None))
+            p.k_new[local].copy_(k_j)  # this frame's K/V to slots [ctx_len, ctx_len + T)
+            p.v_new[local].copy_(v_j)
+            outs.append(self._attend(q_j, p.keys[local], p.values[local], mask, p.causal and mask is None))
         out = _cat(outs, dim=1)  # (Hq, T_total, D)
         return w.o(out.transpose(0, 1).reshape(t, hq * d))  # (T_total, H)
 
-    def _attend(self, job: JobCache, local: int, ctx_len: int, q, k, v, mask, causal) -> torch.Tensor:
-        """One job's attention core: q (Hq, T, D), k and v (Hkv, T, D) -> (Hq, T, D)."""
+    def _attend(self, q, keys, values, mask, causal) -> torch.Tensor:
+        """One job's attention core: q (Hq, T, D), keys and values (1, Hkv, S, D) with S =
+        ctx_len + T (this frame's own K/V written) -> (Hq, T, D)."""
         cfg = self.cfg
         t, d, hq, hkv = q.shape[1], cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
-        keys, values = job.write(local, ctx_len, k, v)  # (Hkv, S, D) with S = ctx_len + T
         if t == 1 and hq != hkv:
-            # Decode: fold each KV head's G query heads into query rows, (Hkv, G, D): the
-            # same maths as repeating K/V per query head, without the copy, and SDPA stays
-            # on its fused kernel (with the GQA flag CPU SDPA takes its slow reference path).
-            g = hq // hkv
-            return F.scaled_dot_product_attention(q.reshape(hkv, g, d), keys, values, attn_mask=mask,
+            # Decode: fold each KV head's G query heads into query rows, (1, Hkv, G, D): the
+            # same maths as repeating K/V per query head, without the copy. 4-D, or CPU SDPA
+            # runs its reference maths (3-D: 2x slower over 1900 keys).
+            return F.scaled_dot_product_attention(q.reshape(1, hkv, hq // hkv, d), keys, values, attn_mask=mask,
                                                   scale=cfg.attention_scale).view(hq, 1, d)  # (Hq, 1, D)
         # A batch dimension of 1: CPU SDPA's fused kernels want 4-D inputs (without it,
         # GQA and masked frames fall back to the slow reference path).
-        return F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=mask, is_causal=causal,
+        return F.scaled_dot_product_attention(q[None], keys, values, attn_mask=mask, is_causal=causal,
                                               scale=cfg.attention_scale, enable_gqa=hq != hkv)[0]  # (Hq, T, D)
+
+
+def _split(x: torch.Tensor, rows: list[int]) -> Sequence[torch.Tensor]:
+    """x (heads, T_total, D) -> each job's (heads, T_j, D) view."""
+    return (x,) if len(rows) == 1 else x.split(rows, dim=1)
 
 
 def _cat(parts: list[torch.Tensor], dim: int = 0) -> torch.Tensor:
