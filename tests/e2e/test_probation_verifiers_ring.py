@@ -22,6 +22,7 @@ from coordinator.assembly import open_coordinator
 from coordinator.config import LOOPBACK_ANY_PORT, CoordConfig
 from coordinator.jobs.engine_config import EngineConfig
 from coordinator.swarm.formation import SwarmConfig
+from coordinator.swarm.speed_probe import ProbeConfig
 from coordinator.trust.audit import AuditConfig
 from coordinator.trust.report import trust_report
 from receipts import verify_evidence
@@ -32,6 +33,7 @@ from tests.e2e.ringkit import generate_greedy, generate_greedy_with_stats
 from tests.e2e.test_probation_ring import LyingNode
 from tests.e2e.test_spec_ring import PROMPTS, NoisyOracleDrafter
 from tests.e2e.test_stalling_stage import _generate, _serve_host, _stages, _tokenizer
+from tests.e2e.test_verifier_ring import LyingNode as LyingVerifier
 from tests.e2e.test_verifier_ring import layerless_store
 
 CLEAN_ROUNDS = 6  # an 8-token request is 9 rounds: the honest nodes leave probation in their first
@@ -192,3 +194,41 @@ def test_with_no_verifier_the_round_goes_out_and_v1_ring_says_why(tiny_llama_sto
     assert info["rounds_verified"] == "no" and info["verified_by"] is None
     assert info["why_not"].startswith("no verifier node could recompute layers [0, ")
     assert info["why_not"].endswith("on probation: its rounds go out unverified (audits alone vouch for it)")
+
+
+def test_a_verifier_that_lies_about_a_newcomer_is_outvoted_and_the_round_released(tiny_llama_store, tmp_path):
+    # Bug guarded: one verifier's word excluding an honest newcomer (or holding its tokens
+    # back for good). Sound: every stage computes honestly, and one node answers every
+    # VerifyRequest 5% off (its stage is honest); the 3 stages stay on probation and each
+    # slice has two other nodes to ask, so when the liar disagrees a second opinion sides
+    # with the stage. Speed probes are off: they too are VerifyRequests.
+    config = CoordConfig(listen=LOOPBACK_ANY_PORT, min_nodes=3,
+                         swarm=SwarmConfig(ready_timeout_s=30, planner="all_nodes",
+                                           speed_probe=ProbeConfig(enabled=False)),
+                         engine=EngineConfig(draft="none", resume_wait_s=10, probation_rounds=10_000),
+                         audit=AuditConfig(rate=0.0))
+
+    async def main():
+        with trio.fail_after(180):
+            async with open_coordinator(config, layerless_store(tiny_llama_store, tmp_path), _tokenizer(),
+                                        keypair_from_seed(os.urandom(32))) as c:
+                swarm, engine = c.swarm, c.engine
+                nodes = []
+                for cls in (Node, Node, LyingVerifier):
+                    seed = os.urandom(32)
+                    host = await c.nursery.start(_serve_host, seed)
+                    node = cls(NodeConfig(coordinator=c.addr), host, tiny_llama_store, signing_seed=seed)
+                    await c.nursery.start(node.serve)
+                    nodes.append(node)
+                liar = nodes[2].host.peer_id
+                ring = await _stages(swarm, 3)
+                answers = []
+                while liar not in swarm.faulty and len(answers) < 6:
+                    answers.append(await _generate(engine, 8))
+                c.nursery.cancel_scope.cancel()
+                return answers, liar, ring, swarm, engine.round_verifier.catches
+
+    answers, liar, ring, swarm, catches = trio.run(main)
+    assert liar in swarm.faulty and swarm.faulty[liar].startswith("verifier outvoted"), swarm.faulty
+    assert set(swarm.faulty) == {liar} and catches == 0  # no stage was blamed
+    assert len(answers[0]) == 8 and all(a == answers[0] for a in answers)
