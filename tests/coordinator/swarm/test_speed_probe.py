@@ -12,8 +12,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from coordinator.swarm.speed_probe import (PROBE_JOB_ID, agrees, per_layer_s, probe_frame, probe_layer, seated_speed,
-                                           transfer_s)
+from coordinator.swarm.speed_probe import (PROBE_JOB_ID, Measured, agrees, past_slack, per_layer_s, probe_frame,
+                                           probe_layer, seated_speed, transfer_s)
 from shard.wire.codec import decode, encode_body
 from shard.wire.limits import Limits
 from shard.wire.messages import Register
@@ -79,3 +79,16 @@ def test_a_probe_frame_is_a_canonical_forward_the_node_decodes(tiny_llama_store)
     got = decode(encode_body(frame), Limits.for_model(cfg, max_tokens_per_frame=2048), canonical=True)
     assert got.job_id == PROBE_JOB_ID and got.hidden.shape == (64, cfg.hidden_size)
     assert got.positions.tolist() == list(range(64)) and torch.equal(got.hidden, frame.hidden)
+
+
+def test_a_reading_past_the_slack_on_either_figure_is_taken_again():
+    # Bug guarded: one noisy probe on a loaded machine (an honest node read 34x its claim)
+    # seated as the node's speed, leaving it 1 layer of 30. Sound: past_slack is exactly
+    # "seated_speed would replace the claim", for decode or prefill.
+    reg = Register(peer_id="a", model="m", manifest_digest="d", device="cpu", memory_bytes=1 << 30,
+                   decode_s_per_layer=0.69e-3, prefill_s_per_layer_token=85e-6, upload_bytes_per_s=1e6,
+                   download_bytes_per_s=1e6, rtt_ms={}, listen_addrs=())
+    assert past_slack(reg, Measured(1, 23.29e-3, 0.45e-3, True), slack=10.0)  # the reading seen: decode 34x
+    assert past_slack(reg, Measured(1, 0.7e-3, 0.9e-3, True), slack=10.0)  # prefill 10.6x
+    assert not past_slack(reg, Measured(1, 6.0e-3, 0.45e-3, True), slack=10.0)  # within 10x: the claim stands
+    assert not past_slack(reg, Measured(1, 0.0, 0.0, True), slack=10.0)
