@@ -52,6 +52,8 @@ class SchedulerConfig:
     max_waiting_frames: int = 256
     # A few of the largest frames (2048 tokens of a 4096-wide model in f32 is 32 MiB).
     max_waiting_bytes: int = 128 << 20
+    # How often the frames and rows per forward are logged (BatchTally), while forwards run.
+    tally_every_s: float = 10.0
 
 
 @dataclass(frozen=True)
@@ -70,6 +72,29 @@ class Waiting:
     nbytes: int
     split_row_bytes: int = 0
     piece: tuple[int, int] | None = None
+
+
+@dataclass
+class BatchTally:
+    """How full a stage's forwards were since `since`: forwards by frames carried, rows
+    (a job's end has none), and seconds in run_batch (forward, encode, sign, hand-off)."""
+
+    since: float
+    by_frames: dict[int, int] = dataclasses.field(default_factory=dict)  # frames per forward -> forwards
+    rows: int = 0
+    busy_s: float = 0.0
+
+    def add(self, batch: list[Waiting], busy_s: float) -> None:
+        self.by_frames[len(batch)] = self.by_frames.get(len(batch), 0) + 1
+        self.rows += sum(w.rows if w.piece is None else w.piece[1] - w.piece[0] for w in batch)
+        self.busy_s += busy_s
+
+    def summary(self, now: float) -> str:
+        forwards = sum(self.by_frames.values())
+        frames = sum(n * k for n, k in self.by_frames.items())
+        spread = " ".join(f"{n}:{k}" for n, k in sorted(self.by_frames.items()))
+        return (f"{forwards} in {now - self.since:.0f} s, busy {self.busy_s:.1f} s; {frames / max(forwards, 1):.1f} "
+                f"frames and {self.rows / max(forwards, 1):.1f} rows each; frames per forward:count {spread}")
 
 
 # run_batch(state, frames) -> the ids of the jobs whose frame failed (None: none).
@@ -93,6 +118,7 @@ class StageScheduler:
         self.forwards = 0  # batches run, the frames (or pieces) they carried, and how many were pieces
         self.frames_run = 0  # (for tests and benchmarks)
         self.pieces_run = 0
+        self.tally = BatchTally(self.clock())  # frames and rows per forward, logged every tally_every_s
 
     def _notify(self) -> None:
         self._changed.set()
@@ -183,4 +209,9 @@ class StageScheduler:
                 self.forwards += 1
                 self.frames_run += len(batch)
                 self.pieces_run += sum(w.piece is not None for w in batch)
+                started = self.clock()
                 self.drop_failed(await self.run_batch(state, batch) or ())
+                self.tally.add(batch, self.clock() - started)
+                if self.clock() - self.tally.since >= self.config.tally_every_s:
+                    log.info("stage forwards: %s", self.tally.summary(self.clock()))
+                    self.tally = BatchTally(self.clock())

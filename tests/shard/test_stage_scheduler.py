@@ -9,10 +9,12 @@ looks once every task is blocked, so the batches' contents are determined, not r
 
 from __future__ import annotations
 
+import dataclasses
+
 import trio
 import trio.testing
 
-from shard.stage_scheduler import SchedulerConfig, StageScheduler, Waiting
+from shard.stage_scheduler import BatchTally, SchedulerConfig, StageScheduler, Waiting
 
 
 def frame(state, job: str, rows: int, nbytes: int = 100) -> Waiting:
@@ -82,3 +84,16 @@ def test_submit_waits_while_the_bounds_are_reached():
             nursery.cancel_scope.cancel()
 
     trio.run(main)
+
+
+def test_the_tally_counts_forwards_by_frames_and_rows_with_pieces_as_their_rows():
+    # Bug guarded: the logged rows per forward counting a piece as its whole frame or a
+    # job's end as rows (issue 21: are batches full at 16 streams?). Sound: hand-made batches.
+    s = object()
+    tally = BatchTally(since=10.0)
+    tally.add([frame(s, "a", 1), frame(s, "b", 5)], 0.02)
+    tally.add([dataclasses.replace(frame(s, "c", 256), piece=(64, 128)), frame(s, "a", 0)], 0.03)
+    tally.add([frame(s, "b", 1)], 0.01)
+    assert tally.by_frames == {2: 2, 1: 1} and tally.rows == 1 + 5 + 64 + 1
+    assert tally.summary(now=20.0) == ("3 in 10 s, busy 0.1 s; 1.7 frames and 23.7 rows each; "
+                                       "frames per forward:count 1:1 2:2")
