@@ -140,6 +140,10 @@ class RoundVerifier:
         logged = await trio.to_thread.run_sync(logged_frames, plan, fetched.records, self.swarm.control_limits)
         if isinstance(logged, Finding):  # its log does not match its own receipts
             return self._caught(plan, logged, "its receipts")
+        limits, size = self.swarm.control_limits, sum(map(len, logged.input_bytes))
+        if size > limits.max_frame_bytes - limits.max_header_bytes:  # as Auditor.ask_verifier refuses it
+            return Outcome(None, 0, f"the frames of stage {peer[-6:]} on probation ({size} bytes) are past one verify "
+                                    f"request ({limits.max_frame_bytes - limits.max_header_bytes} bytes)")
         fresh = [r for r in plan.receipts if r not in fetched.compared]
         # Every frame is replayed (the stage's K/V holds them all); only the rounds not yet
         # compared are held to the replay (the gateway's share of the cost stays per round).
