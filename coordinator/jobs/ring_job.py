@@ -7,7 +7,8 @@ likely to be accepted whole, hands the drafters what they observe, and starts ov
 whichever ring is current when its ring changes. Its counters are folded from round
 events (coordinator.jobs.job_stats). It receives through its own inbox and asks the
 engine only through its port (coordinator.jobs.port): it does not know the engine, the
-streams or the swarm.
+streams or the swarm. What a round's result passes before its rows become tokens
+(receipts, probation) is coordinator.jobs.release_gate's.
 """
 
 from __future__ import annotations
