@@ -2,7 +2,7 @@
 
 Pure. Order of preference: one hot standby per stage (fastest to take that slice over),
 a few weight seeders (good uplink), spot-check verifiers (can hold a layer). A node
-that can hold the whole model gets no role of its own for it: with --max-rings > 1 it is
+that can hold the whole model gets no role of its own for it: unless --max-rings 1 it is
 a one-stage ring (coordinator.swarm.ring_set), the "decode-only replica" a role once
 promised. Everything else gets no role here: the relay
 role (RoleKind.RELAY) is given after the ring is chosen, to a dialable spare near a stage

@@ -58,7 +58,8 @@ class SwarmConfig:
     planner: str = "select_ring"
     speed_probe: ProbeConfig = ProbeConfig()  # a newcomer's speed measured with real frames before it is seated
     # Replica rings (coordinator.swarm.ring_set): 1 forms one ring however large the pool.
-    max_rings: int = option(1, "form up to this many rings over disjoint nodes when the pool holds enough (1: one ring)")
+    max_rings: int = option(0, "form up to this many rings over disjoint nodes when the pool holds more than one "
+                               "ring's worth beside the spares (0: as many as it holds; 1: one ring)")
     ring_spares: int | None = option(None, "nodes kept off every ring for the first ring's roles before another "
                                            "ring forms (default: one hot standby per stage of the first ring)")
     # Jobs a stage may hold K/V for at once, sent with every Assignment: derived from the
@@ -70,8 +71,9 @@ class SwarmConfig:
     def __post_init__(self) -> None:
         if self.planner not in ("select_ring", "all_nodes"):
             raise ValueError(f"planner must be 'select_ring' or 'all_nodes', got {self.planner!r}")
-        if self.max_rings < 1 or (self.ring_spares is not None and self.ring_spares < 0):
-            raise ValueError(f"max_rings must be >= 1 and ring_spares >= 0, got {self.max_rings} and {self.ring_spares}")
+        if self.max_rings < 0 or (self.ring_spares is not None and self.ring_spares < 0):
+            raise ValueError(f"max_rings must be >= 0 (0: no limit) and ring_spares >= 0, got {self.max_rings} "
+                             f"and {self.ring_spares}")
 
 
 @dataclass(frozen=True)

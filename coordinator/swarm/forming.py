@@ -1,10 +1,11 @@
 """Formation's effects: sign what formation decided, send it, wait for Ready, commit rings.
 
-The swarm's formation loop calls `form` when the eligible membership changed. With one
-ring (`max_rings` 1) that is coordinator.swarm.formation.decide's ring, as it always was;
-with several, coordinator.swarm.ring_set's decision: rings kept untouched, broken ones
-re-formed alone, new ones formed beside them, each committed as soon as its own stages
-are Ready (one slow ring does not hold the others back). Roles go to the nodes left over.
+The swarm's formation loop calls `form` when the eligible membership changed. While the
+pool holds one ring's worth (or `max_rings` is 1) that is coordinator.swarm.formation.decide's
+ring, as it always was; once it holds more, coordinator.swarm.ring_set's decision: rings
+kept untouched, broken ones re-formed alone, new ones formed beside them, each committed
+as soon as its own stages are Ready (one slow ring does not hold the others back). Roles
+go to the nodes left over; every ring's plan names the standbys that keep its slices warm.
 Knows no jobs: the engine hears of every ring change on the swarm's channel.
 """
 
@@ -30,9 +31,12 @@ log = logging.getLogger("shard.coordinator")
 
 async def form(swarm: Swarm, members: frozenset[PeerId]) -> None:
     """Decide, then sign, send, wait for every stage's Ready and commit."""
-    if swarm.config.max_rings > 1:
-        await form_rings(swarm, members)
-        return
+    if swarm.config.max_rings != 1:
+        current = swarm.current_rings()
+        several = ring_set.decide_rings(swarm.snapshot(), members, swarm.config, swarm.identity, current)
+        if not ring_set.single_ring(several, current):
+            await form_rings(swarm, members, several)
+            return
     decision = formation.decide(swarm.snapshot(), members, swarm.config, swarm.identity)
     if isinstance(decision, NoRing):
         log.warning("cannot form a ring from %d nodes: %s", len(members), decision.reason)
@@ -94,9 +98,8 @@ async def drain(swarm: Swarm, members: frozenset[PeerId]) -> bool:
     return True
 
 
-async def form_rings(swarm: Swarm, members: frozenset[PeerId]) -> None:
+async def form_rings(swarm: Swarm, members: frozenset[PeerId], decision: ring_set.RingsDecision | NoRing) -> None:
     """Several rings (coordinator.swarm.ring_set): carry out one decision."""
-    decision = ring_set.decide_rings(swarm.snapshot(), members, swarm.config, swarm.identity, swarm.current_rings())
     if isinstance(decision, NoRing):
         log.warning("cannot form a ring from %d nodes: %s", len(members), decision.reason)
         swarm._formed_for = members
@@ -110,15 +113,16 @@ async def form_rings(swarm: Swarm, members: frozenset[PeerId]) -> None:
     swarm.epoch = decision.epoch
     swarm.plan, swarm.network = decision.primary_plan, decision.primary_network
     pending: dict[int, tuple[Formation, list[Assignment]]] = {}
+    plans = dict(decision.plans)  # each with the standbys that keep its slices warm
     for rid, f in decision.formed:
         swarm._set_ring(None, rid)  # a broken ring's jobs move (or wait) while it re-forms
-        plan = decision.primary_plan if rid == decision.primary else f.plan
-        swarm.ring_plans[rid] = (plan, f.network if rid != decision.primary else decision.primary_network)
+        swarm.ring_plans[rid] = (plans[rid], f.network if rid != decision.primary else decision.primary_network)
         pending[rid] = (f, [sign(swarm, a) for a in f.assignments])
         log.info("forming ring %d epoch %d (%s): %s", rid, f.epoch, f.plan.describe(),
                  ", ".join(f"{p[-6:]}{r}" for p, r in f.stages))
-    if decision.primary in swarm.ring_plans and decision.primary in decision.kept:
-        swarm.ring_plans[decision.primary] = (decision.primary_plan, decision.primary_network)
+    for rid in decision.kept:
+        network = decision.primary_network if rid == decision.primary else swarm.ring_plans[rid][1]
+        swarm.ring_plans[rid] = (plans[rid], network)
     for peer, role in sorted(decision.primary_plan.roles.items()):
         log.info("node %s off every ring as %s: %s", peer, role.kind.value, role.reason)
     try:

@@ -12,15 +12,23 @@ ring id order:
    the single ring does (coordinator.swarm.formation.decide: its hot standby takes over,
    else re-selection keeps the survivors' slices). When the free nodes cannot make it,
    it is dropped (its jobs move to the other rings).
-3. While there are fewer than `max_rings`, another ring is chosen by the topology selector
-   over the nodes still free, if it leaves `ring_spares` nodes free for the first ring's
-   roles (default: one hot standby per stage). A node that holds the whole model alone is
-   a one-stage ring of its own (what a "decode-only replica" was meant to be).
+3. While there are fewer than `max_rings` (0: no limit), another ring is chosen by the
+   topology selector over the nodes still free, if it leaves `ring_spares` nodes free for
+   the roles (default: one hot standby per stage of the first ring). A node that holds the
+   whole model alone is a one-stage ring of its own (what a "decode-only replica" was
+   meant to be). A pool whose rings reach a stage through a relay keeps to one ring: the
+   relay role is carried by formation.decide's single ring only (roles here are assigned
+   by ring.assign_roles, which knows no relay).
 4. The nodes left over get their roles around the first ring (the lowest id formed), on a
-   fresh epoch so that a former stage takes its role.
+   fresh epoch so that a former stage takes its role. A hot standby keeps a slice warm,
+   not a ring: every other ring with a stage on that same slice counts it as that stage's
+   standby too (`plans`), so whichever ring loses that stage first, the standby takes it
+   over (formation.standby_takeover) and the next decision re-assigns the roles.
 
-`max_rings` 1 is the single ring of formation.decide, unchanged. Knows nothing of streams,
-keys or jobs: the swarm carries the decision out, the engine routes requests over rings.
+While the pool holds one ring's worth (`single_ring`) the swarm forms formation.decide's
+single ring, as with `max_rings` 1: a join may re-select it (after a drain), relays keep
+their role. Knows nothing of streams, keys or jobs: the swarm carries the decision out,
+the engine routes requests over rings.
 """
 
 from __future__ import annotations
@@ -31,7 +39,7 @@ from dataclasses import dataclass
 
 from coordinator.swarm import formation, seeding, topology
 from coordinator.swarm.formation import Formation, ModelIdentity, NoRing, RingState, Snapshot, SwarmConfig
-from ring import Network, PeerId, Plan, assign_roles
+from ring import Network, PeerId, Plan, Role, RoleKind, assign_roles
 from shard.wire.messages import Assignment
 
 
@@ -55,6 +63,10 @@ class RingsDecision:
     primary_network: Network  # over its stages and the nodes left over
     roles: tuple[Assignment, ...]  # unsigned, one per member left over with a role
     epoch: int  # the last epoch this decision hands out
+    plans: tuple[tuple[int, Plan], ...] = ()  # every ring kept or formed, id order, with its hot standbys
+
+    def ring_ids(self) -> tuple[int, ...]:
+        return tuple(sorted([*self.kept, *(rid for rid, _ in self.formed)]))
 
 
 def peers_of(ring: RingState) -> frozenset[PeerId]:
@@ -84,12 +96,15 @@ def decide_rings(snapshot: Snapshot, members: frozenset[PeerId], config: SwarmCo
         epoch = d.epoch
     no_ring_reason = dropped[-1][1] if dropped else "no ring formed"
     used = set(current)
-    while len(kept) + len(formed) < config.max_rings and free:
+    while (config.max_rings == 0 or len(kept) + len(formed) < config.max_rings) and free:
         d = _form_one(snapshot, frozenset(free), config, model, None, epoch)
         if isinstance(d, NoRing):
             no_ring_reason = d.reason
             break
         if kept or formed:
+            if d.assignments and _relayed(d.assignments) or any(
+                    _relayed(current[rid].ring.assignments) for rid in kept) or any(_relayed(f.assignments) for _, f in formed):
+                break
             spares = config.ring_spares if config.ring_spares is not None else len(_first_stages(current, kept, formed))
             if len(free) - len(d.stages) < spares:
                 break
@@ -110,7 +125,31 @@ def decide_rings(snapshot: Snapshot, members: frozenset[PeerId], config: SwarmCo
     if plan.roles:
         epoch += 1
         roles = formation.role_assignments(plan, snapshot, around, epoch, model)
-    return RingsDecision(members, tuple(kept), tuple(formed), tuple(dropped), primary, plan, network, roles, epoch)
+    plans = tuple((rid, plan if rid == primary else shared_standbys(plan, by_id[rid].plan if rid in by_id else current[rid].plan))
+                  for rid in sorted([*kept, *by_id]))
+    return RingsDecision(members, tuple(kept), tuple(formed), tuple(dropped), primary, plan, network, roles, epoch, plans)
+
+
+def shared_standbys(primary: Plan, other: Plan) -> Plan:
+    """`other` with the primary's hot standbys as its own where they keep one of its stages'
+    slices warm (rings over like nodes split alike); the other roles stay the primary's."""
+    index = {s.layers: i for i, s in enumerate(other.stages)}
+    roles = {}
+    for peer, role in sorted(primary.roles.items()):
+        layers = primary.stages[role.stage_index].layers if role.stage_index is not None else None
+        if role.kind is RoleKind.HOT_STANDBY and layers in index:
+            roles[peer] = Role(RoleKind.HOT_STANDBY, f"keeps {layers} warm, a slice the first ring's stage "
+                                                     f"{role.stage_index} and this ring's stage {index[layers]} share",
+                               index[layers])
+    return dataclasses.replace(other, roles=roles)
+
+
+def single_ring(decision: RingsDecision | NoRing, current: Mapping[int, Current]) -> bool:
+    """Whether the pool holds one ring's worth: the decision keeps or forms ring 0 alone (or
+    none) and the swarm holds no other ring. formation.decide's single ring then serves."""
+    if any(rid != 0 for rid in current):
+        return False
+    return isinstance(decision, NoRing) or decision.ring_ids() == (0,)
 
 
 def _form_one(snapshot: Snapshot, pool: frozenset[PeerId], config: SwarmConfig, model: ModelIdentity,
@@ -121,6 +160,10 @@ def _form_one(snapshot: Snapshot, pool: frozenset[PeerId], config: SwarmConfig, 
         return NoRing(pool, "no free node")
     d = formation.decide(dataclasses.replace(snapshot, plan=plan, ring=None, epoch=epoch), pool, config, model)
     return d if isinstance(d, NoRing) else dataclasses.replace(d, roles=())
+
+
+def _relayed(assignments) -> bool:
+    return any(a.relay_addrs for a in assignments)
 
 
 def _first_stages(current: Mapping[int, Current], kept: list[int], formed: list[tuple[int, Formation]]):

@@ -79,7 +79,9 @@ class LyingNode(Node):
 async def run_verified_ring(store, gateway_store, *, wire_dtype="f32", cheat=None, other_store=None, liar=False,
                             requests=2, tokens=8, seed=0):
     config = CoordConfig(listen=LOOPBACK_ANY_PORT, min_nodes=NODES,
-                         swarm=SwarmConfig(wire_dtype=wire_dtype, ready_timeout_s=30, probe_wait_s=20,
+                         swarm=SwarmConfig(wire_dtype=wire_dtype, ready_timeout_s=30, probe_wait_s=20, max_rings=1,
+                                           # one ring: the spares are its verifiers (by default a pool
+                                           # this big forms more rings: coordinator.swarm.ring_set)
                                            speed_probe=ProbeConfig(enabled=False)),  # counts audits' verify requests only
                          engine=EngineConfig(draft="none", frame_timeout_s=10, max_resumes=3, resume_wait_s=5,
                                              probation_rounds=0),  # probation recomputes here: no layers here

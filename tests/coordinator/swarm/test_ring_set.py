@@ -57,13 +57,74 @@ def _check(decision: RingsDecision) -> None:
     assert not {a.peer_id for a in decision.roles} & seen
 
 
-def test_one_ring_by_default_and_roles_for_the_rest():
-    # Bug guarded: a default that changes the single ring every deployment runs today.
-    d = _decide(_snapshot([_reg(p) for p in "abcdef"], epoch=3))
+def test_max_rings_1_makes_one_ring_and_roles_for_the_rest():
+    d = _decide(_snapshot([_reg(p) for p in "abcdef"], epoch=3), max_rings=1)
     assert isinstance(d, RingsDecision) and [rid for rid, _ in d.formed] == [0] and d.kept == ()
     _check(d)
     assert d.formed[0][1].epoch == 4 and len(d.formed[0][1].stages) == 2
     assert len(d.roles) == 4 and all(a.epoch == d.epoch == 5 for a in d.roles)
+    assert ring_set.single_ring(d, {})
+
+
+def test_by_default_a_pool_forms_as_many_rings_as_it_holds_beside_the_spares():
+    # What a user expects of a bigger pool: more rings serving more users, and still one
+    # hot standby per stage. 6 half-model nodes: 2 rings + 2 standbys; 8: 3 rings + 2.
+    six = _decide(_snapshot([_reg(p) for p in "abcdef"]))
+    assert isinstance(six, RingsDecision) and len(six.formed) == 2
+    assert sorted(a.role for a in six.roles) == [RoleKind.HOT_STANDBY.value] * 2
+    eight = _decide(_snapshot([_reg(p) for p in "abcdefgh"]))
+    assert isinstance(eight, RingsDecision) and len(eight.formed) == 3 and len(eight.roles) == 2
+    _check(eight)
+    assert not ring_set.single_ring(six, {})
+
+
+def test_a_pool_of_one_rings_worth_is_the_single_ring():
+    # Bug guarded: the default (several rings) taking a small pool off formation.decide's
+    # single ring (a join's re-selection after a drain, relays). 4 half-model nodes: one
+    # ring and its 2 standbys, so no second ring fits.
+    snap = _snapshot([_reg(p) for p in "abcd"])
+    d = _decide(snap)
+    assert isinstance(d, RingsDecision) and d.ring_ids() == (0,) and ring_set.single_ring(d, {})
+    assert ring_set.single_ring(_decide(_snapshot([_reg("a", 0)])), {})  # nothing fits: the single path says why
+    # Once another ring is held, the decision is ring_set's even if only one ring remains.
+    rings = _formed(_decide(_snapshot([_reg(p) for p in "abcdef"])))
+    only_1 = {1: rings[1]}
+    d1 = _decide(dataclasses.replace(snap, epoch=9), only_1, members=set(ring_set.peers_of(rings[1].ring)))
+    assert isinstance(d1, RingsDecision) and d1.ring_ids() == (1,) and not ring_set.single_ring(d1, only_1)
+
+
+def test_every_ring_counts_the_standbys_that_keep_its_slices_warm():
+    # Bug guarded: only the first ring had standbys, so a stage of the second that left
+    # made it re-select (a reload) although a spare held that very slice. Sound: the
+    # second ring, broken, takes the standby over and keeps its survivor and epoch order.
+    snap = _snapshot([_reg(p) for p in "abcdef"])
+    d = _decide(snap)
+    assert isinstance(d, RingsDecision)
+    plans = dict(d.plans)
+    assert sorted(plans) == [0, 1] and plans[0] is d.primary_plan
+    standbys = {p for p, r in d.primary_plan.roles.items() if r.kind is RoleKind.HOT_STANDBY}
+    assert len(standbys) == 2
+    for rid in (0, 1):
+        covered = {r.stage_index for p, r in plans[rid].roles.items() if r.kind is RoleKind.HOT_STANDBY}
+        assert covered == set(range(len(plans[rid].stages))) and set(plans[rid].roles) == standbys
+        for p, r in plans[rid].roles.items():  # the slice the standby holds is the stage's it covers
+            held = d.primary_plan.stages[d.primary_plan.roles[p].stage_index].layers
+            assert plans[rid].stages[r.stage_index].layers == held
+    rings = _formed(d)
+    rings[1] = dataclasses.replace(rings[1], plan=plans[1])
+    lost_index = 0
+    victim = rings[1].ring.stages[lost_index][0]
+    layers = rings[1].ring.stages[lost_index][1]
+    standby = next(p for p, r in plans[1].roles.items() if r.stage_index == lost_index)
+    held = {standby: layers}  # it reported Ready holding that slice
+    after = dataclasses.replace(snap, epoch=d.epoch, held=held)
+    d2 = _decide(after, rings, members=set(snap.registrations) - {victim})
+    assert isinstance(d2, RingsDecision) and d2.kept == (0,) and [rid for rid, _ in d2.formed] == [1]
+    assert d2.formed[0][1].stages == ((standby, layers), rings[1].ring.stages[1])
+    # A ring split elsewhere than the first shares no standby.
+    odd = dataclasses.replace(plans[1], stages=(dataclasses.replace(plans[1].stages[0], layers=layers.__class__(0, 1)),
+                                                *plans[1].stages[1:]))
+    assert all(r.stage_index != 0 for r in ring_set.shared_standbys(d.primary_plan, odd).roles.values())
 
 
 def test_six_half_model_nodes_make_two_rings_and_keep_two_spares():
@@ -142,3 +203,28 @@ def test_a_broken_ring_without_free_nodes_is_dropped_and_the_others_serve():
     # Nothing at all: NoRing with a reason.
     none = _decide(_snapshot([_reg("a", 0)]), max_rings=2)
     assert isinstance(none, NoRing) and none.reason
+
+
+def test_a_pool_that_needs_a_relay_keeps_to_one_ring():
+    # Bug guarded: ring_set's roles come from ring.assign_roles, which knows no relay, so
+    # with a second ring the node a NATed stage reserves on would lose its relay role (its
+    # predecessor could no longer reach the stage). Sound: without the NAT the same pool
+    # makes several rings. Eight NATed half-model nodes, far from the gateway, and one
+    # public node 2 ms from each that holds no layer: the relay.
+    def public(peer: str, memory: int = HALF) -> Register:
+        return dataclasses.replace(_reg(peer, memory), listen_addrs=(f"/ip4/198.51.100.{len(peer) + 10}/tcp/5000/p2p/{peer}",))
+
+    def natted(peer: str) -> Register:
+        circuit = f"/ip4/203.0.113.7/tcp/4001/p2p/{COORD}/p2p-circuit/p2p/{peer}"
+        return dataclasses.replace(public(peer), listen_addrs=(circuit, *public(peer).listen_addrs))
+
+    peers = [*"abcdefgh", "r"]
+    links = {(x, y): 0.002 if "r" in (x, y) else 0.050 for x in peers for y in peers if x != y}
+    links.update({(x, COORD): 0.010 if x == "r" else 0.040 for x in peers})
+    links.update({(COORD, x): s for (x, _), s in list(links.items()) if _ == COORD})
+    dialable = dataclasses.replace(_snapshot([*(public(p) for p in "abcdefgh"), public("r", 0)]), links=links)
+    assert len(_decide(dialable).formed) == 3  # 3 rings of 2, 2 standbys, r a seeder
+    d = _decide(dataclasses.replace(_snapshot([*(natted(p) for p in "abcdefgh"), public("r", 0)]), links=links))
+    assert isinstance(d, RingsDecision) and d.ring_ids() == (0,)
+    assert any(a.relay_addrs for a in d.formed[0][1].assignments)  # r relays for the tail
+    assert ring_set.single_ring(d, {})  # formation.decide's ring, relay role and all
