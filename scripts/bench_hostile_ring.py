@@ -43,7 +43,7 @@ import trio
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from scripts.bench_hostile import rss_mb  # noqa: E402
-from scripts.bench_ringkit import base_conditions  # noqa: E402
+from scripts.bench_ringkit import base_conditions, cpu_s_over, rss_by_mapping_mb  # noqa: E402
 
 MODEL = "smollm2-135m"
 PROMPT = [{"role": "user", "content": "Name three colours of the rainbow."}]
@@ -133,11 +133,12 @@ async def run(args) -> dict:
                                 "the default rate", "ring": "3 honest stages (planner all_nodes: each node a stage)",
                                 "drafter": "none", "prompt": PROMPT[0]["content"], "max_tokens": args.tokens,
                                 "requests_with_the_liar": args.requests, "attacks_run": args.attacks,
-                                "node_job_idle_timeout_s": args.idle_timeout_s, "max_body_bytes": api.max_body_bytes,
+                                "node_job_idle_timeout_s": args.idle_timeout_s,
+                                "node_env": args.node_env, "max_body_bytes": api.max_body_bytes,
                                 "body_timeout_s": api.body_timeout_s, "header_timeout_s": api.header_timeout_s},
                  "attacks": {}}
 
-    nodes = Nodes(tmp, idle_timeout_s=args.idle_timeout_s)
+    nodes = Nodes(tmp, idle_timeout_s=args.idle_timeout_s, env=dict(kv.split("=", 1) for kv in args.node_env))
     try:
         return await serve_and_attack(args, config, store, tokenizer, api, out, nodes)
     finally:
@@ -154,6 +155,7 @@ class Nodes:
     procs: dict[str, subprocess.Popen] = dataclasses.field(default_factory=dict)
     stopped: set[str] = dataclasses.field(default_factory=set)
     idle_timeout_s: float = 30.0
+    env: dict[str, str] = dataclasses.field(default_factory=dict)  # more environment for every node
 
     def spawn(self, name: str, kind: str | None = None) -> None:
         key = os.path.join(self.tmp, f"{name}.key")
@@ -163,7 +165,7 @@ class Nodes:
                [sys.executable, os.path.abspath(__file__), "node", kind, self.addr, key])
         with open(os.path.join(self.tmp, f"{name}.log"), "w") as log_file:
             self.procs[name] = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT,
-                                                env={**os.environ, "OMP_NUM_THREADS": "1"})
+                                                env={**os.environ, "OMP_NUM_THREADS": "1", **self.env})
 
     def stop(self, name: str) -> None:
         self.procs[name].terminate()
@@ -195,18 +197,27 @@ async def hostile_frames(args, swarm, nodes: Nodes, frames: int, seed: int) -> d
     key_of = {peer_id_of(load_or_create_identity(os.path.join(nodes.tmp, f"{n}.key"))): n for n in nodes.procs}
     pids = {n: p.pid for n, p in nodes.procs.items() if p.poll() is None}
     rss = lambda: {n: round(rss_mb(pid), 1) for n, pid in pids.items()}  # noqa: E731
-    before = rss()
+    before, before_by_mapping = rss(), {n: rss_by_mapping_mb(pid) for n, pid in pids.items()}
     cmd = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_hostile_frames.py"),
            "--key", os.path.join(nodes.tmp, f"{key_of[pred]}.key"), "--addr", swarm.members[target].register.listen_addrs[0],
            "--target", target, "--epoch", str(ring.epoch), "--frames", str(frames),
            "--stranger-frames", str(args.stranger_frames), "--seed", str(seed)]
     done = await trio.run_process(cmd, capture_stdout=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     sent = json.loads(done.stdout.decode().strip().splitlines()[-1])
-    right_after = rss()
-    await trio.sleep(args.idle_timeout_s + 15)  # the idle sweep frees the jobs the valid frames opened, then trims
+    right_after, t0 = rss(), time.perf_counter()
+    # The nodes work through the frames queued after the attackers stop (~30 s at load 8):
+    # a job opened then is freed an idle timeout after that, and the sweep runs every
+    # idle_timeout / 4 (10 s at most): a fixed wait could end inside that work.
+    while time.perf_counter() - t0 < 300 and max([await cpu_s_over(pid, 2.0) for pid in pids.values()]) > 0.1:
+        pass
+    busy_s = time.perf_counter() - t0
+    await trio.sleep(args.idle_timeout_s + min(args.idle_timeout_s / 4, 10) + 5)
     return {"predecessor_frames": frames, **sent, "target_stage": f"{key_of[target]} ({target[-6:]})",
             "predecessor": f"{key_of[pred]} ({pred[-6:]})", "node_rss_mb_before": before,
-            "node_rss_mb_right_after": right_after, "node_rss_mb_after_idle_sweep": rss(), "deaths_so_far": nodes.deaths()}
+            "node_rss_mb_right_after": right_after, "node_busy_s_after_attackers": round(busy_s, 1),
+            "node_rss_mb_after_idle_sweep": rss(), "node_rss_by_mapping_mb_before": before_by_mapping,
+            "node_rss_by_mapping_mb_after_idle_sweep": {n: rss_by_mapping_mb(pid) for n, pid in pids.items()},
+            "deaths_so_far": nodes.deaths()}
 
 
 async def serve_and_attack(args, config, store, tokenizer, api, out: dict, nodes: Nodes) -> dict:
@@ -359,6 +370,8 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0, help="of the hostile frames' mutations")
     p.add_argument("--warmup-frames", type=int, default=3_000, help="hostile frames of frames_warmup (another seed)")
     p.add_argument("--idle-timeout-s", type=float, default=30.0, help="the honest nodes' --job-idle-timeout-s")
+    p.add_argument("--node-env", action="append", default=[], metavar="KEY=VALUE",
+                   help="set in every node's environment (repeatable), e.g. MALLOC_ARENA_MAX=1")
     p.add_argument("--attacks", default="probation_side_by_side,http,stalling_stage,lying_newcomer,frames_warmup,frames,"
                                         "new_node_joins_afterwards", help="which to run, in order (comma-separated)")
     args = p.parse_args()

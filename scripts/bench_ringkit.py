@@ -6,7 +6,8 @@ swarm, ring engine with receipts checked; N real Nodes, each a libp2p host on lo
 its own key and link emulation), all in one trio run, with a `FrameProbe` passed to the
 engine and every node as their RingObserver (shard.ring_observer): it timestamps every
 frame where it enters and leaves each stage and the coordinator, and counts the bytes
-every sender puts on its ring edge. It changes no behaviour, only observes.
+every sender puts on its ring edge. It changes no behaviour, only observes. A node
+process's RSS by mapping and its CPU use over a window come from /proc.
 It does not know what a benchmark measures or reports.
 """
 
@@ -216,3 +217,33 @@ def base_conditions(store) -> dict:
         "receipts": "signed by every stage, checked by the coordinator; audits off",
         "process": "one process: coordinator and every node in one trio run, nodes' compute in worker threads",
     }
+
+
+def rss_by_mapping_mb(pid: int) -> dict[str, float]:
+    """A process's RSS split by what holds it (/proc/PID/smaps): [heap] (glibc's main
+    arena), anonymous mappings starting on a 64 MiB boundary (glibc's thread arenas),
+    1 MiB ones (CPython's object arenas), other anonymous ones (big blocks, stacks) and files."""
+    kinds = {"heap": 0, "thread_arenas": 0, "py_arenas": 0, "anon": 0, "file": 0}
+    kind = "anon"
+    with open(f"/proc/{pid}/smaps") as f:
+        for line in f:
+            head = line.split()
+            if "-" in head[0] and len(head) >= 5 and not head[0].endswith(":"):  # a mapping's header line
+                name = head[5] if len(head) > 5 else ""
+                lo, hi = (int(x, 16) for x in head[0].split("-"))
+                kind = ("heap" if name == "[heap]" else "file" if name.startswith("/") else "anon" if name else
+                        "thread_arenas" if lo % (64 << 20) == 0 else "py_arenas" if hi - lo == 1 << 20 else "anon")
+            elif head[0] == "Rss:":
+                kinds[kind] += int(head[1])
+    return {k: round(v / 1024, 1) for k, v in kinds.items()}
+
+
+async def cpu_s_over(pid: int, window_s: float) -> float:
+    """CPU seconds process `pid` used over the next `window_s` (/proc/PID/stat utime + stime)."""
+    def cpu_s() -> float:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    start = cpu_s()
+    await trio.sleep(window_s)
+    return cpu_s() - start
