@@ -89,6 +89,9 @@ class Liveness:
         self.served: dict[PeerId, int] = {}  # rounds each peer served as a stage
         self.missed: dict[PeerId, int] = {}  # missed rounds each peer was part of
         self._blamed_epoch = -1  # one stage sits out per ring that misses, however many jobs missed
+        self._predicted: tuple[object, dict] = (None, {})  # (plan, shape -> predicted traversal s)
+        # prefill -> ((epoch, samples), the newest sample, the ratios of those samples)
+        self._measured: dict[bool, tuple[tuple[int, int], object, list[float]]] = {}
 
     def job_opened(self, job_id: str) -> None:
         self._open.add(job_id)
@@ -117,20 +120,42 @@ class Liveness:
     def deadline_s(self, ring: RingState, shape: Traversal, job_id: str) -> float:
         """The cost model's time for a round of `shape` on `ring` and for the work ahead of
         it (see the module doc), scaled by how this ring's rounds measured against it."""
-        swarm, predicted, queued = self.swarm, None, 0.0
-        if (planned := swarm.plan_of(ring.epoch)) is not None:
-            predict = lambda t: topology.predict(*planned, swarm.model, swarm.config.topology, t).traversal_s  # noqa: E731
+        predicted, queued = None, 0.0
+        if (planned := self.swarm.plan_of(ring.epoch)) is not None:
             try:
-                predicted = predict(shape)
+                predicted = self._predict(planned, shape)
                 ahead = work_ahead(self.in_flight.others(ring.epoch, job_id), len(self._open) > 1,
                                    self.prefill_chunk_tokens)
                 if ahead.rows:
-                    queued = predict(replace(shape, prefill=True, frames=ahead.frames, tokens=ahead.rows))
+                    queued = self._predict(planned, replace(shape, prefill=True, frames=ahead.frames, tokens=ahead.rows))
             except RingError:
                 pass
-        ratios = [t.traversal_s / p.traversal_s for t, p in swarm.traversals.samples
-                  if t.epoch == ring.epoch and t.prefill == shape.prefill and p.traversal_s > 0]
-        return round_deadline_s(predicted, ratios, shape.frames, self.policy, queued)
+        return round_deadline_s(predicted, self._ratios(ring.epoch, shape.prefill), shape.frames, self.policy, queued)
+
+    def _predict(self, planned: tuple, shape: Traversal) -> float:
+        """topology.predict's traversal time for `shape` on the plan (pure in what it reads:
+        remembered per plan and shape, as every round of every job asks it anew)."""
+        if planned is not self._predicted[0] or len(self._predicted[1]) > 4096:
+            self._predicted = (planned, {})
+        key = (shape.prefill, shape.frames, shape.tokens)
+        got = self._predicted[1].get(key)
+        if got is None:
+            swarm = self.swarm
+            got = self._predicted[1][key] = topology.predict(*planned, swarm.model, swarm.config.topology,
+                                                             shape).traversal_s
+        return got
+
+    def _ratios(self, epoch: int, prefill: bool) -> list[float]:
+        """Measured / predicted traversal time of the recent rounds of this kind on ring
+        `epoch`, recomputed only when a round was recorded since."""
+        samples = self.swarm.traversals.samples
+        last = samples[-1] if samples else None
+        got = self._measured.get(prefill)
+        if got is None or got[0] != (epoch, len(samples)) or got[1] is not last:
+            ratios = [t.traversal_s / p.traversal_s for t, p in samples
+                      if t.epoch == epoch and t.prefill == prefill and p.traversal_s > 0]
+            got = self._measured[prefill] = ((epoch, len(samples)), last, ratios)
+        return got[2]
 
     def round_missed(self, ring: RingState, round: int) -> None:
         """A round on `ring` missed its deadline: unless the ring changed meanwhile (its

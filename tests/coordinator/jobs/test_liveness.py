@@ -10,6 +10,7 @@ now counts what other jobs have in flight on the same ring; a lone job counts no
 from __future__ import annotations
 
 from coordinator.jobs.liveness import InFlight, RowsInFlight, work_ahead
+from coordinator.swarm import topology
 
 
 def test_only_other_jobs_frames_on_the_same_epoch_count():
@@ -49,3 +50,69 @@ def test_a_lone_job_has_nothing_ahead():
 def test_another_open_job_may_add_one_chunk_to_the_forward():
     assert work_ahead(InFlight(0, 0), others_open=True, prefill_chunk_tokens=256) == InFlight(1, 256)
     assert work_ahead(InFlight(31, 31), others_open=True, prefill_chunk_tokens=256) == InFlight(32, 287)
+
+
+class _Swarm:
+    """What Liveness.deadline_s reads of a swarm: the ring's plan on a real network and
+    cost model, and the real log of measured rounds."""
+
+    def __init__(self, window: int, rtt_ms: float = 20.0) -> None:
+        from ring import ModelSpec, evaluate
+        from ring.plan import Stage
+        from coordinator.swarm.topology import TopologyConfig, TraversalLog
+        from shard.layers import LayerRange
+        from shard.wire.messages import Register
+
+        self.config = type("Config", (), {"topology": TopologyConfig()})()
+        reg = Register(peer_id="a", model="m", manifest_digest="d", device="cpu", memory_bytes=1 << 30,
+                       decode_s_per_layer=1e-3, prefill_s_per_layer_token=1e-5, upload_bytes_per_s=12.5e6,
+                       download_bytes_per_s=5 * 12.5e6, rtt_ms={"coord": rtt_ms}, listen_addrs=("/ip4/127.0.0.1/tcp/1",))
+        links = topology.record_rtts({}, "a", {"coord": rtt_ms}, "coord")
+        network = topology.build_network("coord", {"a": reg}, links, {}, self.config.topology)
+        self.model = ModelSpec("m", 4, 1 << 20, 1024, 2048)
+        self.planned = (evaluate([Stage("a", LayerRange(0, 4))], network, self.model, self.config.topology.workload()),
+                        network)
+        self.traversals = TraversalLog(window=window)
+
+    def plan_of(self, epoch: int):
+        return self.planned
+
+
+def test_deadlines_follow_every_round_recorded_and_every_new_plan():
+    # Bug guarded: the gateway's per-round deadline work (two cost-model predictions and a
+    # pass over 256 measured rounds, ~5% of its CPU at 16 streams) is remembered; a
+    # remembered figure must never outlive a round recorded since (a full window drops
+    # its oldest) or the plan it was predicted on.
+    from dataclasses import replace
+
+    from coordinator.jobs.deadline import round_deadline_s
+    from coordinator.jobs.liveness import Liveness
+    from coordinator.swarm.topology import Traversal
+
+    swarm = _Swarm(window=3)
+    live = Liveness(swarm, frame_timeout_s=60.0, prefill_chunk_tokens=256)
+    ring = type("Ring", (), {"epoch": 1})()
+    for job in ("a", "b"):
+        live.job_opened(job)
+    live.in_flight.sent("b", 1, epoch=1, rows=64)
+    decode, prefill = Traversal(1, False, 1, 1, 0.0, ()), Traversal(1, True, 2, 512, 0.0, ())
+
+    def expected(shape: Traversal) -> float:
+        predict = lambda t: topology.predict(*swarm.planned, swarm.model, swarm.config.topology, t)  # noqa: E731
+        queued = predict(replace(shape, prefill=True, frames=2, tokens=64 + 256)).traversal_s
+        ratios = [t.traversal_s / p.traversal_s for t, p in swarm.traversals.samples
+                  if t.epoch == 1 and t.prefill == shape.prefill]
+        return round_deadline_s(predict(shape).traversal_s, ratios, shape.frames, live.policy, queued)
+
+    seen = set()
+    for slow in (1.0, 2.5, 1.0, 1.0, 1.0, 1.0):  # the window of 3 holds the 2.5x round, then drops it
+        for shape in (decode, prefill, decode):
+            got = live.deadline_s(ring, shape, "a")
+            assert got == expected(shape)
+            seen.add(got)
+        p = topology.predict(*swarm.planned, swarm.model, swarm.config.topology, decode)
+        swarm.traversals.add(replace(decode, traversal_s=slow * p.traversal_s), p)
+    assert len(seen) >= 3  # decode at 1x, decode at 2.5x, prefill
+    before = live.deadline_s(ring, decode, "a")
+    swarm.planned = _Swarm(window=3, rtt_ms=40.0).planned  # a new ring's plan, on slower links
+    assert live.deadline_s(ring, decode, "a") == expected(decode) > before
