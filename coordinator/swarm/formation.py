@@ -160,7 +160,7 @@ def choose(snapshot: Snapshot, members: frozenset[PeerId], config: SwarmConfig, 
     if config.planner == "all_nodes":
         try:
             split = split_by_capacity([Capacity(p, r.memory_bytes, r.decode_s_per_layer) for p, r in regs.items()],
-                                      model.num_layers, model.bytes_per_layer)
+                                      model.num_layers, model.bytes_per_layer, cfg.speed_tolerance)
         except AssignError as exc:
             raise InfeasibleError(str(exc), len(regs)) from None
         return evaluate([Stage(PeerId(p), r) for p, r in split], network, model, workload), network
