@@ -102,12 +102,14 @@ class Liveness:
         self._open.discard(job_id)
         self.in_flight.job_ended(job_id)
 
-    def frame_sent(self, epoch: int, body: bytes) -> None:
-        """A frame body the engine sent to ring `epoch`'s head (our own: it decodes)."""
-        try:
-            msg, _ = decode_frame(body, self.swarm.limits)
-        except WireError:
-            return
+    def frame_sent(self, epoch: int, body: bytes, msg: Forward | None = None) -> None:
+        """A frame body the engine sent to ring `epoch`'s head (our own: it decodes), or
+        the Forward `msg` it encodes (then not decoded again: ~0.1 ms a frame here)."""
+        if msg is None:
+            try:
+                msg, _ = decode_frame(body, self.swarm.limits)
+            except WireError:
+                return
         if isinstance(msg, Forward):
             self.in_flight.sent(msg.job_id, msg.round, epoch, int(msg.positions.shape[0]))
 

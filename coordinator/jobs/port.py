@@ -17,7 +17,7 @@ from typing import Protocol
 from coordinator.spec.adapt import AdaptState
 from coordinator.swarm.swarm import RingState
 from coordinator.swarm.topology import Traversal
-from shard.wire.messages import Result
+from shard.wire.messages import Forward, Result
 
 
 @dataclass(frozen=True)
@@ -46,8 +46,9 @@ class JobPort(Protocol):
         `timeout_s` passed; always a checkpoint."""
         ...
 
-    async def send_body(self, ring: RingState, body: bytes) -> None:
-        """Send one encoded frame body to `ring`'s head. Raises TransportError."""
+    async def send_body(self, ring: RingState, body: bytes, sent: Forward | None = None) -> None:
+        """Send one encoded frame body to `ring`'s head (`sent`: the Forward it encodes, if
+        it is one, so nobody decodes our own frame again). Raises TransportError."""
         ...
 
     def round_deadline_s(self, ring: RingState, shape: Traversal) -> float:

@@ -346,9 +346,9 @@ class EnginePort:
     async def wait_change(self, epoch: int, timeout_s: float) -> None:
         await self.engine.swarm.wait_change(epoch, timeout_s)
 
-    async def send_body(self, ring: RingState, body: bytes) -> None:
+    async def send_body(self, ring: RingState, body: bytes, sent: Forward | None = None) -> None:
         await self.engine.send_body(ring, body)
-        self.engine.liveness.frame_sent(ring.epoch, body)  # rows in flight, for other jobs' deadlines
+        self.engine.liveness.frame_sent(ring.epoch, body, sent)  # rows in flight, for other jobs' deadlines
         await self.engine.shadow_feed(ring, body)  # before the job awaits its result
 
     def round_deadline_s(self, ring: RingState, shape: Traversal) -> float:

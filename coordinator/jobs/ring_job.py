@@ -356,7 +356,7 @@ class RingJob:
         body = encode_body(fwd)  # the canonical bytes: hashed for the receipt check, then sent
         if self.receipts is not None:
             self.receipts.sent(fwd, sha256_digest(body))
-        await self.port.send_body(ring, body + encode_trailer(fwd))
+        await self.port.send_body(ring, body + encode_trailer(fwd), fwd)
         return self.round
 
     async def _receive(self, ring: RingState, expected_round: int) -> Result:

@@ -116,3 +116,29 @@ def test_deadlines_follow_every_round_recorded_and_every_new_plan():
     before = live.deadline_s(ring, decode, "a")
     swarm.planned = _Swarm(window=3, rtt_ms=40.0).planned  # a new ring's plan, on slower links
     assert live.deadline_s(ring, decode, "a") == expected(decode) > before
+
+
+def test_a_frame_sent_counts_the_same_given_as_bytes_or_as_its_forward():
+    # Bug guarded: the engine decoded every frame it had just encoded to count it in
+    # flight; handed the Forward it counts the same (job, round, rows), not decoded.
+    import dataclasses
+
+    import torch
+
+    from coordinator.jobs.frames import chunk_frame
+    from coordinator.jobs.liveness import Liveness
+    from shard.wire.codec import encode
+    from shard.wire.limits import Limits
+    from shard.wire.messages import Result
+
+    fwd = dataclasses.replace(chunk_frame("job-b", 3, bytes(16), 100, [5, 6, 7], decode=False, commit=((), 0),
+                                          aux_layers=()), round=4)
+    counted = []
+    for msg in (None, fwd):
+        live = Liveness(type("Swarm", (), {"limits": Limits()})(), frame_timeout_s=60.0, prefill_chunk_tokens=256)
+        live.frame_sent(3, encode(fwd), msg)
+        counted.append(live.in_flight.others(3, "job-a"))
+        live.result_arrived(type("Ring", (), {"epoch": 3, "stages": ()})(),
+                            Result(job_id="job-b", epoch=3, round=4, hidden=torch.zeros(3, 8), compute_s=(0.0,)))
+        assert len(live.in_flight) == 0  # its result takes it out again
+    assert counted == [InFlight(1, 3), InFlight(1, 3)]

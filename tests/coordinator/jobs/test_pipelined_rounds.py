@@ -36,7 +36,7 @@ class RecordingPort:
     def __init__(self) -> None:
         self.sent: list[bytes] = []
 
-    async def send_body(self, ring: RingState, body: bytes) -> None:
+    async def send_body(self, ring: RingState, body: bytes, sent=None) -> None:
         self.sent.append(body)
 
 

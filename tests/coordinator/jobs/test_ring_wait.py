@@ -50,7 +50,7 @@ class EchoPort:
     async def wait_change(self, epoch: int, timeout_s: float) -> None:
         await trio.lowlevel.checkpoint()
 
-    async def send_body(self, ring: RingState, body: bytes) -> None:
+    async def send_body(self, ring: RingState, body: bytes, sent=None) -> None:
         if ring.epoch in self.stalled_epochs:
             return
         fwd, _ = decode_frame(body, Limits())
