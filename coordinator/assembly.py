@@ -24,6 +24,7 @@ from coordinator.gateway.api import ApiConfig
 from coordinator.jobs.ring_engine import RingEngine
 from coordinator.swarm.seeding import Seeding
 from coordinator.swarm.swarm import REPORT_BUFFER, Swarm
+from coordinator.trust import probation
 from coordinator.trust.audit import Auditor
 from coordinator.trust.receipt_check import ReceiptChecker
 from coordinator.trust.round_verifier import RoundVerifier
@@ -113,6 +114,8 @@ async def open_coordinator(config: CoordConfig, store: ModelStore, tokenizer: An
         engine = RingEngine(swarm, host, tokenizer, config.engine, receipts=checker, job_errors=job_errors,
                             ring_changes=ring_changes, observer=observer,
                             round_verifier=RoundVerifier(swarm, auditor, checker) if auditor is not None else None)
+        if auditor is not None:  # members past the verifier-role nodes: those off probation first
+            auditor.on_probation = lambda peer: probation.on_probation(engine.clean_rounds, peer, engine.probation)
         host.set_handler(CONTROL_PROTOCOL, swarm.handle_control)
         host.set_handler(RING_PROTOCOL, engine.handle_ring_stream)
         seeding = Seeding(swarm, store, seed, config.swarm.churn, swarm.fetches)  # weights from peers

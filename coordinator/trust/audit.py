@@ -7,7 +7,10 @@ selected stage the auditor fetches every frame it logged for that job and epoch
 (AuditRequest over the control stream) and checks each against the digests in that
 stage's signed receipt (so the stage cannot substitute bytes after the fact). Then the
 stage's input frames go to a verifier node (VerifyRequest: a spot-check verifier other
-than the stage, drawn at random, one that keeps that slice warm first), which recomputes
+than the stage, drawn at random, one that keeps that slice warm first; when none is left,
+any other member, not faulty, whose node keeps every layer of the slice, off probation
+first, in random order: coordinator.trust.opinions.candidates, as probation's checks ask,
+so in a ring whose every node is a stage the stages audit each other), which recomputes
 them (shard.verifier: all frames, tree and verify frames and commits included, as one
 tree-masked forward) and sends back its rows; the auditor compares them with the stage's
 outputs (coordinator.trust.compare). A verifier that disagrees with the stage gets a
@@ -33,13 +36,12 @@ It does not check receipt chains (receipt_check), choose rings, or serve HTTP.
 from __future__ import annotations
 
 import dataclasses
-import gc
 import itertools
 import logging
 import math
 import random
 import time
-from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -51,16 +53,14 @@ from coordinator.trust.audit_plan import AuditPlan, plan_audits
 from coordinator.trust.compare import (Finding, Logged, agree, compare, failed_spot, logged_frames, replay_here,
                                        split_reply)
 from coordinator.trust.receipt_check import FinishedJob
+from coordinator.trust.replay_slices import ReplaySlices
 from coordinator.trust.tolerance import TOLERANCES
 from receipts import NodeKey, sign_evidence
 from ring import PeerId
-from shard.heap import return_freed_heap
 from shard.layers import LayerRange
 from shard.manifest import layer_file
 from shard.options import option
-from shard.quant import quantise_stage, scheme
 from shard.replay import Replayed, ReplayStats
-from shard.stage import Stage
 from shard.store import ModelStore
 from shard.transport import TransportError
 from shard.wire.messages import AuditReply, AuditRequest
@@ -108,7 +108,8 @@ class AuditStats:
     skipped_stale: int = 0  # jobs not audited: older than max_job_age_s when their turn came
     skipped_gone: int = 0  # (job, stage) audits not done: the stage left the swarm first
     skipped_no_verifier: int = 0  # audits not done: no verifier answered and the slice is not held here
-    by_verifiers: int = 0  # recomputations done by verifier nodes
+    by_verifiers: int = 0  # recomputations done by verifier-role nodes
+    by_members: int = 0  # recomputations done by other members keeping the slice (stages, standbys)
     by_coordinator: int = 0  # recomputations done here (no verifier could)
     second_opinions: int = 0  # audits that asked more than one verifier
     unsettled: int = 0  # audits whose opinions tied (the stage judged, no verifier accused)
@@ -132,8 +133,11 @@ class Auditor:
         self.stats = AuditStats()
         self._waiting: dict[tuple, list] = {}  # (peer, job, epoch, round, side) or (peer, request id) -> [Event, reply]
         self._request_ids = itertools.count()
-        self._slices: OrderedDict[tuple[LayerRange, str], Stage] = OrderedDict()  # (layers, quant) -> slice
         self._limiter = trio.CapacityLimiter(1)
+        self.slices = ReplaySlices(store, config.max_cached_slices, self._limiter)  # for replays here
+        # Whether a member is on probation (the engine's book, set by coordinator.assembly):
+        # members asked past the verifier-role nodes are asked off probation first.
+        self.on_probation: Callable[[PeerId], bool] = lambda peer: False
         self._settled = trio.Event()  # set each time serve() has audited all it was handed
 
     async def wait_idle(self) -> None:
@@ -161,10 +165,10 @@ class Auditor:
             self._settled.set()
             self._settled = trio.Event()
             job = None
-            with trio.move_on_after(self.config.slice_idle_s if self._slices else math.inf):
+            with trio.move_on_after(self.config.slice_idle_s if len(self.slices) else math.inf):
                 job = await self._finished.receive()
             if job is None:  # no audit for a while: the slices loaded for replays go back
-                self._release_slices()
+                self.slices.release()
                 continue
             if time.monotonic() - job.finished_s > self.config.max_job_age_s:
                 log.warning("audit backlog: job %s waited %.0f s, its frame logs may be gone; not audited",
@@ -250,17 +254,24 @@ class Auditor:
 
     async def _recompute(self, plan: AuditPlan, logged: Logged, asked: set) -> tuple[PeerId | None, list] | None:
         """One more recomputation of the logged frames: by a verifier not asked yet (one
-        that fails to answer is passed over), else here if allowed and held, else None."""
-        while (peer := opinions.pick(self._verifiers(), plan.layers, asked | set(self.swarm.faulty), self.rng)):
+        that fails to answer is passed over), else by another member keeping the slice,
+        else here if allowed and held, else None. `asked` holds the audited stage."""
+        verifiers = self._verifiers()
+        registers = {p: m.register for p, m in self.swarm.members.items()}
+        for peer in opinions.audit_order(verifiers, registers, plan.layers, asked | set(self.swarm.faulty),
+                                         self.on_probation, self.rng):
             asked.add(peer)
             expected = await self.ask_verifier(peer, plan, logged)
             if expected is not None:
-                self.stats.by_verifiers += 1
+                if peer in verifiers:
+                    self.stats.by_verifiers += 1
+                else:
+                    self.stats.by_members += 1
                 return peer, expected
         if None in asked or not self.config.replay_here or not self.holds(plan.layers):
             return None
         asked.add(None)
-        stage = await self._stage(plan.layers, plan.quant)
+        stage = await self.slices.get(plan.layers, plan.quant)
         expected = await trio.to_thread.run_sync(replay_here, stage, plan, logged, self.config.max_replay_rows,
                                                  self.stats.replay, limiter=self._limiter)
         self.stats.by_coordinator += 1
@@ -369,26 +380,4 @@ class Auditor:
 
     @property
     def slices_loaded(self) -> int:
-        return len(self._slices)
-
-    def _release_slices(self) -> None:
-        self._slices.clear()
-        gc.collect()
-        return_freed_heap()
-
-    async def _stage(self, r: LayerRange, quant: str = "none") -> Stage:
-        key = (r, quant)
-        stage = self._slices.get(key)
-        if stage is None:
-            store, cfg = self.store, self.store.config
-
-            def load() -> Stage:
-                emb = store.load_embedding() if r.start == 0 else None
-                stage = Stage(cfg, r, store.load_layers(r), dtype=torch.float32, device="cpu", embedding=emb)
-                return quantise_stage(stage, scheme(quant))
-
-            stage = self._slices[key] = await trio.to_thread.run_sync(load, limiter=self._limiter)
-            while len(self._slices) > self.config.max_cached_slices:
-                self._slices.popitem(last=False)
-        self._slices.move_to_end(key)
-        return stage
+        return len(self.slices)

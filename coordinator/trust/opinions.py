@@ -21,18 +21,24 @@ a lying verifier that covers for it is outvoted once two honest verifiers were a
 Choosing (`pick`): a verifier-role node other than the audited stage and not excluded,
 drawn at random per audit (the auditor's rng is unpredictable to nodes), among those
 that keep exactly the audited slice warm first, then any other verifier (which loads the
-slice from its store, or answers that it cannot).
+slice from its store, or answers that it cannot). Past the verifier-role nodes, and for
+probation's checks (coordinator.trust.round_verifier), `candidates`: any other member, not
+excluded, whose node keeps every layer of the slice (loaded or in its store), in an order
+that favours nodes off probation and nodes with the slice already loaded; in a ring where
+every node is a stage (no verifier role), the stages verify each other's slices.
 """
 
 from __future__ import annotations
 
 import random
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+from coordinator.swarm.speed_probe import keeps
 from ring import PeerId
 from shard.layers import LayerRange
+from shard.wire.messages import Register
 
 
 @dataclass(frozen=True)
@@ -74,3 +80,39 @@ def pick(verifiers: Mapping[PeerId, LayerRange | None], layers: LayerRange, excl
     holders = [p for p in left if verifiers[p] == layers]
     pool = holders or left
     return rng.choice(pool) if pool else None
+
+
+def keeps_slice(reg: Register, layers: LayerRange) -> bool:
+    return all(keeps(reg, i) for i in layers)
+
+
+def candidates(registers: Mapping[PeerId, Register], layers: LayerRange, excluded: set[PeerId],
+               on_probation: Callable[[PeerId], bool], verifying: Mapping[PeerId, LayerRange] = {},
+               rng: random.Random | None = None) -> list[PeerId]:
+    """The members to ask, in order: those keeping every layer of `layers`, not in
+    `excluded` (the stage itself, faulty nodes, those asked already); off probation first
+    (a newcomer vouching for a newcomer is the weaker word), then those holding exactly
+    `layers` loaded (no load before the replay), then the one that last verified `layers`
+    (`verifying`: verifier -> the slice it last verified: its verify slice is still
+    loaded), then those verifying no other slice, then by peer id (deterministic), or in a
+    random order drawn from `rng` when given (audits: which member answers is then
+    unpredictable to the nodes, so a liar cannot count on a friend answering for it)."""
+    found = sorted(p for p, reg in registers.items() if p not in excluded and keeps_slice(reg, layers))
+    warm = {p for p in found if (registers[p].held_start, registers[p].held_end) == (layers.start, layers.end)}
+    draw = {p: (rng.random() if rng is not None else 0.0) for p in found}
+    return sorted(found, key=lambda p: (on_probation(p), p not in warm, verifying.get(p) != layers,
+                                        p in verifying, draw[p], p))
+
+
+def audit_order(verifiers: Mapping[PeerId, LayerRange | None], registers: Mapping[PeerId, Register],
+                layers: LayerRange, excluded: set[PeerId], on_probation: Callable[[PeerId], bool],
+                rng: random.Random) -> list[PeerId]:
+    """Whom an audit asks to recompute `layers`, in order: the verifier-role nodes as `pick`
+    draws them, then the other members keeping the slice (`candidates`, off probation
+    first, random among equals). Never one in `excluded` (the audited stage, faulty
+    nodes, those asked already)."""
+    order, left = [], set(excluded)
+    while (peer := pick(verifiers, layers, left, rng)) is not None:
+        order.append(peer)
+        left.add(peer)
+    return order + candidates(registers, layers, left, on_probation, rng=rng)

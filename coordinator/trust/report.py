@@ -1,7 +1,8 @@
 """What the trust wing has found, as JSON for the operator (the status page, /metrics):
-whether receipts are checked, who recomputes audited slices (verifier nodes, and this
-gateway only as a fallback when it holds the layers), the auditor's counts, the newest
-evidence (audits' and probation's catches) and the nodes audits excluded from rings.
+whether receipts are checked, who recomputes audited slices (verifier-role nodes, then
+other members keeping the slice, and this gateway only as a fallback when it holds the
+layers), the auditor's counts, the newest evidence (audits' and probation's catches) and
+the nodes audits excluded from rings.
 
 Pure: the checker and the auditor in, a dict out. It decides nothing and changes nothing.
 """
@@ -21,9 +22,10 @@ RECENT_EVIDENCE = 10  # of each kind: audits' and probation's
 def recomputed_by(auditor: Auditor) -> str:
     """Who recomputes audited slices, in a sentence for the operator."""
     here = auditor.config.replay_here and auditor.holds(LayerRange(0, auditor.store.num_layers))
-    return ("verifier nodes; this gateway recomputes a slice itself only when no verifier can (it holds the layers)"
-            if here else "verifier nodes only (this gateway holds no layers or does not recompute): an audit no "
-                         "verifier can answer is skipped")
+    nodes = "verifier-role nodes, else any other member keeping the slice (a stage audits another stage)"
+    return (f"verifier nodes: {nodes}; this gateway recomputes a slice itself only when none can (it holds the layers)"
+            if here else f"verifier nodes only: {nodes} (this gateway holds no layers or does not recompute); an "
+                         "audit none can answer is skipped")
 
 
 def trust_report(checker: ReceiptChecker | None, auditor: Auditor | None) -> dict[str, Any]:
@@ -42,8 +44,8 @@ def trust_report(checker: ReceiptChecker | None, auditor: Auditor | None) -> dic
                          "elements": check.num_elements, "max_abs_error": check.max_abs_error, "found_by": found_by})
     audits = {"rate": auditor.config.rate, "recomputed_by": recomputed_by(auditor), "audits": s.audits,
               "frames_compared": s.frames_compared, "replay_s": s.replay_s, "by_verifiers": s.by_verifiers,
-              "by_coordinator": s.by_coordinator, "second_opinions": s.second_opinions, "unsettled": s.unsettled,
-              "lying_verifiers": s.lying_verifiers, "skipped_stale": s.skipped_stale, "skipped_gone": s.skipped_gone,
-              "skipped_no_verifier": s.skipped_no_verifier, "evidence": sum(map(len, caught.values())),
-              "recent_evidence": evidence}
+              "by_members": s.by_members, "by_coordinator": s.by_coordinator, "second_opinions": s.second_opinions,
+              "unsettled": s.unsettled, "lying_verifiers": s.lying_verifiers, "skipped_stale": s.skipped_stale,
+              "skipped_gone": s.skipped_gone, "skipped_no_verifier": s.skipped_no_verifier,
+              "evidence": sum(map(len, caught.values())), "recent_evidence": evidence}
     return {"receipts": receipts, "audits": audits, "faulty": dict(auditor.swarm.faulty)}

@@ -11,11 +11,11 @@ gets a second opinion, and verifiers that disagree with each other a third
 (coordinator.trust.opinions), as in an audit. The round's frames travel through the
 auditor's request machinery (coordinator.trust.audit), which the swarm's replies reach.
 
-Who verifies (`candidates`, pure): a member other than the stage, not faulty, whose node
-keeps every layer of the slice (loaded or in its store): those off probation first, then
-those holding exactly the slice loaded, then the one that verified this slice last, then
-those verifying no other slice (a node keeps one verify slice loaded: asked for two in
-turn, it reloads one per round), then by peer id.
+Who verifies (coordinator.trust.opinions.candidates, pure, shared with audits): a member
+other than the stage, not faulty, whose node keeps every layer of the slice (loaded or in
+its store): those off probation first, then those holding exactly the slice loaded, then
+the one that verified this slice last, then those verifying no other slice (a node keeps
+one verify slice loaded: asked for two in turn, it reloads one per round), then by peer id.
 
 A catch is signed evidence against the stage's own receipt for the round (kept with the
 gateway's probation catches, ReceiptChecker.keep_catch) and marks the stage faulty; an
@@ -30,23 +30,22 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import trio
 
 from coordinator.swarm.formation import RingState
-from coordinator.swarm.speed_probe import keeps
 from coordinator.swarm.swarm import Swarm
 from coordinator.trust import opinions
 from coordinator.trust.audit import Auditor
 from coordinator.trust.audit_plan import AuditPlan
+from coordinator.trust.opinions import candidates
 from coordinator.trust.compare import Finding, agree, compare, logged_frames
 from coordinator.trust.receipt_check import JobReceipts, ReceiptChecker
 from ring import PeerId
 from shard.layers import LayerRange
 from shard.transport import TransportError
-from shard.wire.messages import Register
 
 log = logging.getLogger("shard.coordinator")
 
@@ -66,24 +65,6 @@ class Outcome:
     passed: bool | None
     rounds: int  # the stage's rounds compared for the first time (what it earns when passed)
     detail: str
-
-
-def keeps_slice(reg: Register, layers: LayerRange) -> bool:
-    return all(keeps(reg, i) for i in layers)
-
-
-def candidates(registers: Mapping[PeerId, Register], layers: LayerRange, excluded: set[PeerId],
-               on_probation: Callable[[PeerId], bool], verifying: Mapping[PeerId, LayerRange] = {}) -> list[PeerId]:
-    """The verifiers to ask, in order: members keeping every layer of `layers`, not in
-    `excluded` (the stage itself, faulty nodes); off probation first (a newcomer vouching
-    for a newcomer is the weaker word), then those holding exactly `layers` loaded (no
-    load before the replay), then the one that last verified `layers` (`verifying`:
-    verifier -> the slice it last verified: its verify slice is still loaded), then those
-    verifying no other slice, then by peer id (deterministic)."""
-    found = [p for p, reg in registers.items() if p not in excluded and keeps_slice(reg, layers)]
-    warm = {p for p in found if (registers[p].held_start, registers[p].held_end) == (layers.start, layers.end)}
-    return sorted(found, key=lambda p: (on_probation(p), p not in warm, verifying.get(p) != layers,
-                                        p in verifying, p))
 
 
 def stage_plan(job: JobReceipts, ring: RingState, index: int, upto_round: int, quant: str) -> AuditPlan:

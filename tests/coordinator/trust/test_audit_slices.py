@@ -25,16 +25,16 @@ def test_replay_slices_are_released_after_the_idle_time(tiny_llama_store):
         _, replies = trio.open_memory_channel(0)
         auditor = Auditor(SimpleNamespace(), tiny_llama_store, bytes(32), AuditConfig(slice_idle_s=60.0),
                           rng=random.Random(0), finished=finished, audit_replies=replies)
-        await auditor._stage(LayerRange(0, 1))  # what a replay here loads
+        await auditor.slices.get(LayerRange(0, 1))  # what a replay here loads
         held = []
         async with trio.open_nursery() as nursery:
             await nursery.start(auditor.serve)
             await trio.sleep(59.0)
-            held.append(bool(auditor._slices))
+            held.append(auditor.slices_loaded)
             await trio.sleep(2.0)
-            held.append(bool(auditor._slices))
+            held.append(auditor.slices_loaded)
             await auditor.wait_idle()
             nursery.cancel_scope.cancel()
         return held
 
-    assert trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0)) == [True, False]
+    assert trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0)) == [1, 0]

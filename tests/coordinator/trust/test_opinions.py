@@ -4,7 +4,8 @@ Guards: a verifier that agrees with the stage ends the audit (no extra cost on h
 rings); one verifier is never taken against the stage while a second can be asked; two
 verifiers that disagree bring in a third; a liar is excluded only when outvoted; an
 honest stage is never accused while honest verifiers outnumber liars among those asked;
-the audited stage is never its own verifier and the draw is random among holders first.
+the audited stage is never its own verifier and the draw is random among holders first;
+past the verifier-role nodes an audit asks other members keeping the slice (issue 20).
 """
 
 from __future__ import annotations
@@ -15,9 +16,11 @@ from collections import Counter
 from hypothesis import given
 from hypothesis import strategies as st
 
-from coordinator.trust.opinions import Verdict, need_another, pick, settle
+from coordinator.trust.opinions import Verdict, audit_order, need_another, pick, settle
 from ring import PeerId
 from shard.layers import LayerRange
+from shard.manifest import layer_file
+from shard.wire.messages import Register
 
 MAX = 3
 
@@ -113,3 +116,32 @@ def test_pick_never_the_stage_prefers_holders_and_is_random_among_them():
     assert pick(verifiers, layers, {PeerId("s"), PeerId("a"), PeerId("b")}, random.Random(0)) in {"c", "d"}
     assert pick(verifiers, layers, set(verifiers), random.Random(0)) is None
     assert pick({}, layers, set(), random.Random(0)) is None
+
+
+def _member(peer: str, held: tuple[int, int] = (0, 0), stored: tuple[int, ...] = ()) -> Register:
+    return Register(peer_id=peer, model="m", manifest_digest="d", device="cpu", memory_bytes=1 << 30,
+                    decode_s_per_layer=1e-3, prefill_s_per_layer_token=1e-4, upload_bytes_per_s=0.0,
+                    download_bytes_per_s=0.0, held_start=held[0], held_end=held[1],
+                    stored_files=tuple(layer_file(i) for i in stored))
+
+
+def test_audits_ask_verifier_roles_first_then_any_member_keeping_the_slice():
+    # Bug guarded (issue 20): on a layerless gateway whose ring has no verifier-role node
+    # (every node a stage), every audit was skipped, so a stage that lied once off
+    # probation was never checked again. Sound: each member differs from the next in one
+    # property; the stage itself and faulty nodes keep the slice too and must not be asked.
+    layers = LayerRange(1, 3)
+    registers = {p: _member(p, held=(1, 3)) for p in ("stage", "faulty", "v", "newcomer", "m1", "m2")}
+    registers["half"] = _member("half", held=(1, 2))  # keeps layer 1 only
+    registers["stored"] = _member("stored", held=(3, 5), stored=(1, 2))  # the slice in its store
+    verifiers = {PeerId("v"): None}
+    excluded = {PeerId("stage"), PeerId("faulty")}
+    orders = [audit_order(verifiers, registers, layers, excluded, lambda p: p == "newcomer", random.Random(i))
+              for i in range(40)]
+    for order in orders:
+        assert order[0] == "v" and set(order[1:3]) == {"m1", "m2"} and order[3:] == ["stored", "newcomer"]
+    assert {tuple(o[1:3]) for o in orders} == {("m1", "m2"), ("m2", "m1")}  # unpredictable among equals
+    # No verifier role at all (the usual small swarm): the stages audit each other.
+    stages = {p: _member(p, stored=(0, 1, 2, 3)) for p in ("a", "b", "c")}
+    assert sorted(audit_order({}, stages, layers, {PeerId("b")}, lambda p: False, random.Random(0))) == ["a", "c"]
+    assert audit_order({}, stages, layers, set(stages), lambda p: False, random.Random(0)) == []

@@ -12,8 +12,9 @@ from types import SimpleNamespace
 
 from coordinator.jobs.frames import chunk_frame
 from coordinator.swarm.formation import RingState
+from coordinator.trust.opinions import candidates
 from coordinator.trust.receipt_check import ReceiptChecker, VerifiedRound
-from coordinator.trust.round_verifier import candidates, stage_plan
+from coordinator.trust.round_verifier import stage_plan
 from shard.layers import LayerRange
 from shard.manifest import layer_file
 from shard.wire.messages import Forward, Register

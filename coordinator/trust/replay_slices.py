@@ -1,0 +1,57 @@
+"""The slices an auditor loaded to recompute audits itself, kept for the next few.
+
+A gateway whose store holds the layers recomputes an audit itself when no verifier node
+can (coordinator.trust.audit, AuditConfig.replay_here). Loading a slice costs its layer
+files' read and, for a declared quantisation, the same quantisation (shard.quant); so the
+last `max_slices` (layers, quantisation) pairs stay loaded, in f32 on the CPU, until
+`release` (the auditor calls it after AuditConfig.slice_idle_s with no audit: a 10-layer
+SmolLM2 slice is 140 MB). glibc keeps freed memory for reuse, so release hands it back to
+the system too (shard.heap). Loads run on a worker thread under the caller's limiter.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections import OrderedDict
+
+import torch
+import trio
+
+from shard.heap import return_freed_heap
+from shard.layers import LayerRange
+from shard.quant import quantise_stage, scheme
+from shard.stage import Stage
+from shard.store import ModelStore
+
+
+class ReplaySlices:
+    def __init__(self, store: ModelStore, max_slices: int, limiter: trio.CapacityLimiter) -> None:
+        self.store, self.max_slices, self._limiter = store, max_slices, limiter
+        self._slices: OrderedDict[tuple[LayerRange, str], Stage] = OrderedDict()  # (layers, quant) -> slice
+
+    def __len__(self) -> int:
+        return len(self._slices)
+
+    async def get(self, r: LayerRange, quant: str = "none") -> Stage:
+        """Layers `r` under quantisation `quant`, loaded from the store if not kept."""
+        key = (r, quant)
+        stage = self._slices.get(key)
+        if stage is None:
+            store = self.store
+
+            def load() -> Stage:
+                emb = store.load_embedding() if r.start == 0 else None
+                stage = Stage(store.config, r, store.load_layers(r), dtype=torch.float32, device="cpu", embedding=emb)
+                return quantise_stage(stage, scheme(quant))
+
+            stage = self._slices[key] = await trio.to_thread.run_sync(load, limiter=self._limiter)
+            while len(self._slices) > self.max_slices:
+                self._slices.popitem(last=False)
+        self._slices.move_to_end(key)
+        return stage
+
+    def release(self) -> None:
+        """Drop every kept slice and hand the freed memory back to the system."""
+        self._slices.clear()
+        gc.collect()
+        return_freed_heap()
