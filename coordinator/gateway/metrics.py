@@ -214,7 +214,14 @@ class _ScrapeCollector(Collector):
         skipped = CounterMetricFamily("shard_audits_skipped", "audits not done, by reason", labels=["reason"])
         skipped.add_metric(["stale"], audits.get("skipped_stale", 0))
         skipped.add_metric(["stage_gone"], audits.get("skipped_gone", 0))
+        skipped.add_metric(["no_verifier"], audits.get("skipped_no_verifier", 0))
         yield skipped
+        # Who recomputed audited slices: verifier-role nodes, other members keeping the slice
+        # (a stage auditing another: rings with no verifier role), or this gateway itself.
+        by = CounterMetricFamily("shard_audit_recomputations", "audited slices recomputed, by whom", labels=["by"])
+        for label, key in (("verifier", "by_verifiers"), ("member", "by_members"), ("gateway", "by_coordinator")):
+            by.add_metric([label], audits.get(key, 0))
+        yield by
         yield _counter("shard_audit_evidence", "signed evidence records against stages", audits.get("evidence", 0))
         yield _gauge("shard_faulty_nodes", "nodes excluded from rings by audits", len(trust.get("faulty") or ()))
 

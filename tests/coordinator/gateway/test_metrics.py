@@ -63,7 +63,8 @@ def test_metric_names_are_present_and_move_after_a_request(scripted):
                                                           for p in ("direct", "relayed", None)]}}}
     metrics = GatewayMetrics()
     app = create_gateway(engine, ApiConfig(), metrics=metrics,
-                         trust=lambda: {"audits": {"audits": 4, "evidence": 1, "frames_compared": 9}})
+                         trust=lambda: {"audits": {"audits": 4, "evidence": 1, "frames_compared": 9,
+                                                    "by_members": 3, "by_verifiers": 1, "skipped_no_verifier": 2}})
 
     async def fn(client):
         first = await client.get("/metrics")
@@ -94,6 +95,11 @@ def test_metric_names_are_present_and_move_after_a_request(scripted):
     assert after["shard_rings"] == 2 and after["shard_jobs_moved"] == 2  # replica rings (issue 21)
     assert after['shard_hop_latency_seconds{estimated="0",hop="2"}'] == 0.01
     assert after["shard_audits_total"] == 4 and after["shard_audit_evidence_total"] == 1
+    # Who recomputed audits (issue 20: stages audit each other on rings with no verifier role).
+    assert after['shard_audit_recomputations_total{by="member"}'] == 3
+    assert after['shard_audit_recomputations_total{by="verifier"}'] == 1
+    assert after['shard_audit_recomputations_total{by="gateway"}'] == 0
+    assert after['shard_audits_skipped_total{reason="no_verifier"}'] == 2
     # Each hop's path as /v1/ring reports it; a hop with no path yet has no series.
     assert after['shard_hop_path{hop="0",path="direct"}'] == 1 and after['shard_hop_path{hop="1",path="relayed"}'] == 1
     assert not [k for k in after if k.startswith("shard_hop_path{") and 'hop="2"' in k]
