@@ -106,7 +106,8 @@ class Node:
                                cfg.link_jitter_ms, cfg.probe_timeout_s)
         self.weights = WeightServer(self.store.root, self.store.manifest, cfg.weights, open_link=self.links.open_link)
         self.scheduler = StageScheduler(lambda: self.state, self._run_batch,
-                                        SchedulerConfig(token_budget=cfg.batch_token_budget, piece_rows=cfg.prefill_piece_tokens))
+                                        SchedulerConfig(token_budget=cfg.batch_token_budget, piece_rows=cfg.prefill_piece_tokens,
+                                                        burst_wait_s=cfg.burst_wait_ms / 1e3))
 
     async def serve(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Register and serve until cancelled. Error handling: a bad frame, failed job or

@@ -16,6 +16,7 @@ from shard.options import option
 from shard.quant import NONE, SCHEMES, QuantScheme, quantise_stage
 from shard.sources import DEFAULT_MODEL
 from shard.stage import Stage
+from shard.stage_scheduler import SchedulerConfig
 from shard.stage_worker import WorkerConfig
 from shard.store import ModelStore
 from shard.weight_plan import WeightsConfig
@@ -56,6 +57,8 @@ class NodeConfig:
                                      "this stage (prefill chunks and decode rows share it); 1 = one frame per forward")
     prefill_piece_tokens: int = option(DEFAULT_PIECE_ROWS, "prefill rows one forward carries while decode rows wait or "
                                        "ran within the last second (a longer chunk runs in pieces); 0 = never split")
+    burst_wait_ms: float = option(SchedulerConfig.burst_wait_s * 1e3, "how long a forward waits for the rest of a "
+                                  "burst (frames the predecessor sent together) once its first frame came (0: never)")
     # shard-coord serve --local-nodes passes its own pid: a gateway killed with SIGKILL
     # cannot stop its children, which otherwise retried the gone coordinator forever.
     exit_with_parent_pid: int = option(0, "exit once this process' parent is no longer this pid (0 = never)")

@@ -7,6 +7,11 @@ it as one forward and sends each frame's outcome on its own. A frame never waits
 company: when the task is free and one frame waits, that frame runs alone at once; frames
 that arrive while a forward runs share the next one. Frames of an epoch the node no
 longer serves are dropped unrun (their outputs would be dropped unsent anyway).
+Bursts (shard.wire.trailer): frames a predecessor sent together say so; about to start a
+forward while a waiting frame's burst has not all arrived, the task waits for the rest up
+to `burst_wait_s` after that burst's first frame, so a group's frames stay in one forward
+hop after hop. A lone frame (no burst) never waits: it runs at once unless a burst beside
+it is still arriving.
 
 A long prefill chunk runs in pieces while decode rows are about (waiting now, or taken
 within `busy_window_s` by a job not ended since): each forward carries one piece
@@ -52,6 +57,10 @@ class SchedulerConfig:
     max_waiting_frames: int = 256
     # A few of the largest frames (2048 tokens of a 4096-wide model in f32 is 32 MiB).
     max_waiting_bytes: int = 128 << 20
+    # How long after a burst's first frame a forward waits for the rest of it (0: never).
+    # Measured on the 3-stage loopback ring at 16 streams (docs/batching.md): the last frame
+    # of a stage's burst lands within ~0.1-1 ms of its first; a job that ends sends nothing.
+    burst_wait_s: float = 0.002
     # How often the frames and rows per forward are logged (BatchTally), while forwards run.
     tally_every_s: float = 10.0
 
@@ -83,6 +92,8 @@ class BatchTally:
     by_frames: dict[int, int] = dataclasses.field(default_factory=dict)  # frames per forward -> forwards
     rows: int = 0
     busy_s: float = 0.0
+    waits: int = 0  # forwards that waited for a burst's rest, and for how long in all
+    waited_s: float = 0.0
 
     def add(self, batch: list[Waiting], busy_s: float) -> None:
         self.by_frames[len(batch)] = self.by_frames.get(len(batch), 0) + 1
@@ -94,7 +105,8 @@ class BatchTally:
         frames = sum(n * k for n, k in self.by_frames.items())
         spread = " ".join(f"{n}:{k}" for n, k in sorted(self.by_frames.items()))
         return (f"{forwards} in {now - self.since:.0f} s, busy {self.busy_s:.1f} s; {frames / max(forwards, 1):.1f} "
-                f"frames and {self.rows / max(forwards, 1):.1f} rows each; frames per forward:count {spread}")
+                f"frames and {self.rows / max(forwards, 1):.1f} rows each; frames per forward:count {spread}; "
+                f"waited for bursts {self.waits} times, {1e3 * self.waited_s / max(self.waits, 1):.2f} ms each")
 
 
 # run_batch(state, frames) -> the ids of the jobs whose frame failed (None: none).
@@ -119,6 +131,7 @@ class StageScheduler:
         self.frames_run = 0  # (for tests and benchmarks)
         self.pieces_run = 0
         self.tally = BatchTally(self.clock())  # frames and rows per forward, logged every tally_every_s
+        self.bursts: dict[tuple[int, int], list] = {}  # (id(state), burst id) -> [size, frames seen, first seen]
 
     def _notify(self) -> None:
         self._changed.set()
@@ -143,7 +156,38 @@ class StageScheduler:
             await self._changed.wait()
         self.waiting.append(frame)
         self.waiting_bytes += frame.nbytes
+        burst = getattr(frame.msg, "burst", ())
+        if len(burst) == 2 and burst[1] > 1:
+            now = self.clock()
+            if len(self.bursts) > 4 * self.config.max_waiting_frames:  # long complete or given up
+                horizon = max(1.0, 10 * self.config.burst_wait_s)
+                self.bursts = {k: v for k, v in self.bursts.items() if now - v[2] <= horizon}
+            self.bursts.setdefault((id(frame.state), burst[0]), [burst[1], 0, now])[1] += 1
         self._notify()
+
+    def burst_deadline(self) -> float | None:
+        """When the wait for the rest of the waiting frames' incomplete bursts ends (their
+        earliest first frame + burst_wait_s); None: no waiting frame's burst lacks frames."""
+        deadlines = []
+        for w in self.waiting:
+            burst = getattr(w.msg, "burst", ())
+            entry = self.bursts.get((id(w.state), burst[0])) if len(burst) == 2 else None
+            if entry is not None and entry[1] < entry[0]:
+                deadlines.append(entry[2] + self.config.burst_wait_s)
+        return min(deadlines) if deadlines else None
+
+    async def gather_bursts(self) -> None:
+        """Wait until every waiting frame's burst is complete or its bound is past."""
+        if self.config.burst_wait_s <= 0:
+            return
+        started, waited = self.clock(), False
+        while (deadline := self.burst_deadline()) is not None and deadline > self.clock():
+            waited = True
+            with trio.move_on_after(deadline - self.clock()):
+                await self._changed.wait()
+        if waited:
+            self.tally.waits += 1
+            self.tally.waited_s += self.clock() - started
 
     def take_nowait(self) -> tuple[object, list[Waiting]]:
         """The next batch of frames (or pieces) waiting now and the state they run under; a
@@ -204,6 +248,7 @@ class StageScheduler:
         while True:
             while not self.waiting:
                 await self._changed.wait()
+            await self.gather_bursts()
             state, batch = self.take_nowait()
             if batch:
                 self.forwards += 1

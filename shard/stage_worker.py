@@ -111,6 +111,7 @@ class StageWorker:
         self.last_used_s: dict[str, float] = {}
         self.evicted: OrderedDict[str, float] = OrderedDict()  # job id -> seconds it sat idle
         self.pieces: dict[str, _Pieces] = {}  # job id -> its part-run frame's outputs so far
+        self.bursts = 0  # the last burst id stamped on outputs sent together (shard.wire.trailer)
 
     def end_job(self, job_id: str) -> None:
         self.cache.close(job_id)
@@ -160,18 +161,23 @@ class StageWorker:
         left for later forwards. Each output is encoded and signed on its own, over its own
         whole frame's bytes."""
         outs = self.compute([fwd for fwd, _ in frames], pieces)
-        for i, ((fwd, received), out) in enumerate(zip(frames, outs)):
-            if out is None or isinstance(out, ShardError):
-                continue
-            try:
-                body = encode_body(out)  # checked: we never send what the successor must refuse
-            except ShardError as exc:
-                outs[i] = exc
-                continue
+        bodies: dict[int, bytes] = {}
+        for i, out in enumerate(outs):
+            if out is not None and not isinstance(out, ShardError):
+                try:
+                    bodies[i] = encode_body(out)  # checked: we never send what the successor must refuse
+                except ShardError as exc:
+                    outs[i] = exc
+        # The outputs leave together for one receiver: a burst (shard.wire.trailer) when several.
+        self.bursts = (self.bursts + 1) % (1 << 32)
+        burst = (self.bursts, len(bodies)) if len(bodies) > 1 else ()
+        for i, body in bodies.items():
+            fwd, received = frames[i]
+            out = outs[i]
             if self.signer is not None:
                 receipt = self.signer(fwd, received, body)
                 out = dataclasses.replace(out, receipts=(*fwd.receipts, receipt))
-            out = dataclasses.replace(out, clock_s=(*out.clock_s, self.wall_clock()))  # handed on now (wall clock)
+            out = dataclasses.replace(out, clock_s=(*out.clock_s, self.wall_clock()), burst=burst)  # handed on now
             outs[i] = (out, body + encode_trailer(out))
         return outs
 

@@ -42,6 +42,10 @@ class EngineConfig:
     link_latency_ms: float = option(0.0, "emulated one-way latency on every ring edge")
     link_upload_mbps: float = option(0.0, "emulated uplink of every ring sender in Mbit/s (0 = unlimited)")
     link_jitter_ms: float = option(0.0, "emulated jitter on every ring edge")
+    # Frames sent together carry a burst (shard.wire.trailer); `shard-coord serve` gives its
+    # local nodes the same bound (shard-node join --burst-wait-ms).
+    burst_wait_ms: float = option(2.0, "how long the head product (and each local node's forward) waits for the "
+                                       "rest of a burst of results (frames) that arrived together (0: never)")
     draft: str = option("hybrid", "speculative drafter (hybrid = n-gram and the EAGLE head, routed per round)",
                         choices=("none", "ngram", "eagle", "hybrid"))
     eagle_head: str | None = option(None, "EAGLE head directory (default: the head shipped for the model)")

@@ -18,12 +18,18 @@ the ask at fault gets the error.
 `accept_batched` runs a round's acceptance (coordinator.spec.target.accept_round) in a
 worker thread on logits from the batcher: all rows at once when there are few (a decode
 round's one row, a small tree), else asked lazily row by row as the walk needs them.
+Bursts (shard.wire.trailer): a job's task notes the burst of the Result it took
+(`note_arrived`); a product about to start while an ask's burst has not all asked yet waits
+for the rest up to `burst_wait_s` after its first ask (a lone ask never waits), and each
+ask of a product leaves with that product's burst for its job's next frame
+(`take_next_burst`), so the head stage gets the group's frames as one burst.
 Knows nothing of rings or jobs beyond the rows they hand it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
@@ -40,6 +46,23 @@ EAGER_ROWS = 16
 MAX_BATCH_ROWS = 256
 
 
+# Per job task: the burst of the Result it took last, and the burst its next frame carries.
+_ARRIVED: ContextVar[tuple[int, ...]] = ContextVar("arrived_burst", default=())
+_NEXT: ContextVar[tuple[int, ...]] = ContextVar("next_burst", default=())
+
+
+def note_arrived(burst: tuple[int, ...]) -> None:
+    """The calling job task took a Result of this burst (its next ask belongs to it)."""
+    _ARRIVED.set(tuple(burst))
+
+
+def take_next_burst() -> tuple[int, ...]:
+    """The burst the calling job task's next frame carries (once; () after)."""
+    burst = _NEXT.get()
+    _NEXT.set(())
+    return burst
+
+
 class Head(Protocol):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
 
@@ -47,6 +70,8 @@ class Head(Protocol):
 @dataclass(eq=False)
 class _Ask:
     hidden: torch.Tensor  # (T, H)
+    burst: tuple[int, ...] = ()  # the burst of the Result its rows came in
+    sent_with: tuple[int, ...] = ()  # the product's burst, for the job's next frame
     woken: trio.Event = field(default_factory=trio.Event)  # its product ran, or it must run the next
     done: bool = False
     runs_next: bool = False  # handed the turn to run the next product
@@ -57,9 +82,12 @@ class _Ask:
 class HeadBatcher:
     """One output head for many jobs (all on one trio thread); products run in a worker thread."""
 
-    def __init__(self, head: Head, max_rows: int = MAX_BATCH_ROWS) -> None:
-        self.head, self.max_rows = head, max_rows
+    def __init__(self, head: Head, max_rows: int = MAX_BATCH_ROWS, burst_wait_s: float = 0.0) -> None:
+        self.head, self.max_rows, self.burst_wait_s = head, max_rows, burst_wait_s
         self._waiting: list[_Ask] = []
+        self._asked = trio.Event()  # set (and replaced) whenever an ask arrives
+        self._bursts: dict[int, list] = {}  # burst id -> [size, asks seen, first seen]
+        self.waits, self.waited_s = 0, 0.0  # products that waited for a burst's rest, and how long
         self._busy = False  # a product runs, or the ask handed the turn is about to run one
         self.products = 0  # products run (a figure for tests and benchmarks)
         self.rows = 0  # rows they multiplied
@@ -67,8 +95,10 @@ class HeadBatcher:
     async def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden (T, H) -> logits (T, V), equal to `head.logits(hidden)` alone. Raises what
         the head raises for these rows alone."""
-        ask = _Ask(hidden)
+        ask = _Ask(hidden, _ARRIVED.get())
+        _ARRIVED.set(())
         self._waiting.append(ask)
+        self._note(ask.burst)
         if self._busy:
             try:
                 await ask.woken.wait()
@@ -81,6 +111,13 @@ class HeadBatcher:
                 raise
         if not ask.done:  # its turn: run a product for itself and whoever waits now
             self._busy = True
+            try:
+                await self._gather()
+            except BaseException:  # cancelled while waiting for a burst: hand the turn on
+                self._waiting.remove(ask)
+                self._busy = False
+                self._hand_over()
+                raise
             batch = self._take()
             try:
                 await trio.to_thread.run_sync(self._run, batch)  # not abandoned on cancel: the others need it
@@ -93,7 +130,34 @@ class HeadBatcher:
         if ask.error is not None:
             raise ask.error
         assert ask.out is not None
+        _NEXT.set(ask.sent_with)
         return ask.out
+
+    def _note(self, burst: tuple[int, ...]) -> None:
+        self._asked.set()
+        self._asked = trio.Event()
+        if len(burst) == 2 and burst[1] > 1:
+            now = trio.current_time()
+            if len(self._bursts) > 1024:  # long complete or given up
+                self._bursts = {k: v for k, v in self._bursts.items() if now - v[2] <= 1.0}
+            self._bursts.setdefault(burst[0], [burst[1], 0, now])[1] += 1
+
+    async def _gather(self) -> None:
+        """Wait until every waiting ask's burst has asked in full, or burst_wait_s after its first ask."""
+        if self.burst_wait_s <= 0:
+            return
+        started, waited = trio.current_time(), False
+        while True:
+            short = [e for a in self._waiting if len(a.burst) == 2 and (e := self._bursts.get(a.burst[0])) and e[1] < e[0]]
+            deadline = min((e[2] for e in short), default=None)
+            if deadline is None or deadline + self.burst_wait_s <= trio.current_time():
+                break
+            waited = True
+            with trio.move_on_at(deadline + self.burst_wait_s):
+                await self._asked.wait()
+        if waited:
+            self.waits += 1
+            self.waited_s += trio.current_time() - started
 
     def _take(self) -> list[_Ask]:
         """The oldest waiting asks whose rows fit max_rows (the oldest always)."""
@@ -104,6 +168,9 @@ class HeadBatcher:
             batch.append(a)
             rows += a.hidden.shape[0]
         del self._waiting[:len(batch)]
+        sent_with = ((self.products + 1) % (1 << 32), len(batch)) if len(batch) > 1 else ()
+        for a in batch:  # their jobs' next frames leave as one burst
+            a.sent_with = sent_with
         return batch
 
     def _hand_over(self) -> None:

@@ -22,6 +22,7 @@ from typing import Protocol
 import trio
 
 from coordinator.errors import JobFailedError, RingLost
+from coordinator.jobs.head_batch import note_arrived
 from coordinator.jobs.port import JobPort
 from coordinator.swarm.swarm import RingState
 from coordinator.trust import probation
@@ -140,5 +141,6 @@ async def receive_result(inbox: trio.MemoryReceiveChannel, port: JobPort, ring: 
         if msg.result.epoch == epoch and msg.result.round == expected_round:
             if gate is not None:
                 gate.check(ring, msg.result, msg.digest)
+            note_arrived(msg.result.burst)  # its rows ask the head as one of its burst (head_batch)
             return msg.result
         # a stale result from a discarded round or an old epoch: ignore it

@@ -76,7 +76,7 @@ class RingEngine:
         self.observer = observer
         if observer is not NO_OBSERVER:
             self.head = ObservedHead(self.head, observer)
-        self.head_batch = HeadBatcher(self.head)  # every job's rows through one product (coordinator.jobs.head_batch)
+        self.head_batch = HeadBatcher(self.head, burst_wait_s=config.burst_wait_ms / 1e3)  # (coordinator.jobs.head_batch)
         self._jobs: dict[str, trio.MemorySendChannel] = {}
         self.jobs_ended = 0
         # Which of the swarm's rings each job runs on; one ring at a time with rounds the shadow recomputes.

@@ -37,7 +37,7 @@ from coordinator.spec.drafting import Drafter
 from coordinator.jobs import job_stats
 from coordinator.jobs.engine_config import EngineConfig
 from coordinator.jobs.frames import aux_rows, chunk_frame, commit_move, hidden_rows, verify_frame
-from coordinator.jobs.head_batch import HeadBatcher, accept_batched
+from coordinator.jobs.head_batch import HeadBatcher, accept_batched, take_next_burst
 from coordinator.jobs.job_stats import JobStats
 from coordinator.jobs.pipeline import Ahead, ahead_drafter, next_ahead, pipeline_depth, queued_rows, still_valid
 from coordinator.jobs.port import JobPort
@@ -351,7 +351,7 @@ class RingJob:
         """Number `fwd` as this job's next round, note its canonical bytes for the receipt
         check, and send it; returns its round."""
         self.round += 1
-        fwd = dataclasses.replace(fwd, round=self.round)
+        fwd = dataclasses.replace(fwd, round=self.round, burst=take_next_burst())  # the head product's (head_batch)
         self.observer.round_sent(fwd)
         body = encode_body(fwd)  # the canonical bytes: hashed for the receipt check, then sent
         if self.receipts is not None:

@@ -20,10 +20,12 @@ from shard.errors import WireError
 from shard.quant import SCHEMES
 from shard.wire.dtypes import FLOAT_NAMES
 from shard.wire.fields import Bytes, Float, Int, ListOf, MapOf, OptionalOf, Str, Tensor, kind_of, spec
-from shard.wire.limits import MAX_OPEN_JOBS, MAX_PAYLOAD_BYTES, MAX_RECEIPT_BYTES, MAX_RECEIPTS, Limits
+from shard.wire.limits import MAX_OPEN_JOBS, MAX_PAYLOAD_BYTES, Limits
 from shard.wire.shapes import (check_activations, check_context, check_nonnegative, check_tokens_dim, check_vector,
                               fail_shape)
 from shard.wire.roles import ROLE_STAGE
+# The trailer's fields (receipts, compute_s, clock_s, burst): shard.wire.trailer.
+from shard.wire.trailer import BURST, CLOCK_TIMES, COMPUTE_TIMES, RECEIPTS, TRAILER_FIELDS
 from shard.wire.verify import VerifyReply, VerifyRequest
 from shard.wire.weight_messages import WEIGHT_MESSAGES
 
@@ -43,18 +45,10 @@ PEER_ID = Str(128)  # a libp2p peer id in text form (base58 / CID), ~52 chars to
 NAME = Str(256)  # model names, digests, device descriptions, addresses
 EPOCH = Int()
 ROUND = Int()
-RECEIPTS = ListOf(Bytes(MAX_RECEIPT_BYTES), max_items=MAX_RECEIPTS)
-COMPUTE_TIMES = ListOf(Float(), max_items=MAX_RECEIPTS)  # one per stage, like receipts
-CLOCK_TIMES = ListOf(Float(), max_items=2 * MAX_RECEIPTS)  # two per stage
 MAX_CLOCK_S = 1e11  # a wall clock past this (year ~5138) is no clock
 FLOATS = frozenset(FLOAT_NAMES)
 INTS = frozenset({"i32", "i64"})
 F32 = frozenset({"f32"})
-# Fields each stage appends to as a frame travels (its receipt, its compute time, its
-# clock on arrival and on sending). The
-# codec writes them in a trailer after the tensor bytes, outside the canonical bytes that
-# receipts hash (codec.encode_body), so appending never changes what was signed.
-TRAILER_FIELDS = ("receipts", "compute_s", "clock_s")
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -90,6 +84,7 @@ class Forward:
     # each hop's transfer (coordinator.gateway.hop_times). Clocks of different machines
     # differ: a hop's figure carries the offset between its two ends, their sum none.
     clock_s: tuple[float, ...] = spec(CLOCK_TIMES, default=())
+    burst: tuple[int, ...] = spec(BURST, default=())  # (id, size): sent with others for one receiver
 
     def check(self, limits: Limits) -> None:
         n = check_tokens_dim("positions", self.positions, limits)
@@ -130,6 +125,7 @@ class Result:
     receipts: tuple[bytes, ...] = spec(RECEIPTS, default=())
     compute_s: tuple[float, ...] = spec(COMPUTE_TIMES, default=())  # as in Forward
     clock_s: tuple[float, ...] = spec(CLOCK_TIMES, default=())  # as in Forward
+    burst: tuple[int, ...] = spec(BURST, default=())  # as in Forward: a tail's outputs of one forward
 
     def check(self, limits: Limits) -> None:
         n = check_tokens_dim("hidden", self.hidden, limits)

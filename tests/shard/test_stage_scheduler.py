@@ -96,4 +96,4 @@ def test_the_tally_counts_forwards_by_frames_and_rows_with_pieces_as_their_rows(
     tally.add([frame(s, "b", 1)], 0.01)
     assert tally.by_frames == {2: 2, 1: 1} and tally.rows == 1 + 5 + 64 + 1
     assert tally.summary(now=20.0) == ("3 in 10 s, busy 0.1 s; 1.7 frames and 23.7 rows each; "
-                                       "frames per forward:count 1:1 2:2")
+                                       "frames per forward:count 1:1 2:2; waited for bursts 0 times, 0.00 ms each")

@@ -356,8 +356,9 @@ def test_trailer_errors_pinned():
     assert str(_refuse(codec.encode_body(f))).startswith("trailer msgpack (limit None, got ")  # cut before the trailer
     assert str(_refuse(_with_trailer(f, {"receipts": []}))) == "trailer field 'compute_s' missing"
     assert str(_refuse(_with_trailer(f, {"receipts": [], "compute_s": []}))) == "trailer field 'clock_s' missing"
-    assert str(_refuse(_with_trailer(f, {"receipts": [], "compute_s": [], "clock_s": [], "x": 1}))) == (
-        "unknown trailer field for 'forward' (limit ['receipts', 'compute_s', 'clock_s'], got x)")
+    assert str(_refuse(_with_trailer(f, {"receipts": [], "compute_s": [], "clock_s": []}))) == "trailer field 'burst' missing"
+    assert str(_refuse(_with_trailer(f, {"receipts": [], "compute_s": [], "clock_s": [], "burst": [], "x": 1}))) == (
+        "unknown trailer field for 'forward' (limit ['receipts', 'compute_s', 'clock_s', 'burst'], got x)")
     assert str(_refuse(_with_trailer(f, {"receipts": [1], "compute_s": [], "clock_s": []}))) == (
         "field 'receipts'[0] type (limit bytes, got int)")
     assert str(_refuse(_with_trailer(f, [1]))) == "trailer type (limit map, got list)"
@@ -556,3 +557,27 @@ def test_pong_clock_is_optional_finite_and_bounded():
                        ("now", "type (limit float, got str)"),
                        (2e11, "(limit <= 100000000000 (Unix seconds), got 200000000000.0)")):
         assert str(_refuse(_frame({**header, "clock_s": junk}, tail))).endswith(want), junk
+
+
+def test_a_burst_rides_the_trailer_bounded():
+    # Bug guarded: a peer's burst making a stage wait for frames it declared without bound
+    # (a size past any forward) or crash on a malformed one; a burst inside the signed
+    # bytes (an auditor's replay, which carries none, would then differ). [] or [id, size].
+    from shard.wire.trailer import MAX_BURST_FRAMES
+    f = _forward(2)
+    stamped = dataclasses.replace(f, burst=(41, 3))
+    assert codec.encode_body(stamped) == codec.encode_body(f)
+    assert codec.decode_frame(encode(stamped), LIMITS)[0].burst == (41, 3)
+    assert codec.decode_frame(encode(f), LIMITS)[0].burst == ()
+    base = {"receipts": [], "compute_s": [], "clock_s": []}
+    for burst, error in (([1], "field 'burst' length (limit 0 or 2 ([id, size]), got 1)"),
+                         ([1, 2, 3], "field 'burst' length (limit 0 or 2 ([id, size]), got 3)"),
+                         ([1, 0], "field 'burst'[1] (size) range (limit [1, 1024], got 0)"),
+                         ([1, MAX_BURST_FRAMES + 1], f"field 'burst'[1] (size) range (limit [1, 1024], got {MAX_BURST_FRAMES + 1})"),
+                         ([1 << 32, 2], f"field 'burst'[0] (id) range (limit [0, {(1 << 32) - 1}], got {1 << 32})"),
+                         ([-1, 2], f"field 'burst'[0] (id) range (limit [0, {(1 << 32) - 1}], got -1)"),
+                         ([True, 2], "field 'burst'[0] (id) type (limit int, got bool)"),
+                         ({"a": 1}, "field 'burst' type (limit list, got dict)")):
+        assert str(_refuse(_with_trailer(f, {**base, "burst": burst}))) == error
+    with pytest.raises(WireError, match="burst"):
+        encode(dataclasses.replace(f, burst=(1, 0)))  # we never send what a peer must refuse

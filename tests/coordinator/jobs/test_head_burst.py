@@ -1,0 +1,81 @@
+"""The shared output head and bursts (coordinator.jobs.head_batch, shard.wire.trailer).
+
+Bugs guarded: the tail's results of one forward reaching the head one product at a time
+(the first ran alone before the rest asked: ~1.7 rounds per product at 16 streams, issue 21)
+so the group split again on its way back to the head stage; a lone ask held for company;
+an ask whose burst's rest never asks (its job ended) holding the head past the bound; the
+jobs of one product sending their next frames without the product's burst. Sound: a real
+head (tiny llama), trio's MockClock moved by the test, each job as its own task.
+"""
+
+from __future__ import annotations
+
+import torch
+import trio
+import trio.testing
+
+from coordinator.jobs.head_batch import HeadBatcher, note_arrived, take_next_burst
+from shard.stage import OutputHead
+
+BOUND_S = 0.002
+
+
+class CountingHead:
+    def __init__(self, store) -> None:
+        norm, lm_head = store.load_head()
+        self.head = OutputHead(store.config, norm, lm_head if lm_head is not None else store.load_embedding())
+        self.products: list[int] = []
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        self.products.append(hidden.shape[0])
+        return self.head.logits(hidden)
+
+
+def run_jobs(store, arrivals: list[tuple[float, tuple[int, ...]]], bound_s: float = BOUND_S):
+    """Each job notes its Result's burst at its arrival time (seconds after start) and asks
+    the head; returns the products' rows, each job's next-frame burst and finish time."""
+    head = CountingHead(store)
+    batcher = HeadBatcher(head, burst_wait_s=bound_s)
+    clock = trio.testing.MockClock()
+    out: dict[int, tuple] = {}
+
+    async def job(i: int, burst: tuple[int, ...]) -> None:
+        note_arrived(burst)
+        await batcher.logits(torch.randn(1, store.config.hidden_size))
+        out[i] = (take_next_burst(), trio.current_time())
+
+    async def main():
+        t0 = trio.current_time()
+        async with trio.open_nursery() as nursery:
+            for i, (at, burst) in enumerate(arrivals):
+                clock.jump(t0 + at - trio.current_time())
+                await trio.testing.wait_all_tasks_blocked()  # whoever's bound just passed goes first
+                nursery.start_soon(job, i, burst)
+                await trio.testing.wait_all_tasks_blocked()
+            clock.jump(1.0)  # past every bound
+        return t0
+
+    t0 = trio.run(main, clock=clock)
+    return head.products, [out[i][0] for i in range(len(arrivals))], [out[i][1] - t0 for i in range(len(arrivals))]
+
+
+def test_a_results_burst_asks_as_one_product_and_its_jobs_send_one_burst(tiny_llama_store):
+    products, sent, _ = run_jobs(tiny_llama_store, [(0.0, (5, 3)), (0.0005, (5, 3)), (0.001, (5, 3))])
+    assert products == [3]
+    assert sent == [(1, 3)] * 3  # the first product's burst, three frames
+
+
+def test_a_lone_ask_runs_alone_at_once_and_sends_a_lone_frame(tiny_llama_store):
+    products, sent, _ = run_jobs(tiny_llama_store, [(0.0, ()), (0.0005, (8, 1))])
+    assert products == [1, 1] and sent == [(), ()]
+
+
+def test_a_burst_whose_rest_never_asks_runs_at_the_bound(tiny_llama_store):
+    products, sent, _ = run_jobs(tiny_llama_store, [(0.0, (5, 4)), (0.0005, (5, 4)), (0.01, (5, 4))])
+    assert products == [2, 1]  # two waited the bound for the others; the straggler ran alone
+    assert sent == [(1, 2), (1, 2), ()]
+
+
+def test_zero_bound_never_waits(tiny_llama_store):
+    products, _, _ = run_jobs(tiny_llama_store, [(0.0, (5, 2)), (0.0005, (5, 2))], bound_s=0.0)
+    assert products == [1, 1]
