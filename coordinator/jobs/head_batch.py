@@ -28,6 +28,7 @@ Knows nothing of rings or jobs beyond the rows they hand it.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -37,6 +38,7 @@ import torch
 import trio
 
 T = TypeVar("T")
+log = logging.getLogger("coordinator.jobs")
 
 # A round with at most this many rows has all its logits computed up front, in one ask;
 # a bigger tree asks row by row as the acceptance walk needs them (most of it is never
@@ -44,6 +46,7 @@ T = TypeVar("T")
 EAGER_ROWS = 16
 # Rows in one product at most (SmolLM2: 256 rows of logits are 50 MB); the rest wait.
 MAX_BATCH_ROWS = 256
+TALLY_EVERY_S = 10.0  # how often how full the products were is logged, while they run
 
 
 # Per job task: the burst of the Result it took last, and the burst its next frame carries.
@@ -88,6 +91,7 @@ class HeadBatcher:
         self._asked = trio.Event()  # set (and replaced) whenever an ask arrives
         self._bursts: dict[int, list] = {}  # burst id -> [size, asks seen, first seen]
         self.waits, self.waited_s = 0, 0.0  # products that waited for a burst's rest, and how long
+        self._tally = (0.0, 0, 0, 0, 0, 0.0)  # since, products, asks, rows, waits, waited_s (logged every TALLY_EVERY_S)
         self._busy = False  # a product runs, or the ask handed the turn is about to run one
         self.products = 0  # products run (a figure for tests and benchmarks)
         self.rows = 0  # rows they multiplied
@@ -119,6 +123,7 @@ class HeadBatcher:
                 self._hand_over()
                 raise
             batch = self._take()
+            self._log_tally(batch)
             try:
                 await trio.to_thread.run_sync(self._run, batch)  # not abandoned on cancel: the others need it
             finally:
@@ -132,6 +137,18 @@ class HeadBatcher:
         assert ask.out is not None
         _NEXT.set(ask.sent_with)
         return ask.out
+
+    def _log_tally(self, batch: list[_Ask]) -> None:
+        """Count a product about to run; every TALLY_EVERY_S log how full the products were."""
+        now, t = trio.current_time(), self._tally
+        if now - t[0] >= TALLY_EVERY_S:
+            if t[1]:
+                waits = self.waits - t[4]
+                log.info("head products: %d in %.0f s, %.1f asks and %.1f rows each; waited for bursts %d times, "
+                         "%.2f ms each", t[1], now - t[0], t[2] / t[1], t[3] / t[1], waits,
+                         1e3 * (self.waited_s - t[5]) / max(waits, 1))
+            t = (now, 0, 0, 0, self.waits, self.waited_s)
+        self._tally = (t[0], t[1] + 1, t[2] + len(batch), t[3] + sum(a.hidden.shape[0] for a in batch), t[4], t[5])
 
     def _note(self, burst: tuple[int, ...]) -> None:
         self._asked.set()
