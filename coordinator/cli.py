@@ -8,6 +8,10 @@ import logging
 import os
 import sys
 
+from shard.heap import bound_kernel_caches
+
+bound_kernel_caches()  # before anything imports torch
+
 import trio
 
 from coordinator.config import CoordConfig

@@ -10,6 +10,10 @@ import argparse
 import sys
 from typing import Callable
 
+from shard.heap import bound_kernel_caches
+
+bound_kernel_caches()  # before anything imports torch
+
 from shard.errors import ShardError, sole_error
 from shard.sources import ALIASES, DEFAULT_MODEL
 

@@ -13,17 +13,39 @@ raised that to twice the largest mmapped block freed (up to 64 MiB). So a node w
 forwards run in worker threads kept ~20 MB after a hostile-frame flood whatever it
 trimmed (issue 20; tests/shard/test_heap.py reproduces it in a fresh process: 11 MB
 kept, 0.2 MB with the thresholds fixed). Knows nothing of what was freed.
+
+bound_kernel_caches caps the CPU matmul kernels kept per row count. A packed oneDNN linear
+(shard.linear) builds a kernel for each new number of rows and keeps it in ideep's LRU and
+in oneDNN's primitive cache, 1024 entries each by default, ~0.45 MB an entry: three
+SmolLM2 weight shapes fed every row count from 1 to 800 (batched forwards of ragged jobs,
+prefill pieces, a hostile predecessor's frames) kept +478 MB for good, +118 MB capped at
+256 (glibc thresholds fixed as above; tests/shard/test_kernel_cache_bound.py). 256 holds a
+stage's working set: forwards cycling through 1..24 rows ran as fast as uncapped (at 64
+they ran 28% slower, each rebuilt kernel ~0.5 ms). ideep reads its capacity when torch is
+loaded, so the processes' entry points call it before importing torch.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
+import sys
 
 _LIBC = ctypes.CDLL(ctypes.util.find_library("c") or None)
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
 MMAP_THRESHOLD_BYTES = 128 * 1024  # glibc's default
 TRIM_THRESHOLD_BYTES = 128 * 1024  # glibc's default
+KERNEL_CACHE_ENTRIES = 256  # per cache (ideep's LRU, oneDNN's primitives); both default to 1024
+
+
+def bound_kernel_caches(entries: int = KERNEL_CACHE_ENTRIES) -> bool:
+    """Cap the kernels CPU matmuls keep per shape, unless the environment already sets the
+    caps. False when torch was imported already: ideep then keeps its 1024 (oneDNN's cap
+    still applies, read at its first kernel)."""
+    os.environ.setdefault("LRU_CACHE_CAPACITY", str(entries))
+    os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(entries))
+    return "torch" not in sys.modules
 
 
 def return_freed_heap() -> None:
