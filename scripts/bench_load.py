@@ -314,7 +314,7 @@ def main(argv=None) -> int:
     ap.add_argument("--sustain-s", type=float, default=300.0, help="sustained run at the highest concurrency (0: none)")
     ap.add_argument("--links", default="loopback,wan")
     ap.add_argument("--wan-concurrency", default=None, help="levels on the WAN ring (default: --concurrency)")
-    ap.add_argument("--batching", default="on,off", help="comma list of on, off, nowait (on without burst waits)")
+    ap.add_argument("--batching", default="on,off", help="on, off, nowait (no burst waits), waitN (N ms)")
     ap.add_argument("--kinds", default="0,1,2,3,4,5,6,7", help="which request kinds of the mix to send (indices)")
     args = ap.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))  # rings closed on kill
@@ -340,7 +340,8 @@ def main(argv=None) -> int:
         for link in args.links.split(","):
             for batching in args.batching.split(","):
                 name = f"{link}-batching-{batching}"
-                ring = Ring(store, home, LINKS[link] + BATCHING[batching], name)
+                burst_wait = ["--burst-wait-ms", batching.removeprefix("wait")]  # waitN: bursts waited N ms
+                ring = Ring(store, home, LINKS[link] + BATCHING.get(batching, burst_wait), name)
                 try:
                     run = {"link": link, "batching": batching, "rss_start": ring.rss(), "levels": []}
                     if refs is None:

@@ -169,15 +169,19 @@ class StageWorker:
                 except ShardError as exc:
                     outs[i] = exc
         # The outputs leave together for one receiver: a burst (shard.wire.trailer) when several.
+        # The tail's prefill Results are left out: the gateway asks its head for none but a
+        # prompt's last chunk's, so its head would wait for asks that never come.
+        grouped = [i for i in bodies if not (self.config.is_tail and frames[i][0].phase == "prefill")]
         self.bursts = (self.bursts + 1) % (1 << 32)
-        burst = (self.bursts, len(bodies)) if len(bodies) > 1 else ()
+        burst = (self.bursts, len(grouped)) if len(grouped) > 1 else ()
         for i, body in bodies.items():
             fwd, received = frames[i]
             out = outs[i]
             if self.signer is not None:
                 receipt = self.signer(fwd, received, body)
                 out = dataclasses.replace(out, receipts=(*fwd.receipts, receipt))
-            out = dataclasses.replace(out, clock_s=(*out.clock_s, self.wall_clock()), burst=burst)  # handed on now
+            out = dataclasses.replace(out, clock_s=(*out.clock_s, self.wall_clock()),  # handed on now
+                                      burst=burst if i in grouped else ())
             outs[i] = (out, body + encode_trailer(out))
         return outs
 

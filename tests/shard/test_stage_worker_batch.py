@@ -53,3 +53,25 @@ def test_batched_frames_are_signed_and_sent_each_on_its_own(tiny_llama_store):
         assert decoded.job_id == fwd.job_id and torch.equal(decoded.hidden, msg.hidden) and canonical_len == len(signed_body)
         want = alone.process(fwd)
         assert (msg.hidden.float() - want.hidden.float()).abs().max().item() <= 1e-4
+
+
+def test_outputs_of_one_forward_leave_as_one_burst(tiny_llama_store):
+    # Bug guarded (issue 21): a forward's outputs reaching the next hop as unrelated frames
+    # (it then runs the first alone); a failed frame or, at the tail, a prefill Result (the
+    # gateway asks its head for no chunk but a prompt's last) counted in the burst, so the
+    # receiver waits for a frame that never comes; a lone output marked as a burst.
+    store = tiny_llama_store
+    r = LayerRange(0, store.num_layers)
+    stage = Stage(store.config, r, store.load_layers(r), embedding=store.load_embedding())
+    for is_tail in (False, True):
+        worker = StageWorker(stage, WorkerConfig(is_tail=is_tail))
+        for job in "abc":
+            worker.process_frame(frame(job, [5, 9, 7, 4]), b"")
+        frames = [frame("a", [11], ctx=4, round_=2), frame("b", [12], ctx=4, round_=2), frame("c", [13], ctx=4, round_=2),
+                  frame("bad", [store.config.vocab_size]), frame("d", [5, 9])]
+        outs = worker.process_frames([(f, encode_body(f)) for f in frames])
+        bursts = [None if isinstance(o, ShardError) else decode_frame(o[1], Limits())[0].burst for o in outs]
+        assert bursts[3] is None and bursts[0] == bursts[1] == bursts[2] and bursts[0][1] == (3 if is_tail else 4)
+        assert bursts[4] == (() if is_tail else bursts[0])
+        [(_, lone)] = worker.process_frames([(frames[0], encode_body(frames[0]))])  # a lone output: no burst
+        assert decode_frame(lone, Limits())[0].burst == ()
