@@ -32,7 +32,8 @@ from shard.linkprobe import PROBE_PROTOCOL
 from shard.node_links import NodeLinks
 from shard.node_config import NodeConfig, measure_compute  # noqa: F401 (NodeConfig re-exported)
 from shard import reach_duty
-from shard.quant import effective_scheme, mean_layer_bytes, quantise_stage, scheme
+from shard.kv_budget import held_bytes_per_layer, node_kv_bytes
+from shard.quant import effective_scheme, quantise_stage, scheme
 from shard.receipt_signer import make_signer
 from shard.reconnect import ReconnectPolicy, RegistrationRefused, serve_reconnecting
 from shard.ring_inbox import InboxConfig, RingInbox
@@ -157,7 +158,7 @@ class Node:
                 listen_addrs=tuple(self.host.addrs), held_epoch=self.held.epoch if self.held is not None else -1,
                 held_role=self.held.role if self.held is not None and self._loaded else "",
                 held_start=self._loaded.start if self._loaded else 0, held_end=self._loaded.end if self._loaded else 0,
-                quant=cfg.quant, bytes_per_layer=self._bytes_per_layer(),
+                quant=cfg.quant, bytes_per_layer=held_bytes_per_layer(self.store.config, cfg.quant, cfg.dtype),
                 stored_files=stored_weight_files(self.store.root, self.store.manifest),
             ))
             log.info("registered with %s (decode %.2f ms/layer, prefill %.3f ms/layer/token, rtt %.1f ms, "
@@ -249,7 +250,7 @@ class Node:
         worker = StageWorker(stage, WorkerConfig(
             wire_dtype=a.wire_dtype, aux_dtype=a.aux_dtype, is_tail=a.successor is None,
             max_context_tokens=self.store.config.max_context_tokens, job_idle_timeout_s=self.config.job_idle_timeout_s,
-            max_kv_bytes=max(self.config.max_memory_bytes - (len(r) * self._bytes_per_layer() or self.store.layer_bytes(r)), 64 << 20),
+            max_kv_bytes=node_kv_bytes(self.config, self.store, r),
             max_open_jobs=open_jobs_cap(self.config.max_open_jobs, a.max_open_jobs),  # the coordinator's, under ours
         ), signer=signer, wall_clock=self.wall_clock)
         self.state = EpochState(a, worker, a.predecessor or self.coordinator_id, a.successor or self.coordinator_id)
@@ -265,11 +266,6 @@ class Node:
         embedding = self.store.load_embedding(dtype, self.config.device) if r.start == 0 else None
         stage = Stage(cfg, r, weights, dtype=dtype, device=self.config.device, embedding=embedding)
         return quantise_stage(stage, scheme(self.config.quant))
-
-    def _bytes_per_layer(self) -> int:
-        """One layer's weights as held under this node's quantisation (0: none, the store's stand)."""
-        q, dense = scheme(self.config.quant), COMPUTE_DTYPES[self.config.dtype].itemsize
-        return mean_layer_bytes(self.store.config, q, dense) if q.quantised else 0
 
     async def _serve_frame(self, remote: str, body: bytes) -> bool:
         """Decode and handle one frame body (RingInbox.serve_frame); False ends its stream. A frame
@@ -330,7 +326,10 @@ class Node:
     async def _run_batch(self, state: EpochState, batch: list[Waiting]) -> list[str]:
         """Run a batch's frames (or pieces) in one forward; each output goes on to its own job's
         successor, each failure ends its own job alone: returns their ids (StageScheduler.run_batch)."""
-        frames, outs = [w for w in batch if isinstance(w.msg, Forward)], []
+        frames, outs, sends = [w for w in batch if isinstance(w.msg, Forward)], [], []
+        first = {w.job_id for w in batch if isinstance(w.msg, EndJob)} - {w.job_id for w in frames}
+        for w in (w for w in batch if w.job_id in first):  # ends before others' frames, which may need their K/V room
+            self._end_job(state, w, sends)
         if frames:
             try:
                 outs = await trio.to_thread.run_sync(state.worker.process_frames, [(w.msg, w.received) for w in frames],
@@ -338,7 +337,6 @@ class Node:
             except Exception as exc:  # ours (or a check we missed): those jobs' end, never the node's
                 log.exception("a batch of %d frames raised", len(frames))
                 outs = [exc] * len(frames)
-        sends = []
         for w, out in zip(frames, outs):
             msg = w.msg
             if isinstance(out, ShardError):  # the frame's fault: the stage cannot serve it
@@ -349,15 +347,17 @@ class Node:
             elif out is not None:  # None: a piece of a frame whose last rows run in a later forward
                 self.observer.stage_computed(self.host.peer_id, msg)
                 sends.append((out[1], msg))
-        for w in batch:
-            if isinstance(w.msg, EndJob):
-                state.worker.end_job(w.job_id)
-                self.frame_log.end_job(w.job_id)
-                if state.assignment.successor is not None:
-                    sends.append((encode(w.msg), None))
+        for w in (w for w in batch if isinstance(w.msg, EndJob) and w.job_id not in first):  # after its own frames
+            self._end_job(state, w, sends)
         if sends:
             await self._outbox.send((state, sends))  # returns at once unless OUTBOX_BATCHES wait
         return [w.job_id for w, out in zip(frames, outs) if isinstance(out, Exception)]
+
+    def _end_job(self, state: EpochState, end: Waiting, sends: list) -> None:  # its K/V freed, its end passed on
+        state.worker.end_job(end.job_id)
+        self.frame_log.end_job(end.job_id)
+        if state.assignment.successor is not None:
+            sends.append((encode(end.msg), None))
 
     async def _send_ring_loop(self, outbox: trio.MemoryReceiveChannel) -> None:
         """Send computed frames to the successor in the order they were computed. A frame
