@@ -66,6 +66,15 @@ class JobFailedError(CoordinatorError):
         super().__init__(f"generation failed: {reason}")
 
 
+class KVRefused(JobFailedError):
+    """A stage refused a round for K/V room (its CacheFullError): the job waits for room
+    and resumes, losing nothing, rather than spending a resume meant for failures."""
+
+    def __init__(self, stage: str, message: str) -> None:
+        self.stage = stage
+        super().__init__(f"stage {stage} has no K/V room: {message}")
+
+
 class ReceiptRejected(CoordinatorError):
     """A round's receipt chain failed: the job is failed closed. Fields: job_id, round,
     check (the receipts check name), stage (index in the chain or None), peer_id (the
@@ -93,6 +102,15 @@ class RequestError(CoordinatorError):
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class KVRoomTimeout(RequestError):
+    """429: no ring's stages had K/V room for this job within `waited_s`."""
+
+    def __init__(self, waited_s: float, retry_after_s: int) -> None:
+        super().__init__(429, f"No ring has K/V room for this request: it waited {waited_s:g} s for running "
+                         "generations to finish; retry shortly.", type="rate_limit_error", code="kv_cache_full")
+        self.retry_after_s = retry_after_s
 
 
 class SamplingParamError(CoordinatorError, ValueError):

@@ -35,6 +35,8 @@ class EngineConfig:
     # A job waiting for a ring (none formed, or re-forming after a node left) fails with
     # a 503 after this long rather than holding its client forever.
     ring_wait_s: float = option(60.0, "how long a request waits for a ring to re-form before it fails (503)")
+    kv_wait_s: float = option(30.0, "how long a request (or a round a stage refused for K/V) waits for K/V room "
+                              "on a ring; a new request then gets 429 with Retry-After")
     # coordinator.trust.probation: a newcomer's rounds are recomputed here before release.
     probation_rounds: int = option(64, "rounds a new node serves with each one recomputed by the coordinator before "
                                    "its tokens are released (0: no probation; audits alone vouch for newcomers)")

@@ -46,6 +46,11 @@ class JobPort(Protocol):
         `timeout_s` passed; always a checkpoint."""
         ...
 
+    async def wait_room(self, timeout_s: float) -> None:
+        """A stage refused this job for K/V: return once its ring (or another it is moved
+        to) has room, or `timeout_s` passed."""
+        ...
+
     async def send_body(self, ring: RingState, body: bytes, sent: Forward | None = None) -> None:
         """Send one encoded frame body to `ring`'s head (`sent`: the Forward it encodes, if
         it is one, so nobody decodes our own frame again). Raises TransportError."""

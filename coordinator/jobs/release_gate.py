@@ -21,7 +21,7 @@ from typing import Protocol
 
 import trio
 
-from coordinator.errors import JobFailedError, RingLost
+from coordinator.errors import JobFailedError, KVRefused, RingLost
 from coordinator.jobs.head_batch import note_arrived
 from coordinator.jobs.port import JobPort
 from coordinator.swarm.swarm import RingState
@@ -135,6 +135,8 @@ async def receive_result(inbox: trio.MemoryReceiveChannel, port: JobPort, ring: 
                 continue  # queued before this ring formed (epochs only grow): stale
             raise msg
         if isinstance(msg, JobError):
+            if msg.epoch == epoch and msg.code == "CacheFullError":  # no room for its K/V: it waits, then resumes
+                raise KVRefused(msg.stage, msg.message)
             if msg.epoch == epoch:
                 raise JobFailedError(f"stage {msg.stage} failed: {msg.code}: {msg.message}")
             continue

@@ -20,7 +20,7 @@ from typing import Any
 import trio
 
 from receipts import sha256_digest
-from coordinator.errors import JobFailedError, NotReadyError
+from coordinator.errors import JobFailedError, KVRoomTimeout, NotReadyError
 from coordinator.trust import probation
 from coordinator.trust.receipt_check import ReceiptChecker
 from coordinator.trust.round_verifier import RoundVerifier
@@ -43,6 +43,7 @@ from coordinator.swarm.topology import Traversal
 from ring import PeerId
 from shard.errors import DialError, ShardError, WireError
 from shard.stage import OutputHead
+from shard.stage_worker import DRAFT_SLACK_SLOTS
 from shard.transport import FramedStream, Host, TransportError
 from shard.node import RING_PROTOCOL
 from shard.ring_observer import NO_OBSERVER, ObservedHead, RingObserver
@@ -80,7 +81,8 @@ class RingEngine:
         self._jobs: dict[str, trio.MemorySendChannel] = {}
         self.jobs_ended = 0
         # Which of the swarm's rings each job runs on; one ring at a time with rounds the shadow recomputes.
-        self.router = RingRouter(swarm, probation=lambda ring: self.on_probation(ring) if self.shadow is not None else ())
+        self.router = RingRouter(swarm, probation=lambda ring: self.on_probation(ring) if self.shadow is not None else (),
+                                 kv_step=config.prefill_chunk_tokens, kv_slack=DRAFT_SLACK_SLOTS)
         self.eagle_head = self._load_eagle(store)
         self._head_streams: dict[int, FramedStream] = {}
         self._send_lock = trio.Lock()
@@ -129,7 +131,14 @@ class RingEngine:
         if self.swarm.ring is None:
             raise NotReadyError("no ring is formed yet (waiting for nodes)")
         job_id = os.urandom(8).hex()
-        ring = self.router.route(job_id, len(prompt_ids), params.max_tokens)
+        self.router.route(job_id, len(prompt_ids), params.max_tokens)
+        try:  # no ring's K/V has room: wait for a job to finish (coordinator.jobs.kv_room), then 429
+            if not await self.router.wait_room(job_id, self.config.kv_wait_s):
+                raise KVRoomTimeout(self.config.kv_wait_s, self.router.retry_after_s())
+        except BaseException:
+            self.router.drop(job_id)
+            raise
+        ring = self.router.ring_for(job_id)
         send, recv = trio.open_memory_channel(256)
         self._jobs[job_id] = send
         self.liveness.job_opened(job_id)
@@ -345,6 +354,11 @@ class EnginePort:
 
     async def wait_change(self, epoch: int, timeout_s: float) -> None:
         await self.engine.swarm.wait_change(epoch, timeout_s)
+
+    async def wait_room(self, timeout_s: float) -> None:
+        """A stage refused this job for K/V: until its ring (or another) has room."""
+        self.engine.router.refused(self.job_id)
+        await self.engine.router.wait_room(self.job_id, timeout_s)
 
     async def send_body(self, ring: RingState, body: bytes, sent: Forward | None = None) -> None:
         await self.engine.send_body(ring, body)

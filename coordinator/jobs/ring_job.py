@@ -26,7 +26,7 @@ import torch
 import trio
 
 from receipts import sha256_digest
-from coordinator.errors import EmptyPromptError, JobFailedError, RingLost, RingWaitTimeout
+from coordinator.errors import EmptyPromptError, JobFailedError, KVRefused, RingLost, RingWaitTimeout
 from coordinator.spec import adapt
 from coordinator.spec.accept import Acceptance, accept_as_committed
 from coordinator.spec.grammar import GrammarState, start_grammar
@@ -55,6 +55,7 @@ log = logging.getLogger("shard.coordinator")
 
 # What ends a round on this ring: the job then resumes from its committed tokens.
 ROUND_FAILURES = (RingLost, JobFailedError, TransportError, trio.TooSlowError)
+MAX_KV_WAITS = 16  # rounds refused for K/V a job waits out before they count as failures
 
 
 @dataclass(frozen=True)
@@ -221,7 +222,8 @@ class RingJob:
         makes them logits), with the traversal time and the aux rows the round brought back;
         resumes on a new ring (re-prefilling the committed context) when the ring changed or
         a stage failed."""
-        for attempt in range(self.config.max_resumes + 1):
+        failures = kv_waits = 0
+        while failures <= self.config.max_resumes:
             ring = await self._wait_ring()
             if ring.epoch != self.ring_epoch:
                 if self.counts.traversals:
@@ -239,6 +241,11 @@ class RingJob:
                     self.port.round_missed(ring, self.round)
                 self.ring_epoch, self.ring_ctx, self.pending_commit = -1, 0, ((), 0)
                 self._discard_ahead()
+                if isinstance(exc, KVRefused) and kv_waits < MAX_KV_WAITS:  # no failure: wait for room, resume
+                    kv_waits += 1
+                    await self.port.wait_room(self.config.kv_wait_s)
+                    continue
+                failures += 1
                 if not isinstance(exc, RingLost):
                     await self.port.wait_change(ring.epoch, self.config.resume_wait_s)
         raise JobFailedError(f"job {self.job_id} lost its ring {self.config.max_resumes + 1} times")

@@ -6,22 +6,33 @@ decode rounds, else its plan's prediction), its prefill time per prompt token, t
 pinned to it and the tokens they still owe. A job stays on its ring while that ring's
 epoch holds; when its ring breaks (gone from the swarm's rings while it re-forms, or
 dropped) the job is routed again to whichever ring is formed then and resumes there
-(re-prefilling its committed tokens, exactly as on a re-form). Knows no frames and no
+(re-prefilling its committed tokens, exactly as on a re-form). A ring whose stages' K/V
+cannot hold one more job (coordinator.jobs.kv_room: what the nodes registered, what their
+refusals taught) takes none: a new job goes to a ring with room, or waits for one
+(`wait_room`), as does a job a stage refused for K/V anyway. Knows no frames and no
 streams: the engine asks it, the swarm says which rings exist.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import trio
+
+from coordinator.jobs.kv_room import Room, StageRoom, job_slots
+from shard.kv_budget import stage_kv_bytes, stage_weight_bytes
 from coordinator.jobs.ring_choice import RingLoad, choose_ring
 from coordinator.swarm.swarm import RingState, Swarm
 
 CLOSED_KEPT = 256
 RECENT = 32  # a ring's timings are the median of its last this many measured rounds of a kind
+ROOM_POLL_S = 1.0  # a job waiting for K/V room looks again at least this often (rings re-form, too)
+LEARNED_S = 60.0  # what a K/V refusal taught holds this long (it may have been a job just ending)
 
 
 @dataclass
@@ -31,15 +42,22 @@ class Pinned:
     max_tokens: int
     job: Any = None  # the RingJob once opened: how many tokens it still owes
     closed: bool = False  # finished: counts for nothing; kept a while so its EndJob finds its ring
+    waiting: bool = False  # waiting for K/V room: holds none the router counts
 
 
 class RingRouter:
     def __init__(self, swarm: Swarm, default_max_tokens: int = 256,
-                 probation: Callable[[RingState], tuple] = lambda ring: ()) -> None:
+                 probation: Callable[[RingState], tuple] = lambda ring: (), *, kv_step: int = 256,
+                 kv_slack: int = 0) -> None:
         """`probation(ring)`: the ring's stages whose rounds the coordinator recomputes (the
         engine's shadow holds one ring's chain at a time, so at most one ring with stages
-        on probation takes new jobs; the others wait until it has none)."""
-        self.swarm, self.probation = swarm, probation
+        on probation takes new jobs; the others wait until it has none). `kv_step`: the most
+        slots one frame writes (a prefill chunk); `kv_slack`: slots a job's cache keeps past
+        its context for draft nodes (shard.stage_worker.DRAFT_SLACK_SLOTS)."""
+        self.swarm, self.probation, self.kv_step, self.kv_slack = swarm, probation, kv_step, kv_slack
+        self.learned_jobs: dict[int, tuple[int, float]] = {}  # ring epoch -> (jobs it held when a stage refused K/V, until)
+        self.kv_refusals = 0  # rounds a stage refused for K/V (they wait for room, then resume)
+        self._room_freed = trio.Event()
         self.default_max_tokens = default_max_tokens  # a request without max_tokens is costed as this many
         self.pinned: dict[str, Pinned] = {}
         self._closed: deque[str] = deque()  # closed jobs still pinned, oldest first (at most CLOSED_KEPT)
@@ -61,6 +79,8 @@ class RingRouter:
         if pin is None or pin.closed:
             return
         pin.closed, pin.job = True, None
+        self._room_freed.set()
+        self._room_freed = trio.Event()
         self._closed.append(job_id)
         while len(self._closed) > CLOSED_KEPT:
             self.pinned.pop(self._closed.popleft(), None)
@@ -75,7 +95,8 @@ class RingRouter:
             return rings.get(pin.ring_id)
         if not rings:
             return None
-        loads = [self.load(rid) for rid in sorted(rings) if self.routable(rid)]
+        open_ = [rid for rid in sorted(rings) if self.routable(rid)]
+        loads = [self.load(rid) for rid in ([r for r in open_ if self.fits(r, pin)] or open_)]  # one with room first
         chosen = choose_ring(loads, pin.prompt_tokens + self.produced(pin), max(1, self.owed(pin)))
         if pin.ring_id >= 0:
             self.moves += 1
@@ -91,6 +112,89 @@ class RingRouter:
             return True
         busy = [rid for rid in probing if self.jobs_on(rid)]
         return ring_id == (busy or probing)[0]
+
+    # -- K/V room (coordinator.jobs.kv_room) ---------------------------------------------
+    def slots(self, pin: Pinned) -> int:
+        """Slots `pin`'s job's cache will hold on each stage at its longest."""
+        max_ctx = self.swarm.store.config.max_context_tokens
+        tokens = min(pin.prompt_tokens + pin.max_tokens, max_ctx) + self.kv_slack
+        return job_slots(tokens, max_ctx + self.kv_slack, self.kv_step)
+
+    def room(self, ring_id: int, without: Pinned | None = None) -> Room:
+        """Ring `ring_id`'s stages' K/V bounds and the slots its open jobs (but `without`) hold."""
+        ring, swarm = self.swarm.rings.get(ring_id), self.swarm
+        stages = []
+        caps = {a.peer_id: a.max_open_jobs for a in ring.assignments} if ring is not None else {}
+        for peer, r in ring.stages if ring is not None else ():
+            member = swarm.members.get(peer)
+            if member is None:
+                continue
+            reg = member.register
+            weights = stage_weight_bytes(swarm.store, r, reg.bytes_per_layer)
+            stages.append(StageRoom(stage_kv_bytes(reg.memory_bytes, weights),
+                                    len(r) * swarm.model.kv_bytes_per_token_layer, caps.get(peer, 0)))
+        reserved = [self.slots(p) for p in self.pinned.values()
+                    if p.ring_id == ring_id and not p.closed and not p.waiting and p is not without]
+        learned, until = self.learned_jobs.get(ring.epoch, (0, 0.0)) if ring is not None else (0, 0.0)
+        return Room(stages, reserved, learned if time.monotonic() < until else 0)
+
+    def fits(self, ring_id: int, pin: Pinned) -> bool:
+        return self.room(ring_id, pin).fits(self.slots(pin))
+
+    async def wait_room(self, job_id: str, timeout_s: float) -> bool:
+        """Until `job_id` fits its ring's K/V, or another ring's (it moves there; it holds no
+        K/V anywhere while it waits). True at once if no ring could hold it even alone (its
+        stages decide); False if `timeout_s` passed first."""
+        pin = self.pinned[job_id]
+        pin.waiting = True
+        try:
+            return await self._wait_room(pin, timeout_s)
+        finally:
+            pin.waiting = False
+
+    async def _wait_room(self, pin: Pinned, timeout_s: float) -> bool:
+        with trio.move_on_after(timeout_s):
+            while True:
+                rings = self.swarm.rings
+                if pin.ring_id in rings and self.fits(pin.ring_id, pin):
+                    return True
+                need = self.slots(pin)
+                if rings and not any(self.room(rid).could_ever_fit(need) for rid in rings):
+                    return True
+                other = [rid for rid in sorted(rings) if rid != pin.ring_id and self.routable(rid) and self.fits(rid, pin)]
+                if other:
+                    chosen = choose_ring([self.load(rid) for rid in other], pin.prompt_tokens + self.produced(pin),
+                                         max(1, self.owed(pin)))
+                    self.moves += pin.ring_id >= 0 and self.produced(pin) > 0
+                    pin.ring_id = int(chosen) if chosen is not None else other[0]
+                    return True
+                with trio.move_on_after(ROOM_POLL_S):
+                    await self._room_freed.wait()
+        return False
+
+    def refused(self, job_id: str) -> None:
+        """A stage of `job_id`'s ring refused it for K/V: that ring holds no more jobs than
+        the others open on it now (at least one), for LEARNED_S or until it re-forms."""
+        pin = self.pinned.get(job_id)
+        ring = self.swarm.rings.get(pin.ring_id) if pin is not None else None
+        self.kv_refusals += 1
+        if ring is not None:
+            others = len(self.room(ring.ring_id, pin).reserved)
+            for gone in [e for e in self.learned_jobs if self.swarm.ring_by_epoch(e) is None]:
+                del self.learned_jobs[gone]
+            self.learned_jobs[ring.epoch] = (max(1, others), time.monotonic() + LEARNED_S)
+
+    def drop(self, job_id: str) -> None:
+        """A job that never opened (it waited for room and left): as if never routed."""
+        self.pinned.pop(job_id, None)
+        self._room_freed.set()
+        self._room_freed = trio.Event()
+
+    def retry_after_s(self) -> int:
+        """Seconds until a job somewhere is predicted to finish (Retry-After of a 429)."""
+        soonest = [self.timings(self.swarm.rings[p.ring_id])[0] * self.owed(p) for p in self.pinned.values()
+                   if not p.closed and p.ring_id in self.swarm.rings]
+        return max(1, min(600, math.ceil(min(soonest, default=10.0))))
 
     async def wait_ring(self, job_id: str) -> RingState:
         """`job_id`'s ring once one is formed."""
@@ -168,7 +272,7 @@ class RingRouter:
         return {"ready": ring is not None, "model": model_id, "epoch": ring.epoch if ring else None,
                 "members": members, "registered_nodes": len(swarm.members), "active_jobs": active_jobs,
                 "wire_dtype": swarm.config.wire_dtype, "topology": swarm.topology_info(),
-                "rings": self.info(), "jobs_moved": self.moves}
+                "rings": self.info(), "jobs_moved": self.moves, "kv_refusals": self.kv_refusals}
 
     def info(self) -> list[dict[str, Any]]:
         """Every ring formed, for /v1/ring: its id, epoch, stages, jobs and timings."""

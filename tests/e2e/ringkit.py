@@ -81,10 +81,10 @@ def memory_for_stages(store, stages: int) -> int:
 
 @contextlib.asynccontextmanager
 async def open_local_ring(store, nodes: int, *, wire_dtype: str = "f32", engine: EngineConfig = EngineConfig(),
-                          node_config: dict | None = None) -> AsyncIterator[LocalRing]:
+                          node_config: dict | None = None, swarm: dict | None = None) -> AsyncIterator[LocalRing]:
     tokenizer = AutoTokenizer.from_pretrained(str(store.tokenizer_dir))
-    config = CoordConfig(listen=LOOPBACK_ANY_PORT, min_nodes=nodes, swarm=SwarmConfig(wire_dtype=wire_dtype), engine=engine,
-                         receipts=ReceiptConfig(enabled=False))
+    config = CoordConfig(listen=LOOPBACK_ANY_PORT, min_nodes=nodes, swarm=SwarmConfig(wire_dtype=wire_dtype, **(swarm or {})),
+                         engine=engine, receipts=ReceiptConfig(enabled=False))
     async with open_coordinator(config, store, tokenizer, keypair_from_seed(os.urandom(32))) as coordinator:
         node_config = {"max_memory_bytes": memory_for_stages(store, nodes), **(node_config or {})}
         started = [await coordinator.nursery.start(_run_node, store, coordinator.addr, node_config)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
 
 from coordinator.jobs.ring_router import RingRouter
 from coordinator.swarm.formation import RingState, SwarmConfig
@@ -34,6 +36,9 @@ class Rings:
     ring_plans: dict = field(default_factory=dict)
     traversals: TraversalLog = field(default_factory=TraversalLog)
     config: SwarmConfig = SwarmConfig()
+    members: dict = field(default_factory=dict)  # none registered: no K/V bound known (test_kv_room has them)
+    store: Any = field(default_factory=lambda: SimpleNamespace(config=SimpleNamespace(max_context_tokens=8192)))
+    model: ModelSpec = MODEL
 
     def add(self, rid: int, epoch: int, peers: tuple[str, str]) -> None:
         self.rings[rid] = RingState(epoch, tuple((PeerId(p), LayerRange(0, 2)) for p in peers), (), rid)
