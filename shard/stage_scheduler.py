@@ -57,9 +57,10 @@ class SchedulerConfig:
     max_waiting_frames: int = 256
     # A few of the largest frames (2048 tokens of a 4096-wide model in f32 is 32 MiB).
     max_waiting_bytes: int = 128 << 20
-    # How long after a burst's first frame a forward waits for the rest of it (0: never).
-    # Measured on the 3-stage loopback ring at 16 streams (docs/batching.md): the last frame
-    # of a stage's burst lands within ~0.1-1 ms of its first; a job that ends sends nothing.
+    # How long after a burst's first frame a forward waits for the rest of it (0: never): a
+    # job that ended upstream sends nothing, so this is what it costs. On the 3-stage
+    # loopback ring at 16 streams (2 loaded cores) waits ran 2-11 ms each for 2 and 10 ms
+    # bounds and gave no clear throughput either way (docs/batching.md, Bursts).
     burst_wait_s: float = 0.002
     # How often the frames and rows per forward are logged (BatchTally), while forwards run.
     tally_every_s: float = 10.0
