@@ -211,8 +211,9 @@ class RingRouter:
         ring = self.swarm.ring_by_epoch(epoch)
         return self.jobs_on(ring.ring_id) if ring is not None else 0
 
-    def jobs_on(self, ring_id: int) -> int:
-        return sum(1 for p in self.pinned.values() if p.ring_id == ring_id and not p.closed)
+    def jobs_on(self, ring_id: int, waiting: bool = False) -> int:
+        """Jobs open on ring `ring_id` (`waiting`: those pinned to it waiting for K/V room instead)."""
+        return sum(1 for p in self.pinned.values() if p.ring_id == ring_id and not p.closed and p.waiting == waiting)
 
     @staticmethod
     def produced(pin: Pinned) -> int:
@@ -281,5 +282,5 @@ class RingRouter:
             round_s, prefill_s = self.timings(ring)
             out.append({"ring_id": rid, "epoch": ring.epoch, "jobs": self.jobs_on(rid),
                         "stages": [{"peer_id": p, "layers": [r.start, r.end]} for p, r in ring.stages],
-                        "round_s": round_s, "prefill_s_per_token": prefill_s})
+                        "round_s": round_s, "prefill_s_per_token": prefill_s, "waiting_for_kv": self.jobs_on(rid, True)})
         return out
