@@ -58,6 +58,7 @@ class RingRouter:
         self.learned_jobs: dict[int, tuple[int, float]] = {}  # ring epoch -> (jobs it held when a stage refused K/V, until)
         self.kv_refusals = 0  # rounds a stage refused for K/V (they wait for room, then resume)
         self._room_freed = trio.Event()
+        self._room_queue: deque[Pinned] = deque()  # jobs waiting for K/V room, first come first served
         self.default_max_tokens = default_max_tokens  # a request without max_tokens is costed as this many
         self.pinned: dict[str, Pinned] = {}
         self._closed: deque[str] = deque()  # closed jobs still pinned, oldest first (at most CLOSED_KEPT)
@@ -143,26 +144,31 @@ class RingRouter:
 
     async def wait_room(self, job_id: str, timeout_s: float) -> bool:
         """Until `job_id` fits its ring's K/V, or another ring's (it moves there; it holds no
-        K/V anywhere while it waits). True at once if no ring could hold it even alone (its
-        stages decide); False if `timeout_s` passed first."""
+        K/V anywhere while it waits), first come first served. True at once if no ring could
+        hold it even alone (its stages decide); False if `timeout_s` passed first."""
         pin = self.pinned[job_id]
         pin.waiting = True
+        self._room_queue.append(pin)
         try:
             return await self._wait_room(pin, timeout_s)
         finally:
             pin.waiting = False
+            self._room_queue.remove(pin)
+            self._room_freed.set()  # the next in line may go
+            self._room_freed = trio.Event()
 
     async def _wait_room(self, pin: Pinned, timeout_s: float) -> bool:
         with trio.move_on_after(timeout_s):
             while True:
                 rings = self.swarm.rings
-                if pin.ring_id in rings and self.fits(pin.ring_id, pin):
+                first = self._room_queue[0] is pin  # a job waiting longer goes first
+                if first and pin.ring_id in rings and self.fits(pin.ring_id, pin):
                     return True
                 need = self.slots(pin)
                 if rings and not any(self.room(rid).could_ever_fit(need) for rid in rings):
                     return True
                 other = [rid for rid in sorted(rings) if rid != pin.ring_id and self.routable(rid) and self.fits(rid, pin)]
-                if other:
+                if first and other:
                     chosen = choose_ring([self.load(rid) for rid in other], pin.prompt_tokens + self.produced(pin),
                                          max(1, self.owed(pin)))
                     self.moves += pin.ring_id >= 0 and self.produced(pin) > 0

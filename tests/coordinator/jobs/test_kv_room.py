@@ -125,3 +125,30 @@ def test_a_job_no_ring_could_ever_hold_is_sent_at_once_for_its_stages_to_decide(
     trio.run(main)
 
 
+
+
+def test_jobs_waiting_for_room_go_first_come_first_served():
+    # Bug guarded: a waiter woken later (or a newcomer) taking the room an earlier one waits for.
+    swarm = _swarm(32768)
+    router = RingRouter(swarm)
+    for i in range(256):
+        router.route(f"j{i}", 10, 64)  # both rings full
+    order: list[str] = []
+
+    async def wait(job_id):
+        router.route(job_id, 10, 64)
+        assert await router.wait_room(job_id, 5.0)
+        order.append(job_id)
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            for name in ("w1", "w2", "w3"):
+                nursery.start_soon(wait, name)
+                await trio.testing.wait_all_tasks_blocked()
+            router.forget("j0")  # room for one: the first in line, however the waiters wake
+            await trio.testing.wait_all_tasks_blocked()
+            assert order == ["w1"]
+            router.forget("j1")
+            router.forget("j2")
+    trio.run(main)
+    assert order == ["w1", "w2", "w3"]
