@@ -81,8 +81,11 @@ class RingEngine:
         self._jobs: dict[str, trio.MemorySendChannel] = {}
         self.jobs_ended = 0
         # Which of the swarm's rings each job runs on; one ring at a time with rounds the shadow recomputes.
+        # A job's K/V past its tokens: the draft nodes of its rounds in flight; with no drafter
+        # every frame writes one slot at its context's end, so none.
         self.router = RingRouter(swarm, probation=lambda ring: self.on_probation(ring) if self.shadow is not None else (),
-                                 kv_step=config.prefill_chunk_tokens, kv_slack=DRAFT_SLACK_SLOTS)
+                                 kv_step=config.prefill_chunk_tokens,
+                                 kv_slack=0 if config.draft == "none" else DRAFT_SLACK_SLOTS)
         self.eagle_head = self._load_eagle(store)
         self._head_streams: dict[int, FramedStream] = {}
         self._send_lock = trio.Lock()

@@ -65,6 +65,15 @@ def _swarm(kv_slots: int, kv_per_layer: int = 1024) -> Rings:
     return swarm
 
 
+def test_draft_slack_counts_only_where_a_drafter_writes_past_the_tokens():
+    # 50 prompt + 128 new tokens: 178 slots fit the cache's first 256 with no drafter; the
+    # 128 slots a drafter may write past them take it to its first doubling, 512.
+    pin = SimpleNamespace(prompt_tokens=50, max_tokens=128)
+    swarm = _swarm(100)
+    assert RingRouter(swarm, kv_slack=0).slots(pin) == 256
+    assert RingRouter(swarm, kv_slack=128).slots(pin) == 512
+
+
 def test_a_full_ring_takes_no_new_job_while_another_has_room():
     swarm = _swarm(100)  # under the floor: MIN_KV_BYTES hold 32768 slots a stage
     router = RingRouter(swarm)
