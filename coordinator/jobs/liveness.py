@@ -13,11 +13,20 @@ detection, never a false one. A lone job has nothing ahead: its deadline is the 
 own (a stalling stage is still out within 10 s, tests/e2e/test_stalling_stage.py).
 
 A missed round blames one stage per ring epoch (coordinator.swarm.unreachable.stall_suspect
-over the rounds each peer served and the missed rounds it was part of).
+over the rounds each peer served and the missed rounds it was part of), unless the ring is
+answering: a Result of another round came back through every stage within
+`ALIVE_WINDOW_S`. A stall answers nothing; a ring that answers is busy, and blaming one of
+its stages re-formed the ring under every job and excluded an honest node (bench_load, 16
+streams with four ~1.9k-token prompts, a short prompt's round behind their pieces: the
+honest tail blamed three times in five minutes, out for an hour). Only the round's own job
+resumes then. A stage that answers some jobs and stalls others is still blamed once a ring
+epoch has missed `BUSY_MISSES_BEFORE_BLAME` rounds while answering.
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass, replace
 
 from coordinator.jobs.deadline import DeadlinePolicy, round_deadline_s
@@ -29,6 +38,11 @@ from ring import PeerId, RingError
 from shard.errors import WireError
 from shard.wire.codec import decode_frame
 from shard.wire.messages import Forward, Result
+
+log = logging.getLogger("shard.coordinator")
+
+ALIVE_WINDOW_S = 2.0  # a Result through the whole ring this recently: it answers (deadlines are >= 5 s)
+BUSY_MISSES_BEFORE_BLAME = 3  # rounds one ring epoch may miss while answering before a stage is blamed
 
 
 @dataclass(frozen=True)
@@ -89,6 +103,9 @@ class Liveness:
         self.served: dict[PeerId, int] = {}  # rounds each peer served as a stage
         self.missed: dict[PeerId, int] = {}  # missed rounds each peer was part of
         self._blamed_epoch = -1  # one stage sits out per ring that misses, however many jobs missed
+        self.clock = time.monotonic
+        self._answered: dict[int, float] = {}  # ring epoch -> when a Result last came back on it
+        self._busy_misses: dict[int, int] = {}  # ring epoch -> rounds missed while it answered
         self._predicted: tuple[object, dict] = (None, {})  # (plan, shape -> predicted traversal s)
         # prefill -> ((epoch, samples), the newest sample, the ratios of those samples)
         self._measured: dict[bool, tuple[tuple[int, int], object, list[float]]] = {}
@@ -116,6 +133,8 @@ class Liveness:
     def result_arrived(self, ring: RingState, result: Result) -> None:
         self.in_flight.arrived(result.job_id, result.round)
         if result.epoch == ring.epoch:
+            self._answered = {e: t for e, t in self._answered.items() if e >= ring.epoch - 8}
+            self._answered[ring.epoch] = self.clock()
             for peer, _ in ring.stages:
                 self.served[peer] = self.served.get(peer, 0) + 1
 
@@ -164,6 +183,14 @@ class Liveness:
         stages were told to stop), one stage sits out and the ring re-forms."""
         if self.swarm.ring_by_epoch(ring.epoch) is None or ring.epoch <= self._blamed_epoch:
             return
+        answered = self._answered.get(ring.epoch)
+        if answered is not None and self.clock() - answered <= ALIVE_WINDOW_S:
+            misses = self._busy_misses[ring.epoch] = self._busy_misses.get(ring.epoch, 0) + 1
+            if misses < BUSY_MISSES_BEFORE_BLAME:
+                log.warning("round %d missed its deadline on ring epoch %d, which answered another round %.1f s ago: "
+                            "busy, not stalled; no stage blamed (%d of %d such misses)", round, ring.epoch,
+                            self.clock() - answered, misses, BUSY_MISSES_BEFORE_BLAME)
+                return
         self._blamed_epoch = ring.epoch
         stages = [p for p, _ in ring.stages]
         for peer in stages:

@@ -142,3 +142,38 @@ def test_a_frame_sent_counts_the_same_given_as_bytes_or_as_its_forward():
                             Result(job_id="job-b", epoch=3, round=4, hidden=torch.zeros(3, 8), compute_s=(0.0,)))
         assert len(live.in_flight) == 0  # its result takes it out again
     assert counted == [InFlight(1, 3), InFlight(1, 3)]
+
+
+def test_a_ring_that_answers_is_busy_not_stalled():
+    # Bug guarded (issue 21): at 16 streams with four ~1.9k-token prompts, a short prompt's
+    # round waited behind their pieces past its deadline while the ring answered every
+    # other job; the tail was blamed as stalled three times in five minutes (re-forming the
+    # ring under every job) and excluded for an hour. A ring whose Results keep coming back
+    # is busy: no stage is blamed until it misses BUSY_MISSES_BEFORE_BLAME rounds so, and a
+    # ring that answers nothing is blamed at its first miss as before.
+    from types import SimpleNamespace
+
+    from coordinator.jobs.liveness import ALIVE_WINDOW_S, BUSY_MISSES_BEFORE_BLAME, Liveness
+
+    blamed = []
+    rings = {}
+    swarm = SimpleNamespace(ring_by_epoch=rings.get, report_unreachable=lambda peer, why, kind: blamed.append(peer))
+    now = [100.0]
+    live = Liveness(swarm, frame_timeout_s=60.0, prefill_chunk_tokens=256)
+    live.clock = lambda: now[0]
+    busy = SimpleNamespace(epoch=1, stages=(("head", None), ("tail", None)))
+    quiet = SimpleNamespace(epoch=2, stages=(("head", None), ("tail", None)))
+    rings.update({1: busy, 2: quiet})
+    live.result_arrived(busy, SimpleNamespace(job_id="other", round=7, epoch=1))
+    for i in range(BUSY_MISSES_BEFORE_BLAME - 1):
+        now[0] += ALIVE_WINDOW_S / 2
+        live.round_missed(busy, round=i)
+        live.result_arrived(busy, SimpleNamespace(job_id="other", round=8 + i, epoch=1))
+        assert blamed == [], i
+    live.round_missed(busy, round=99)  # still answering, but the misses add up: a selective staller
+    assert len(blamed) == 1
+
+    live.result_arrived(quiet, SimpleNamespace(job_id="other", round=1, epoch=2))
+    now[0] += ALIVE_WINDOW_S + 0.1  # nothing back since: stalled
+    live.round_missed(quiet, round=2)
+    assert len(blamed) == 2
