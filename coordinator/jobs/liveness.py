@@ -133,7 +133,9 @@ class Liveness:
     def result_arrived(self, ring: RingState, result: Result) -> None:
         self.in_flight.arrived(result.job_id, result.round)
         if result.epoch == ring.epoch:
-            self._answered = {e: t for e, t in self._answered.items() if e >= ring.epoch - 8}
+            if ring.epoch not in self._answered:  # a new epoch: forget the old ones' (not per Result)
+                self._answered = {e: t for e, t in self._answered.items() if e >= ring.epoch - 8}
+                self._busy_misses = {e: n for e, n in self._busy_misses.items() if e >= ring.epoch - 8}
             self._answered[ring.epoch] = self.clock()
             for peer, _ in ring.stages:
                 self.served[peer] = self.served.get(peer, 0) + 1
