@@ -16,7 +16,9 @@ so every ring has measured rounds before the load: a fresh ring's round deadline
 the nodes' speed probe alone, which does not see a CPU quota), then C closed-loop clients
 (16 by default) stream /v1/completions for a ramp and a fixed window, cycling a fixed mix
 of short prompts (greedy and seeded sampled, 64 and 128 new tokens; no 2k-token prompts:
-a half-model node's K/V budget holds ~8 short jobs).
+a half-model node's K/V budget holds ~8 short jobs, so on one ring half the clients wait
+for K/V room: serve runs with --kv-wait-s 120 by default here, the 30 s default would turn
+that wait into 429s).
 
 Reported per configuration: rings formed, aggregate tok/s, p50/p95 TTFT and inter-token
 gap, errors, whether every finished request equals the same request served alone (once,
@@ -88,7 +90,7 @@ class Pool:
     cgroup when given (before it imports anything); all killed and the cgroups removed on close."""
 
     def __init__(self, store: ModelStore, home: Path, max_rings: int, name: str, wan: list[str] = WAN,
-                 node_cpu: float = 0.0) -> None:
+                 node_cpu: float = 0.0, kv_wait_s: float = 30.0) -> None:
         self.log_path, self.procs = home / f"{name}.log", []
         self.quotas = CpuQuotas(node_cpu) if node_cpu else None
         env = {**os.environ, "SHARD_HOME": str(home / f"{name}-home"), "OMP_NUM_THREADS": "1"}
@@ -97,7 +99,7 @@ class Pool:
             [sys.executable, "-m", "coordinator.cli", "serve", "--model", "smollm2-135m", "--store-dir", str(store.root),
              "--min-nodes", str(NODES), "--max-rings", str(max_rings), "--http", "127.0.0.1:0",
              "--listen", "/ip4/127.0.0.1/tcp/0", "--draft", "none", "--max-concurrent-jobs", "64",
-             "--probation-rounds", "0", *wan], stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True))
+             "--probation-rounds", "0", "--kv-wait-s", f"{kv_wait_s:g}", *wan], stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True))
         try:
             addr = self._wait_for(JOIN, 300)
             for i in range(NODES):
@@ -188,7 +190,7 @@ def _node_cpus(text: str) -> list[float]:
 def run_pool(store: ModelStore, home: Path, max_rings: int, node_cpu: float, wan: list[str], mix: list[dict],
              refs: list[str] | None, args) -> tuple[dict, list[str]]:
     """One pool's row, and the served-alone outputs (computed here when `refs` is None)."""
-    pool = Pool(store, home, max_rings, f"rings{max_rings}-cpu{node_cpu:g}", wan, node_cpu)
+    pool = Pool(store, home, max_rings, f"rings{max_rings}-cpu{node_cpu:g}", wan, node_cpu, args.kv_wait_s)
     try:
         info = pool.wait_rings(max_rings)
         if refs is None:  # served alone once, on the first pool: every pool is held to it
@@ -222,6 +224,10 @@ def main(argv=None) -> int:
     ap.add_argument("--latency-ms", type=float, default=25.0, help="one-way latency of every emulated link")
     ap.add_argument("--warmup-s", type=float, default=20.0, help="2 clients a ring before each configuration's load")
     ap.add_argument("--ramp-s", type=float, default=15.0, help="the clients' first requests, before the window")
+    ap.add_argument("--kv-wait-s", type=float, default=120.0,
+                    help="serve's --kv-wait-s: how long a request waits for a ring with K/V room before 429 "
+                         "(16 clients on one ring whose stages hold ~8 of these jobs: half of them wait a "
+                         "job's length, ~45 s at one ring's rate)")
     ap.add_argument("--log-dir", help="keep the coordinator and node logs here (default: a temporary dir)")
     ap.add_argument("--node-cpu", type=_node_cpus, default=[0.25, 0.0],
                     help="CPU cores per node process, one pair of pools (1 ring, 2 rings) per value; "
@@ -242,7 +248,7 @@ def main(argv=None) -> int:
     mix = request_mix(AutoTokenizer.from_pretrained(str(store.tokenizer_dir)))
     results = {"revision": git_revision(), "model": "smollm2-135m", "nodes": NODES,
                "node_memory_bytes": half_model_bytes(store), "links": f"emulated WAN: {args.latency_ms:g} ms one way, 50 Mbit/s uplinks",
-               "clients": args.clients, "window_s": args.window_s, "warmup_s": args.warmup_s, "ramp_s": args.ramp_s, "cpus": os.cpu_count(),
+               "clients": args.clients, "kv_wait_s": args.kv_wait_s, "window_s": args.window_s, "warmup_s": args.warmup_s, "ramp_s": args.ramp_s, "cpus": os.cpu_count(),
                "node_cpu": {f"{c:g}": (describe(c) if c else "no quota: every process on the shared cores")
                             for c in args.node_cpu},
                "configs": [], "two_over_one": {}}
