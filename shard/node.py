@@ -22,8 +22,7 @@ from dataclasses import dataclass, field, replace
 import torch
 import trio
 
-from shard.assignment_rules import (ACKNOWLEDGE, decide, open_jobs_cap, public_key_of_peer,  # noqa: F401 (re-exported)
-                                    verify_assignment)
+from shard.assignment_rules import ACKNOWLEDGE, decide, open_jobs_cap, verify_assignment
 from shard.errors import JobRef, ShardError, WireError
 from shard.frame_log import FrameLog
 from shard.heap import return_freed_heap

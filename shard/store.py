@@ -15,7 +15,6 @@ import pathlib
 import shutil
 import sys
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from safetensors import safe_open

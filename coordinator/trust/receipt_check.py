@@ -45,8 +45,8 @@ from receipts import (
 )
 from receipts.bundle import bundle_to_json
 from ring import PeerId
+from shard.assignment_rules import public_key_of_peer
 from shard.layers import LayerRange
-from shard.node import public_key_of_peer
 from shard.options import option
 from shard.store import ModelStore
 from shard.wire.messages import Forward, Result

@@ -41,8 +41,9 @@ from coordinator.spec.sampling import SamplingParams
 from coordinator.swarm.formation import SwarmConfig
 from receipts import decode_evidence, encode_evidence, verify_evidence
 from receipts.cli import main as receipts_cli
+from shard.assignment_rules import public_key_of_peer
 from shard.identity import keypair_from_seed
-from shard.node import Node, NodeConfig, public_key_of_peer
+from shard.node import Node, NodeConfig
 from shard.stage import Stage
 from shard.transport import open_host
 from shard.wire.messages import AuditReply

@@ -44,9 +44,10 @@ from coordinator.trust.audit import AuditConfig
 from coordinator.trust.receipt_check import ReceiptConfig
 from coordinator.trust.report import trust_report
 from receipts import decode_evidence, encode_evidence, verify_evidence
+from shard.assignment_rules import public_key_of_peer
 from shard.identity import keypair_from_seed
 from shard.manifest import layer_file
-from shard.node import Node, NodeConfig, public_key_of_peer
+from shard.node import Node, NodeConfig
 from shard.stage import Stage
 from shard.store import ModelStore
 from shard.wire.roles import ROLE_HOT_STANDBY, ROLE_SPOT_CHECK_VERIFIER
