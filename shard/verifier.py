@@ -33,7 +33,7 @@ from shard.store import ModelStore
 from shard.wire.codec import decode, encode
 from shard.wire.limits import Limits
 from shard.wire.messages import Forward
-from shard.wire.verify import VerifyReply, VerifyRequest
+from shard.wire.verify import TIMING_ERROR, VerifyReply, VerifyRequest, is_timing
 
 log = logging.getLogger("shard.node")
 
@@ -85,7 +85,12 @@ class Verifier:
         """Recompute `req` and return the reply (an error reply for anything wrong with it).
         `warm`: the slice this node keeps loaded and the quantisation it was loaded under,
         used when it is exactly the slice asked for in f32. Runs the replay in a worker
-        thread under the node's compute limiter (never alongside one of its own forwards)."""
+        thread under the node's compute limiter (never alongside one of its own forwards).
+        A timing request (shard.wire.verify.is_timing: the speed probe's, every probe) is
+        answered with its error at once and logged at debug, not as a refusal."""
+        if is_timing(req):
+            log.debug("verify request %d: a timing request, answered at once", req.request_id)
+            return VerifyReply(request_id=req.request_id, error=TIMING_ERROR)
         try:
             frames = request_frames(req, limits)
             stage = await self._stage(LayerRange(req.layer_start, req.layer_end), req.quant, warm)

@@ -55,7 +55,7 @@ from shard.stage import Stage
 from shard.store import ModelStore
 from shard.wire.codec import encode, encode_body
 from shard.wire.messages import Forward, Register
-from shard.wire.verify import VerifyReply, VerifyRequest
+from shard.wire.verify import VerifyReply, VerifyRequest, timing_request
 
 log = logging.getLogger("shard.coordinator")
 
@@ -345,8 +345,7 @@ class SpeedProbes:
     async def _ask_nothing(self, peer: PeerId, layer: int) -> float:
         """Seconds a request the node refuses at once takes: the link's round trip and the
         control path's own cost, taken off the timed requests."""
-        req = VerifyRequest(request_id=next(self._ids), layer_start=layer, layer_end=layer + 1, wire_dtype=self.wire_dtype,
-                            frame_bytes=(1,), frames=torch.zeros(1, dtype=torch.uint8))  # not a frame: refused unread
+        req = timing_request(next(self._ids), layer, self.wire_dtype)  # answered at once, with an error
         start = time.perf_counter()
         await self._exchange(peer, req)
         return time.perf_counter() - start

@@ -4,6 +4,9 @@ The coordinator sends a verifier node (control stream) the input frames a stage 
 one (job, epoch), with the slice and formats the stage served them under; the verifier
 replays them on its own copy of that slice (shard.verifier, shard.replay) and answers with
 the rows it recomputed. Registered in shard.wire.messages' allow-list like every other kind.
+A timing request (`timing_request`, `is_timing`: one frame of one zero byte, which no
+Forward can be: its header alone is longer) asks for nothing: the verifier answers it with an
+error at once, so the coordinator's speed probe times the round trip and the control path.
 Pure data with its cross-field rules (`check`): nothing here replays, compares or sends.
 """
 
@@ -95,6 +98,19 @@ class VerifyReply:
         if n and (int(self.keep.min()) < 0 or int(self.keep.max()) >= limits.max_tokens_per_frame):
             bad = int(self.keep.min()) if int(self.keep.min()) < 0 else int(self.keep.max())
             raise WireError("tensor 'keep' value", f"[0, {limits.max_tokens_per_frame})", bad)
+
+
+TIMING_ERROR = "a timing request: nothing to recompute"
+
+
+def timing_request(request_id: int, layer: int, wire_dtype: str) -> VerifyRequest:
+    """A request the verifier refuses unread (`TIMING_ERROR`): one frame of one zero byte."""
+    return VerifyRequest(request_id=request_id, layer_start=layer, layer_end=layer + 1, wire_dtype=wire_dtype,
+                         frame_bytes=(1,), frames=torch.zeros(1, dtype=torch.uint8))
+
+
+def is_timing(req: VerifyRequest) -> bool:
+    return req.frame_bytes == (1,) and int(req.frames[0]) == 0
 
 
 def control_limits(limits: Limits) -> Limits:

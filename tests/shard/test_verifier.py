@@ -12,6 +12,7 @@ must refuse shapes that do not add up before anything reads them.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import shutil
 from types import SimpleNamespace
 
@@ -32,7 +33,7 @@ from shard.store import ModelStore
 from shard.verifier import Verifier
 from shard.wire.codec import decode, encode, encode_body
 from shard.wire.limits import Limits
-from shard.wire.verify import VerifyReply, VerifyRequest, control_limits
+from shard.wire.verify import TIMING_ERROR, VerifyReply, VerifyRequest, control_limits, is_timing, timing_request
 from tests.coordinator.trust.test_audit_replay import engine_like_frames
 
 
@@ -146,6 +147,27 @@ def test_bad_requests_get_error_replies(middle, tmp_path):
     (tmp_path / "s" / layer_file(2)).unlink()
     reply = answer(ModelStore.open(tmp_path / "s"), good)
     assert reply.error is not None and reply.hidden is None
+
+
+def test_the_speed_probes_timing_request_is_answered_at_once_without_a_warning(middle, caplog):
+    # Bug guarded: every speed probe's timing request logged "verify request ... not answered:
+    # frame shorter than its header length field" at WARNING on the probed node; a malformed
+    # request (a frame that does not decode) must still warn.
+    store, _ = middle
+    req = timing_request(9, 1, "f32")
+    assert is_timing(decode(encode(req), control_limits(Limits.for_model(store.config))))
+    with caplog.at_level(logging.DEBUG, logger="shard.node"):
+        reply = answer(store, req)
+    assert reply.request_id == 9 and reply.error == TIMING_ERROR and reply.hidden is None
+    assert [r for r in caplog.records if r.levelno >= logging.WARNING] == []
+    caplog.clear()
+    bad = VerifyRequest(request_id=10, layer_start=1, layer_end=2, wire_dtype="f32", frame_bytes=(1,),
+                        frames=torch.ones(1, dtype=torch.uint8))
+    assert not is_timing(bad)
+    with caplog.at_level(logging.DEBUG, logger="shard.node"):
+        reply = answer(store, bad)
+    assert reply.error != TIMING_ERROR and reply.hidden is None
+    assert [r.levelno for r in caplog.records if "not answered" in r.getMessage()] == [logging.WARNING]
 
 
 def test_the_warm_slice_is_used_only_as_loaded_for_the_request(middle):
