@@ -18,6 +18,7 @@ from coordinator.jobs.engine_config import EngineConfig
 from coordinator.swarm.formation import SwarmConfig
 from coordinator.trust.audit import AuditConfig
 from coordinator.trust.receipt_check import ReceiptConfig
+from shard.batch_plan import PREFILL_ORDERS
 from shard.node_config import NodeConfig
 from shard.options import option
 from shard.sources import DEFAULT_MODEL
@@ -53,6 +54,8 @@ class CoordConfig:
     node_threads: int = option(1, "torch threads per local node")
     node_batch_token_budget: int = option(NodeConfig.batch_token_budget, "rows one forward of a local node may carry across "
                                           "jobs (shard-node join --batch-token-budget; 1: one frame per forward)")
+    node_prefill_order: str = option(NodeConfig.prefill_order, "which waiting prefill chunk a local node's forward "
+                                     "serves first (shard-node join --prefill-order)", choices=PREFILL_ORDERS)
     node_quant: str = option(_NODE_QUANT.default, "weight-only quantisation of each local node's layers "
                                                   "(shard-node join --quant)", choices=_NODE_QUANT.metadata["choices"])
     receipts: ReceiptConfig = field(default_factory=ReceiptConfig)

@@ -75,6 +75,6 @@ def local_node_command(config: CoordConfig, store_dir, coordinator_addr: str, in
     return [sys.executable, "-m", "shard.cli", "join", "--coordinator", coordinator_addr, "--model", config.model,
             "--store-dir", str(store_dir), "--key-path", str(key), "--torch-threads", str(config.node_threads),
             "--quant", config.node_quant, "--batch-token-budget", str(config.node_batch_token_budget),
-            "--burst-wait-ms", str(link.burst_wait_ms),
+            "--burst-wait-ms", str(link.burst_wait_ms), "--prefill-order", config.node_prefill_order,
             "--link-latency-ms", str(link.link_latency_ms), "--link-upload-mbps", str(link.link_upload_mbps),
             "--link-jitter-ms", str(link.link_jitter_ms), "--exit-with-parent-pid", str(os.getpid())]

@@ -54,8 +54,9 @@ from shard.store import ModelStore, default_store_dir, prepare  # noqa: E402
 
 BANNER = re.compile(r"serving \S+ at (http://[0-9.]+:\d+)/v1")
 LINKS = {"loopback": [], "wan": ["--link-latency-ms", "25", "--link-upload-mbps", "50"]}
-# nowait: batching on, but no forward (nor the gateway's head) waits for the rest of a burst.
-BATCHING = {"on": [], "off": ["--node-batch-token-budget", "1"], "nowait": ["--burst-wait-ms", "0"]}
+# Batching on, but nowait: no forward (nor the head) waits for a burst; arrival: prefill oldest first.
+BATCHING = {"on": [], "off": ["--node-batch-token-budget", "1"], "nowait": ["--burst-wait-ms", "0"],
+            "arrival": ["--node-prefill-order", "arrival"]}
 
 
 def request_mix(tokenizer) -> list[dict]:
@@ -314,7 +315,8 @@ def main(argv=None) -> int:
     ap.add_argument("--sustain-s", type=float, default=300.0, help="sustained run at the highest concurrency (0: none)")
     ap.add_argument("--links", default="loopback,wan")
     ap.add_argument("--wan-concurrency", default=None, help="levels on the WAN ring (default: --concurrency)")
-    ap.add_argument("--batching", default="on,off", help="on, off, nowait (no burst waits), waitN (N ms)")
+    ap.add_argument("--batching", default="on,off", help="on, off, nowait (no burst waits), arrival (prefill oldest first), "
+                    "waitN (N ms)")
     ap.add_argument("--kinds", default="0,1,2,3,4,5,6,7", help="which request kinds of the mix to send (indices)")
     args = ap.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))  # rings closed on kill

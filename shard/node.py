@@ -38,7 +38,7 @@ from shard.reconnect import ReconnectPolicy, RegistrationRefused, serve_reconnec
 from shard.ring_inbox import InboxConfig, RingInbox
 from shard.ring_observer import NO_OBSERVER, RingObserver
 from shard.stage import Stage
-from shard.stage_scheduler import SchedulerConfig, StageScheduler, Waiting
+from shard.stage_scheduler import StageScheduler, Waiting
 from shard.stage_worker import StageWorker, WallClock, WorkerConfig
 from shard.store import ModelStore, stored_weight_files
 from shard.transport import FramedStream, Host, TransportError
@@ -105,9 +105,7 @@ class Node:
         self.links = NodeLinks(self.host, self._send_control, cfg.link_latency_ms, cfg.link_upload_mbps,
                                cfg.link_jitter_ms, cfg.probe_timeout_s)
         self.weights = WeightServer(self.store.root, self.store.manifest, cfg.weights, open_link=self.links.open_link)
-        self.scheduler = StageScheduler(lambda: self.state, self._run_batch,
-                                        SchedulerConfig(token_budget=cfg.batch_token_budget, piece_rows=cfg.prefill_piece_tokens,
-                                                        burst_wait_s=cfg.burst_wait_ms / 1e3))
+        self.scheduler = StageScheduler(lambda: self.state, self._run_batch, cfg.scheduler_config())
 
     async def serve(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Register and serve until cancelled. Error handling: a bad frame, failed job or

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shard.batch_plan import DEFAULT_PIECE_ROWS, DEFAULT_TOKEN_BUDGET
+from shard.batch_plan import DEFAULT_PIECE_ROWS, DEFAULT_TOKEN_BUDGET, PREFILL_ORDERS
 from shard.layers import LayerRange
 from shard.manifest import layer_file, layer_tensor_shapes
 from shard.options import option
@@ -57,6 +57,9 @@ class NodeConfig:
                                      "this stage (prefill chunks and decode rows share it); 1 = one frame per forward")
     prefill_piece_tokens: int = option(DEFAULT_PIECE_ROWS, "prefill rows one forward carries while decode rows wait or "
                                        "ran within the last second (a longer chunk runs in pieces); 0 = never split")
+    prefill_order: str = option(SchedulerConfig.prefill_order, "which waiting prefill chunk a forward's prefill rows go "
+                                "to first: shortest remaining prompt (a chunk passed over 8 forwards goes first) "
+                                "or arrival (oldest first)", choices=PREFILL_ORDERS)
     burst_wait_ms: float = option(SchedulerConfig.burst_wait_s * 1e3, "how long a forward waits for the rest of a "
                                   "burst (frames the predecessor sent together) once its first frame came (0: never)")
     # shard-coord serve --local-nodes passes its own pid: a gateway killed with SIGKILL
@@ -66,6 +69,11 @@ class NodeConfig:
     def __post_init__(self) -> None:
         if self.max_open_jobs < 0:
             raise ValueError(f"max_open_jobs must be >= 0 (0: the coordinator's), got {self.max_open_jobs}")
+
+    def scheduler_config(self) -> SchedulerConfig:
+        """How this node's stage batches the frames waiting at it (shard.stage_scheduler)."""
+        return SchedulerConfig(token_budget=self.batch_token_budget, piece_rows=self.prefill_piece_tokens,
+                               prefill_order=self.prefill_order, burst_wait_s=self.burst_wait_ms / 1e3)
 
 
 # measure_compute's rounds (one prefill, four decodes each) and the pause between them.

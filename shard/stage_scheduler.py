@@ -2,8 +2,9 @@
 
 Frames decoded off every ring stream wait here in arrival order. One task takes what is
 waiting now (shard.batch_plan.plan_batch: the oldest, at most one frame per job, a token
-budget shared by prefill chunks and decode rows) and hands it to `run_batch`, which runs
-it as one forward and sends each frame's outcome on its own. A frame never waits for
+budget shared by prefill chunks and decode rows, prefill shortest remaining prompt first)
+and hands it to `run_batch`, which runs it as one forward and sends each frame's outcome
+on its own. A frame never waits for
 company: when the task is free and one frame waits, that frame runs alone at once; frames
 that arrive while a forward runs share the next one. Frames of an epoch the node no
 longer serves are dropped unrun (their outputs would be dropped unsent anyway).
@@ -36,7 +37,7 @@ from dataclasses import dataclass
 
 import trio
 
-from shard.batch_plan import DEFAULT_PIECE_ROWS, DEFAULT_TOKEN_BUDGET, plan_batch
+from shard.batch_plan import DEFAULT_MAX_PASSES, DEFAULT_PIECE_ROWS, DEFAULT_TOKEN_BUDGET, passed_over, plan_batch
 
 log = logging.getLogger("shard.node")
 
@@ -53,6 +54,10 @@ class SchedulerConfig:
     # rows come back within a round trip (well under a second on a loaded loopback ring at
     # 16 streams), and a prefill chunk taken whole in that gap would stall them on return.
     busy_window_s: float = 1.0
+    # Which prefill chunk gets a forward's prefill rows first (shard.batch_plan): "shortest"
+    # remaining prompt, aged after max_passes forwards passed over; "arrival": oldest first.
+    prefill_order: str = "shortest"
+    max_passes: int = DEFAULT_MAX_PASSES
     # Enough for every frame of 64 jobs' pipelined rounds (4 in flight each) to wait at once.
     max_waiting_frames: int = 256
     # A few of the largest frames (2048 tokens of a 4096-wide model in f32 is 32 MiB).
@@ -127,6 +132,7 @@ class StageScheduler:
         self.waiting_bytes = 0
         self.done: dict[str, int] = {}  # job id -> rows run of its first waiting frame (part done)
         self.decoding: dict[str, float] = {}  # job id -> when its last decode or verify rows were taken
+        self.passed: dict[str, int] = {}  # job id -> forwards its waiting chunk was passed over (batch_plan)
         self._changed = trio.Event()  # set (and replaced) whenever a frame arrives or leaves
         self.forwards = 0  # batches run, the frames (or pieces) they carried, and how many were pieces
         self.frames_run = 0  # (for tests and benchmarks)
@@ -211,7 +217,10 @@ class StageScheduler:
             queued.append((w.job_id, w.rows - done, w.split_row_bytes > 0))
         ending = {w.job_id for w in live if w.rows == 0}  # a job whose end waits sends no more rows
         busy = any(job not in ending for job in self.decoding)
-        picked = plan_batch(queued, self.config.token_budget, self.config.piece_rows, busy)
+        cfg = self.config
+        picked = plan_batch(queued, cfg.token_budget, cfg.piece_rows, busy, self.passed, cfg.prefill_order,
+                            cfg.max_passes)
+        self.passed = passed_over(queued, picked, self.passed)
         batch, finished = [], set()
         for i, n in picked:
             w = live[i]
