@@ -3,7 +3,7 @@
 A new job goes to the ring coordinator.jobs.ring_choice predicts finishes it first, from
 what is measured of each ring now: its decode round time (the median of its measured
 decode rounds, else its plan's prediction), its prefill time per prompt token, the jobs
-pinned to it and the tokens they still owe. A job stays on its ring while that ring's
+pinned to it, the tokens they still owe and the prompt tokens they have yet to prefill. A job stays on its ring while that ring's
 epoch holds; when its ring breaks (gone from the swarm's rings while it re-forms, or
 dropped) the job is routed again to whichever ring is formed then and resumes there
 (re-prefilling its committed tokens, exactly as on a re-form). A ring whose stages' K/V
@@ -229,6 +229,16 @@ class RingRouter:
     def owed(self, pin: Pinned) -> int:
         return max(0, pin.max_tokens - self.produced(pin))
 
+    @staticmethod
+    def prefill_owed(pin: Pinned) -> int:
+        """Prompt (or, resuming, committed) tokens whose K/V `pin`'s ring does not hold yet:
+        the whole prompt until its job opens; then what its committed tokens are ahead of the
+        ring's context, less the root (a decode round's one token), until a round commits."""
+        job = pin.job
+        if job is None:
+            return pin.prompt_tokens
+        return max(0, len(job.committed) - 1 - job.ring_ctx) if job.committed else pin.prompt_tokens
+
     def load(self, ring_id: int) -> RingLoad:
         """Ring `ring_id` as measured now. Its rounds are shared by the jobs on it, so the
         tokens they owe are work ahead of a new job (max_batch 1 in ring_choice's terms)."""
@@ -236,7 +246,8 @@ class RingRouter:
         round_s, prefill_s = self.timings(ring)
         on = [p for p in self.pinned.values() if p.ring_id == ring_id and not p.closed]
         return RingLoad(str(ring_id), ring is not None, round_s, prefill_s, running=len(on), max_batch=1,
-                        owed_tokens=sum(self.owed(p) for p in on))
+                        owed_tokens=sum(self.owed(p) for p in on),
+                        owed_prefill_tokens=sum(self.prefill_owed(p) for p in on))
 
     def timings(self, ring: RingState | None) -> tuple[float, float]:
         """(decode round s, prefill s per prompt token) of `ring`: the median of its recent

@@ -35,10 +35,20 @@ def test_the_faster_ring_wins_until_its_batch_is_full_and_its_queue_long():
     assert choose_ring([busy, SLOW], 100, 64) == "b"
 
 
+def test_prompts_still_to_prefill_ahead_count_as_wait():
+    # A ring whose one job still has 1900 prompt tokens to prefill (at 10 ms a token) is
+    # busier than one whose job owes 64 tokens at 0.1 s: 19 + 1.6 s against 6.4 s.
+    long_ahead = replace(FAST, prefill_s_per_token=0.01, running=1, max_batch=1, owed_tokens=16,
+                         owed_prefill_tokens=1900)
+    decoding = replace(FAST, ring_id="b", prefill_s_per_token=0.01, running=1, max_batch=1, owed_tokens=64)
+    assert choose_ring([long_ahead, decoding], 10, 64) == "b"
+    assert choose_ring([replace(long_ahead, owed_prefill_tokens=0), decoding], 10, 64) == "a"
+
+
 rings = st.builds(RingLoad, ring_id=st.sampled_from("abcdef"), ready=st.booleans(),
                   round_s=st.floats(0.01, 2.0), prefill_s_per_token=st.floats(0.0, 0.01),
                   running=st.integers(0, 40), max_batch=st.integers(1, 32), waiting=st.integers(0, 40),
-                  owed_tokens=st.integers(0, 10_000))
+                  owed_tokens=st.integers(0, 10_000), owed_prefill_tokens=st.integers(0, 10_000))
 
 
 @given(st.lists(rings, max_size=6, unique_by=lambda r: r.ring_id), st.integers(1, 4000), st.integers(1, 512),
@@ -58,5 +68,6 @@ def test_properties(pool, prompt_tokens, max_tokens, rnd):
     for other in ready:  # more load on a ring that lost never makes it win
         if other.ring_id != chosen:
             loaded = replace(other, running=other.running + 1, waiting=other.waiting + 1,
-                             owed_tokens=other.owed_tokens + max_tokens)
+                             owed_tokens=other.owed_tokens + max_tokens,
+                             owed_prefill_tokens=other.owed_prefill_tokens + prompt_tokens)
             assert choose_ring([loaded if r is other else r for r in pool], prompt_tokens, max_tokens) == chosen

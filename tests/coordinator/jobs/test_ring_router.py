@@ -123,3 +123,28 @@ def test_unmeasured_rings_are_not_ranked_by_the_cost_models_guesses():
     swarm.ring_plans[1] = (dataclasses.replace(plan, decode_step_s=10 * plan.decode_step_s), network)
     router = RingRouter(swarm)
     assert sorted(router.route(f"j{i}", 10, 64).ring_id for i in range(8)) == [0] * 4 + [1] * 4
+
+
+def test_a_prompt_still_to_prefill_counts_as_work_ahead_on_its_ring():
+    # Bug guarded (issue 21): the prediction counted the tokens the jobs ahead owe but not
+    # the prompts they have yet to prefill, so a short request went to the ring about to
+    # spend 19 s on a 1.9k-token prompt rather than the one with 6 s of decoding left.
+    # Sound: without the prefill ring 0 predicts 1.6 s of work ahead against ring 1's 6.4.
+    swarm = Rings()
+    swarm.add(0, 3, ("a", "b"))
+    swarm.add(1, 4, ("c", "d"))
+    swarm.measured(3, 0.1)
+    swarm.measured(4, 0.1)
+    for epoch in (3, 4):
+        swarm.traversals.add(Traversal(epoch, True, 8, 1900, 19.0, ()), Predicted(19.0, ()))  # 0.01 s a token
+    router = RingRouter(swarm)
+    assert router.route("long", 1900, 16).ring_id == 0
+    assert router.route("decoding", 10, 64).ring_id == 1
+    assert router.load(0).owed_prefill_tokens == 1900 and router.load(1).owed_prefill_tokens == 10
+    router.attach("decoding", SimpleNamespace(committed=[1] * 11, ring_ctx=10, prompt_ids=[1] * 10))
+    assert router.load(1).owed_prefill_tokens == 0  # prefilled: one token made, its root only
+    assert router.route("short", 10, 64).ring_id == 1
+    # Once the long prompt is prefilled its ring has the least work ahead again.
+    router.attach("long", SimpleNamespace(committed=[1] * 1901, ring_ctx=1900, prompt_ids=[1] * 1900))
+    assert router.load(0).owed_prefill_tokens == 0
+    assert router.route("next", 10, 64).ring_id == 0
