@@ -42,13 +42,13 @@ import math
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import trio
 
 from coordinator.swarm.swarm import Swarm
 from coordinator.trust import opinions
+from coordinator.trust.audit_config import AuditConfig, AuditStats
 from coordinator.trust.audit_plan import AuditPlan, plan_audits
 from coordinator.trust.compare import (Finding, Logged, agree, compare, failed_spot, logged_frames, replay_here,
                                        split_reply)
@@ -59,8 +59,7 @@ from receipts import NodeKey, sign_evidence
 from ring import PeerId
 from shard.layers import LayerRange
 from shard.manifest import layer_file
-from shard.options import option
-from shard.replay import Replayed, ReplayStats
+from shard.replay import Replayed
 from shard.store import ModelStore
 from shard.transport import TransportError
 from shard.wire.messages import AuditReply, AuditRequest
@@ -68,52 +67,6 @@ from shard.wire.roles import ROLE_SPOT_CHECK_VERIFIER
 from shard.wire.verify import MAX_VERIFY_REPLAY_ROWS, VerifyReply, VerifyRequest
 
 log = logging.getLogger("shard.coordinator")
-
-@dataclass(frozen=True)
-class AuditConfig:
-    # Probability that a (job, epoch, stage) is audited: its every verified frame of the
-    # job recomputed and compared. A stage that cheats on at least one verified frame per
-    # request escapes n requests with probability (1 - rate)^n: 0.75^20 = 0.3% at 0.25.
-    # Cost: rate x (one batched replay of the job's rows / the ring's per-frame compute
-    # of the job); docs/receipts.md gives the measured ratio (scripts/bench_receipts_ring.py).
-    rate: float = option(0.25, "probability a (job, stage) is audited by replay; cost in docs/receipts.md",
-                         flag="--audit-rate")
-    reply_timeout_s: float = 30.0
-    max_queued_jobs: int = 256  # finished jobs waiting for audit; more are not audited
-    max_cached_slices: int = 4  # slices kept loaded for replays
-    # Slices loaded for replays are dropped after this long with no audit to run: a
-    # 10-layer SmolLM2 slice is 140 MB in f32, which a gateway kept for good after one
-    # audit it recomputed itself (bench_hostile_ring read it as the attack's growth).
-    slice_idle_s: float = 60.0
-    max_replay_rows: int = 1024  # rows per replay forward (its attention mask is rows x rows)
-    # A job that waited longer than this for its audit is not audited: nodes drop a job's
-    # frame log FrameLogConfig.grace_s (300 s) after it ends, and a dropped log reads as
-    # a missing record, which would accuse an honest stage. Keep it below that grace.
-    max_job_age_s: float = 240.0
-    # Verifiers asked at most per audit: a first, a second opinion when it disagrees with
-    # the stage, a third when those two disagree (coordinator.trust.opinions).
-    max_opinions: int = 3
-    verify_timeout_s: float = 60.0  # a verifier's recomputation: about one prefill of the job's rows
-    # When no verifier node can recompute a slice, recompute it here, if this gateway's
-    # store holds the slice's layer files; False: such audits wait for a verifier (skipped).
-    replay_here: bool = True
-
-
-@dataclass
-class AuditStats:
-    audits: int = 0
-    frames_compared: int = 0
-    replay_s: float = 0.0  # wall time of check_frames (digests, decode, replay, compare)
-    replay: ReplayStats = dataclasses.field(default_factory=ReplayStats)  # forwards and rows replayed
-    skipped_stale: int = 0  # jobs not audited: older than max_job_age_s when their turn came
-    skipped_gone: int = 0  # (job, stage) audits not done: the stage left the swarm first
-    skipped_no_verifier: int = 0  # audits not done: no verifier answered and the slice is not held here
-    by_verifiers: int = 0  # recomputations done by verifier-role nodes
-    by_members: int = 0  # recomputations done by other members keeping the slice (stages, standbys)
-    by_coordinator: int = 0  # recomputations done here (no verifier could)
-    second_opinions: int = 0  # audits that asked more than one verifier
-    unsettled: int = 0  # audits whose opinions tied (the stage judged, no verifier accused)
-    lying_verifiers: int = 0  # verifiers outvoted and excluded
 
 
 class Auditor:
@@ -138,19 +91,25 @@ class Auditor:
         # Whether a member is on probation (the engine's book, set by coordinator.assembly):
         # members asked past the verifier-role nodes are asked off probation first.
         self.on_probation: Callable[[PeerId], bool] = lambda peer: False
-        self._settled = trio.Event()  # set each time serve() has audited all it was handed
+        self._settled = trio.Event()  # set each time an audit ends or serve() waits for a job
+        self._in_flight = 0  # jobs being audited
 
     async def wait_idle(self) -> None:
         """Return once every finished job handed over has been audited (tests and benchmarks).
         serve() waiting on an empty `finished` channel is exactly that: it parks there only
-        with nothing queued and nothing in hand (a job handed straight to it unparks it)."""
-        while not self._finished.statistics().tasks_waiting_receive:
+        with nothing queued (a job handed straight to it unparks it), and no audit running."""
+        while not self._finished.statistics().tasks_waiting_receive or self._in_flight:
             await self._settled.wait()
 
+    def _settle(self) -> None:
+        self._settled.set()
+        self._settled = trio.Event()
+
     async def serve(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        """Audit finished jobs one at a time, and route audit replies to the fetches waiting
-        for them, forever. Error handling: a stage that left the swarm is skipped (the
-        swarm already re-forms without it); nothing here raises."""
+        """Audit finished jobs, up to AuditConfig.max_concurrent_audits at once (a job's
+        stages one after another), and route audit replies to the fetches waiting for them,
+        forever. Error handling: a stage that left the swarm is skipped (the swarm already
+        re-forms without it); nothing here raises."""
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._serve_replies)
             task_status.started()
@@ -161,28 +120,42 @@ class Auditor:
             self._on_reply(peer, reply)
 
     async def _serve_audits(self) -> None:
-        while True:
-            self._settled.set()
-            self._settled = trio.Event()
-            job = None
-            with trio.move_on_after(self.config.slice_idle_s if len(self.slices) else math.inf):
-                job = await self._finished.receive()
-            if job is None:  # no audit for a while: the slices loaded for replays go back
-                self.slices.release()
-                continue
+        slots = trio.Semaphore(max(1, self.config.max_concurrent_audits))
+        async with trio.open_nursery() as nursery:
+            while True:
+                await slots.acquire()  # a job is taken off the queue only when it can start now
+                self._settle()
+                job = None
+                with trio.move_on_after(self.config.slice_idle_s if len(self.slices) else math.inf):
+                    job = await self._finished.receive()
+                if job is None:  # no audit for a while: the slices loaded for replays go back
+                    if not self._in_flight:
+                        self.slices.release()
+                    slots.release()
+                    continue
+                self._in_flight += 1
+                nursery.start_soon(self._audit_job, job, slots)
+
+    async def _audit_job(self, job: FinishedJob, slots: trio.Semaphore) -> None:
+        try:
             if time.monotonic() - job.finished_s > self.config.max_job_age_s:
                 log.warning("audit backlog: job %s waited %.0f s, its frame logs may be gone; not audited",
                             job.job_id, time.monotonic() - job.finished_s)
                 self.stats.skipped_stale += 1
-                plans = []
-            else:
-                plans = plan_audits(job, self.config.rate, self.rng)
-            for plan in plans:
-                try:
-                    await self.audit(plan)
-                except (TransportError, trio.TooSlowError) as exc:
-                    self.stats.skipped_gone += 1
-                    log.info("audit of %s on job %s skipped, the stage left: %s", plan.peer_id, plan.job_id, exc)
+                return
+            await self._audit_plans(plan_audits(job, self.config.rate, self.rng))
+        finally:
+            self._in_flight -= 1
+            slots.release()
+            self._settle()
+
+    async def _audit_plans(self, plans: list[AuditPlan]) -> None:
+        for plan in plans:
+            try:
+                await self.audit(plan)
+            except (TransportError, trio.TooSlowError) as exc:
+                self.stats.skipped_gone += 1
+                log.info("audit of %s on job %s skipped, the stage left: %s", plan.peer_id, plan.job_id, exc)
 
     async def audit(self, plan: AuditPlan) -> Finding | None:
         """Audit one stage's frames of one job. Raises TransportError or TooSlowError only

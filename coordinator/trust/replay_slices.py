@@ -28,6 +28,7 @@ class ReplaySlices:
     def __init__(self, store: ModelStore, max_slices: int, limiter: trio.CapacityLimiter) -> None:
         self.store, self.max_slices, self._limiter = store, max_slices, limiter
         self._slices: OrderedDict[tuple[LayerRange, str], Stage] = OrderedDict()  # (layers, quant) -> slice
+        self._loading = trio.Lock()  # one load at a time: concurrent audits of one slice load it once
 
     def __len__(self) -> int:
         return len(self._slices)
@@ -35,19 +36,20 @@ class ReplaySlices:
     async def get(self, r: LayerRange, quant: str = "none") -> Stage:
         """Layers `r` under quantisation `quant`, loaded from the store if not kept."""
         key = (r, quant)
-        stage = self._slices.get(key)
-        if stage is None:
-            store = self.store
+        async with self._loading:
+            stage = self._slices.get(key)
+            if stage is None:
+                store = self.store
 
-            def load() -> Stage:
-                emb = store.load_embedding() if r.start == 0 else None
-                stage = Stage(store.config, r, store.load_layers(r), dtype=torch.float32, device="cpu", embedding=emb)
-                return quantise_stage(stage, scheme(quant))
+                def load() -> Stage:
+                    emb = store.load_embedding() if r.start == 0 else None
+                    stage = Stage(store.config, r, store.load_layers(r), dtype=torch.float32, device="cpu", embedding=emb)
+                    return quantise_stage(stage, scheme(quant))
 
-            stage = self._slices[key] = await trio.to_thread.run_sync(load, limiter=self._limiter)
-            while len(self._slices) > self.max_slices:
-                self._slices.popitem(last=False)
-        self._slices.move_to_end(key)
+                stage = self._slices[key] = await trio.to_thread.run_sync(load, limiter=self._limiter)
+                while len(self._slices) > self.max_slices:
+                    self._slices.popitem(last=False)
+            self._slices.move_to_end(key)
         return stage
 
     def release(self) -> None:

@@ -1,0 +1,62 @@
+"""The auditor's settings (AuditConfig) and counts (AuditStats): how often, how much at once,
+how long an audit may wait; what the audits did. Data only (coordinator.trust.audit runs them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from shard.options import option
+from shard.replay import ReplayStats
+
+
+@dataclass(frozen=True)
+class AuditConfig:
+    # Probability that a (job, epoch, stage) is audited: its every verified frame of the
+    # job recomputed and compared. A stage that cheats on at least one verified frame per
+    # request escapes n requests with probability (1 - rate)^n: 0.75^20 = 0.3% at 0.25.
+    # Cost: rate x (one batched replay of the job's rows / the ring's per-frame compute
+    # of the job); docs/receipts.md gives the measured ratio (scripts/bench_receipts_ring.py).
+    rate: float = option(0.25, "probability a (job, stage) is audited by replay; cost in docs/receipts.md",
+                         flag="--audit-rate")
+    reply_timeout_s: float = 30.0
+    max_queued_jobs: int = 256  # finished jobs waiting for audit; more are not audited
+    # Jobs audited at once: an audit mostly waits (on the stage's records, on a verifier's
+    # recomputation), and one at a time fell behind at 16 streams (1 audit in a 40 s window,
+    # the rest skipped as stale). The gateway's own CPU work stays one at a time (its limiter).
+    max_concurrent_audits: int = 4
+    max_cached_slices: int = 4  # slices kept loaded for replays
+    # Slices loaded for replays are dropped after this long with no audit to run: a
+    # 10-layer SmolLM2 slice is 140 MB in f32, which a gateway kept for good after one
+    # audit it recomputed itself (bench_hostile_ring read it as the attack's growth).
+    slice_idle_s: float = 60.0
+    max_replay_rows: int = 1024  # rows per replay forward (its attention mask is rows x rows)
+    # A job that waited longer than this for its audit is not audited: nodes drop a job's
+    # frame log FrameLogConfig.grace_s (300 s) after it ends, and a dropped log reads as
+    # a missing record, which would accuse an honest stage. Keep it below that grace.
+    max_job_age_s: float = 240.0
+    # Verifiers asked at most per audit: a first, a second opinion when it disagrees with
+    # the stage, a third when those two disagree (coordinator.trust.opinions).
+    max_opinions: int = 3
+    verify_timeout_s: float = 60.0  # a verifier's recomputation: about one prefill of the job's rows
+    # When no verifier node can recompute a slice, recompute it here, if this gateway's
+    # store holds the slice's layer files; False: such audits wait for a verifier (skipped).
+    replay_here: bool = True
+
+
+@dataclass
+class AuditStats:
+    audits: int = 0
+    frames_compared: int = 0
+    replay_s: float = 0.0  # wall time of check_frames (digests, decode, replay, compare)
+    replay: ReplayStats = dataclasses.field(default_factory=ReplayStats)  # forwards and rows replayed
+    skipped_stale: int = 0  # jobs not audited: older than max_job_age_s when their turn came
+    skipped_gone: int = 0  # (job, stage) audits not done: the stage left the swarm first
+    skipped_no_verifier: int = 0  # audits not done: no verifier answered and the slice is not held here
+    by_verifiers: int = 0  # recomputations done by verifier-role nodes
+    by_members: int = 0  # recomputations done by other members keeping the slice (stages, standbys)
+    by_coordinator: int = 0  # recomputations done here (no verifier could)
+    second_opinions: int = 0  # audits that asked more than one verifier
+    unsettled: int = 0  # audits whose opinions tied (the stage judged, no verifier accused)
+    lying_verifiers: int = 0  # verifiers outvoted and excluded
