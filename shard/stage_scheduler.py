@@ -21,6 +21,10 @@ first among its job's frames until its last piece is taken, and the worker sends
 output once, whole. A piece that fails ends its frame: run_batch names the jobs whose
 frame failed and their part-done frames leave the queue.
 
+A job's end (rows 0: its EndJob) takes its job's waiting frames out of the queue unrun (their
+outputs are owed to nobody, and run they would hold or re-open its K/V), and a frame of a job
+that ended here (same epoch; the last `max_ended_jobs` ends are kept) is refused at `submit`.
+
 Bounded: at most `max_waiting_frames` frames and `max_waiting_bytes` of frame bodies, and
 of the outputs a part-done frame's pieces keep, wait (one frame is always let in, however
 large); past them `submit` blocks, so the ring stream stops being read and the
@@ -32,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 
@@ -67,6 +72,9 @@ class SchedulerConfig:
     # loopback ring at 16 streams (2 loaded cores) waits ran 2-11 ms each for 2 and 10 ms
     # bounds and gave no clear throughput either way (docs/batching.md, Bursts).
     burst_wait_s: float = 0.002
+    # Ends of jobs remembered, so that a frame arriving after its job's end is refused: a few
+    # hundred bytes each, far more than the jobs one stage sees ending within a round trip.
+    max_ended_jobs: int = 4096
     # How often the frames and rows per forward are logged (BatchTally), while forwards run.
     tally_every_s: float = 10.0
 
@@ -139,6 +147,8 @@ class StageScheduler:
         self.pieces_run = 0
         self.tally = BatchTally(self.clock())  # frames and rows per forward, logged every tally_every_s
         self.bursts: dict[tuple[int, int], list] = {}  # (id(state), burst id) -> [size, frames seen, first seen]
+        self.ended: OrderedDict[tuple, None] = OrderedDict()  # (epoch, job id) of the jobs ended here, oldest first
+        self.dropped_after_end = 0  # frames taken out at their job's end, or refused after it
 
     def _notify(self) -> None:
         self._changed.set()
@@ -157,8 +167,33 @@ class StageScheduler:
         kept = sum(rows * firsts[job].split_row_bytes for job, rows in self.done.items() if job in firsts)
         self.waiting_bytes = sum(w.nbytes for w in self.waiting) + kept
 
-    async def submit(self, frame: Waiting) -> None:
-        """Queue a frame; blocks while the bounds are reached (backpressure on its stream)."""
+    def _end(self, key: tuple, end: Waiting) -> None:
+        """A job's end arrived: remember it, and take its waiting frames (same epoch) out."""
+        self.ended[key] = None
+        self.ended.move_to_end(key)
+        while len(self.ended) > self.config.max_ended_jobs:
+            self.ended.popitem(last=False)
+        gone = [w for w in self.waiting if w.rows and (getattr(w.msg, "epoch", None), w.job_id) == key]
+        if gone:
+            log.info("job %s ended: %d of its frames dropped unrun", end.job_id, len(gone))
+            self.dropped_after_end += len(gone)
+            self.waiting = [w for w in self.waiting if not any(w is g for g in gone)]
+            self.done.pop(end.job_id, None)
+            self._count_bytes()
+        self._notify()  # also wakes a frame of the job waiting for room: it is refused now
+
+    async def submit(self, frame: Waiting) -> bool:
+        """Queue a frame; blocks while the bounds are reached (backpressure on its stream).
+        False: refused, its job ended here (logged; nothing is queued)."""
+        key = (getattr(frame.msg, "epoch", None), frame.job_id)
+        if not frame.rows:
+            self._end(key, frame)
+        while self._full(frame.nbytes) and key not in self.ended:
+            await self._changed.wait()
+        if frame.rows and key in self.ended:  # arrived, or ended while it waited for room
+            log.info("job %s: a frame after its end refused (its K/V stays freed)", frame.job_id)
+            self.dropped_after_end += 1
+            return False
         while self._full(frame.nbytes):
             await self._changed.wait()
         self.waiting.append(frame)
@@ -171,6 +206,7 @@ class StageScheduler:
                 self.bursts = {k: v for k, v in self.bursts.items() if now - v[2] <= horizon}
             self.bursts.setdefault((id(frame.state), burst[0]), [burst[1], 0, now])[1] += 1
         self._notify()
+        return True
 
     def burst_deadline(self) -> float | None:
         """When the wait for the rest of the waiting frames' incomplete bursts ends (their
