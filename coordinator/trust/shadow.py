@@ -60,13 +60,19 @@ class Shadow:
         self._digests: dict[tuple[str, int, int], tuple[bytes, ...]] = {}
         self._checked: tuple[tuple[str, int, int], tuple[bytes, ...]] | None = None
         self._limiter = trio.CapacityLimiter(1)  # the workers share caches: one frame at a time
+        self._releases = 0  # bumped by release: a feed queued before one is dropped, not run
 
     async def feed(self, ring: RingState, msg: Forward | EndJob, quant_of: Mapping[str, str]) -> None:
         """Run one frame the coordinator sent to `ring`'s head through the shadow ring
         (`quant_of`: each stage's declared quantisation scheme, "none" if absent)."""
-        await trio.to_thread.run_sync(self._feed, ring, msg, quant_of, limiter=self._limiter)
+        await trio.to_thread.run_sync(self._feed, ring, msg, quant_of, self._releases, limiter=self._limiter)
 
-    def _feed(self, ring: RingState, msg: Forward | EndJob, quant_of: Mapping[str, str]) -> None:
+    def _feed(self, ring: RingState, msg: Forward | EndJob, quant_of: Mapping[str, str], releases: int) -> None:
+        if releases != self._releases:
+            # Released while this frame waited for the limiter (its ring's probation ended):
+            # running it would load every slice again for a round nobody checks, and the next
+            # round's release drop them again (~1 s of CPU per reload, once per queued frame).
+            return
         workers = self._workers(ring, quant_of)
         if isinstance(msg, EndJob):
             for w in workers:
@@ -118,6 +124,7 @@ class Shadow:
         next feed loads again. glibc keeps much of what a slice freed for reuse (a whole
         SmolLM2 shadow: 791 MB loaded, 524-676 MB after release, 340 MB after a trim), so
         the freed memory is handed back to the system too."""
+        self._releases += 1
         self._slices.clear()
         self._chain = None
         self._expected.clear()
