@@ -36,6 +36,7 @@ from shard.wire.messages import Forward
 from shard.wire.verify import TIMING_ERROR, VerifyReply, VerifyRequest, is_timing
 
 log = logging.getLogger("shard.node")
+WARN_EVERY_S = 60.0  # refusals logged at WARNING at most this often (the rest at INFO)
 
 
 def request_frames(req: VerifyRequest, limits: Limits) -> list[Forward]:
@@ -80,6 +81,8 @@ class Verifier:
         self.max_cached_slices = max_cached_slices
         self._slices: OrderedDict[tuple[LayerRange, str], Stage] = OrderedDict()
         self.answered = 0  # requests answered with rows (not errors)
+        self.refused = 0  # requests answered with an error (timing requests aside)
+        self._warned_s = -WARN_EVERY_S  # when a refusal was last logged at WARNING (trio's clock)
 
     async def answer(self, req: VerifyRequest, limits: Limits, warm: tuple[Stage, str] | None = None) -> VerifyReply:
         """Recompute `req` and return the reply (an error reply for anything wrong with it).
@@ -111,8 +114,12 @@ class Verifier:
         return reply
 
     def _refuse(self, req: VerifyRequest, why: str) -> VerifyReply:
-        log.warning("verify request %d (layers [%d, %d)) not answered: %s", req.request_id, req.layer_start,
-                    req.layer_end, why)
+        """At WARNING at most once per WARN_EVERY_S (with the refusals since), else at INFO."""
+        self.refused, now = self.refused + 1, trio.current_time()
+        loud = now - self._warned_s >= WARN_EVERY_S
+        self._warned_s = now if loud else self._warned_s
+        log.log(logging.WARNING if loud else logging.INFO, "verify request %d (layers [%d, %d)) not answered (%d "
+                "refused in all): %s", req.request_id, req.layer_start, req.layer_end, self.refused, why)
         return VerifyReply(request_id=req.request_id, error=why[:1024])
 
     async def _stage(self, r: LayerRange, quant: str, warm: tuple[Stage, str] | None) -> Stage:

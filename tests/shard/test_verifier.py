@@ -152,7 +152,7 @@ def test_bad_requests_get_error_replies(middle, tmp_path):
 def test_the_speed_probes_timing_request_is_answered_at_once_without_a_warning(middle, caplog):
     # Bug guarded: every speed probe's timing request logged "verify request ... not answered:
     # frame shorter than its header length field" at WARNING on the probed node; a malformed
-    # request (a frame that does not decode) must still warn.
+    # request (a frame that does not decode) must still warn, once per WARN_EVERY_S (then INFO).
     store, _ = middle
     req = timing_request(9, 1, "f32")
     assert is_timing(decode(encode(req), control_limits(Limits.for_model(store.config))))
@@ -164,10 +164,16 @@ def test_the_speed_probes_timing_request_is_answered_at_once_without_a_warning(m
     bad = VerifyRequest(request_id=10, layer_start=1, layer_end=2, wire_dtype="f32", frame_bytes=(1,),
                         frames=torch.ones(1, dtype=torch.uint8))
     assert not is_timing(bad)
+    limits = Limits.for_model(store.config, max_tokens_per_frame=2048)
+
+    async def twice():  # one verifier, two bad requests in a row: the second is not a warning again
+        verifier = Verifier(store, "cpu", trio.CapacityLimiter(1))
+        return [await verifier.answer(bad, limits) for _ in range(2)]
+
     with caplog.at_level(logging.DEBUG, logger="shard.node"):
-        reply = answer(store, bad)
-    assert reply.error != TIMING_ERROR and reply.hidden is None
-    assert [r.levelno for r in caplog.records if "not answered" in r.getMessage()] == [logging.WARNING]
+        replies = trio.run(twice)
+    assert all(r.error != TIMING_ERROR and r.hidden is None for r in replies)
+    assert [r.levelno for r in caplog.records if "not answered" in r.getMessage()] == [logging.WARNING, logging.INFO]
 
 
 def test_the_warm_slice_is_used_only_as_loaded_for_the_request(middle):
