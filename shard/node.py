@@ -312,6 +312,9 @@ class Node:
         if isinstance(msg, Forward) and msg.epoch != state.assignment.epoch:
             await self._job_error(msg, "stale_epoch", f"frame for epoch {msg.epoch}, serving {state.assignment.epoch}")
             return
+        if isinstance(msg, EndJob) and msg.epoch != state.assignment.epoch:  # the job resumed here may share its id
+            log.debug("ignoring the end of job %s on epoch %d, serving %d", msg.job_id, msg.epoch, state.assignment.epoch)
+            return
         if not isinstance(msg, (Forward, EndJob)):
             log.warning("ignoring %s on a ring stream", type(msg).__name__)
             return

@@ -139,3 +139,23 @@ def test_waiting_frames_are_bounded_and_a_full_queue_holds_the_stream(tiny_llama
         assert all(isinstance(m, Result) for m in got.values())
 
     trio.run(run_scenario, store, os.urandom(32), script)
+
+
+def test_an_end_for_another_epoch_leaves_the_job_running_here(tiny_llama_store):
+    # A job resumed on a new ring keeps its id: the old ring's end (its epoch) must not free the
+    # K/V the resumed job holds on this node's current epoch, nor drop its frames.
+    store = tiny_llama_store
+
+    async def script(ctx):
+        node = ctx["node"]
+        stream = await ctx["coord"].open_stream(node.host.peer_id, RING_PROTOCOL)
+        await stream.send_frame(encode(fwd("a", 1, [5, 9, 77])))
+        await receive(ctx, 1)
+        await stream.send_frame(encode(EndJob(job_id="a", epoch=0)))
+        await stream.send_frame(encode(fwd("a", 2, [11], ctx=3)))
+        got = await receive(ctx, 1)
+        assert isinstance(got[("a", 2)], Result)
+        assert (got[("a", 2)].hidden - alone(store, [5, 9, 77], [11])).abs().max().item() <= 1e-5
+        assert set(node.state.worker.cache.jobs) == {"a"} and node.scheduler.dropped_after_end == 0
+
+    trio.run(run_scenario, store, os.urandom(32), script)
