@@ -206,7 +206,7 @@ class Int4Linear:
     def nibbles(self) -> torch.Tensor:
         """(N padded, K) int32 in [0, 15], read back through the kernel: with scale 1 and
         zero 8 it returns q itself, exact in bf16."""
-        k, g = self.in_features, self.group_size
+        k = self.in_features
         eye = torch.eye(k, dtype=KERNEL_DTYPE, device=self.weight.device)  # (K, K)
         unit = torch.tensor([1.0, float(INT4_ZERO_POINT)], dtype=KERNEL_DTYPE, device=self.weight.device)
         q = self._mm(eye, unit.expand_as(self.scales_and_zeros).contiguous())  # (K, N) = q.T
