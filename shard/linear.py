@@ -11,11 +11,23 @@ MKL and 41 / 50 / 64 ms reordered (docs/benchmarks.md, bench_stage). The reorder
 the weight (no second copy). Elsewhere (GPU, non-f32 weights, a torch without oneDNN) the
 weight stays as it is and `F.linear` runs.
 
+oneDNN builds (JIT) and caches a kernel for each row count and weight shape, ~0.45 MB
+each, and torch offers no call that frees them (shard.heap caps the caches at 256): ragged
+batches and hostile frames with every row count from 1 to 800 kept a node 20-40 MB above
+its baseline for good (issue 20). So a packed product runs on a fixed set of row counts,
+ROW_BUCKETS: the rows are padded with zeros up to the next bucket and the padding's output
+dropped, and more rows than the largest bucket run in pieces of it. A row's result is
+bitwise the same in every product of two or more rows (checked on SmolLM2's five weight
+shapes, 2..600 rows), so padding changes no result. Each shape's buckets are built once
+per process when its first Linear is made (warm_buckets), so a node's kernels are all there
+from the start and nothing later adds any.
+
 Knows nothing of layers or models: callers hand it a weight, then rows.
 """
 
 from __future__ import annotations
 
+import bisect
 import functools
 
 import torch
@@ -24,6 +36,28 @@ import torch.nn.functional as F
 # oneDNN chooses its blocked layout for an expected row count; 4 ran best on the dev VM
 # across 2..32-row frames (a 1-row hint made every multi-row frame slower than MKL).
 PACK_HINT_ROWS = 4
+
+
+# The row counts a packed product runs at: 1 to 8 as they are (a product's cost there is
+# mostly reading the weight), then every 4th to 64 and every 8th to 128 (where the cost
+# grows with the rows, ~30 us a row for one SmolLM2 layer: padding costs < 1/16 on average);
+# more rows run in pieces of 128 (as fast as one product: 4 x 128 rows took 19.7 ms, 512
+# rows 19.6 ms). 30 buckets, ~17 MB of kernels per weight shape: a 10-layer SmolLM2 stage
+# starts at 450 MB instead of 384 and stays there (forwards of 1..300 rows: +0.6 MB; they
+# kept +113 MB before, the 256-kernel caps full).
+ROW_BUCKETS = tuple(range(1, 9)) + tuple(range(12, 65, 4)) + tuple(range(72, 129, 8))
+MAX_PRODUCT_ROWS = ROW_BUCKETS[-1]
+
+
+def bucket_rows(rows: int) -> int:
+    """The row count a product of `rows` rows (1..MAX_PRODUCT_ROWS) runs at: the least bucket
+    holding them."""
+    if not 1 <= rows <= MAX_PRODUCT_ROWS:
+        raise ValueError(f"a product holds 1 to {MAX_PRODUCT_ROWS} rows, got {rows}")
+    return ROW_BUCKETS[bisect.bisect_left(ROW_BUCKETS, rows)]
+
+
+_WARM: set[tuple[int, int, bool]] = set()  # weight shapes (out, in, bias) whose buckets are built
 
 
 @functools.cache
@@ -66,6 +100,32 @@ class Linear:
         self.packed = pack and weight.device.type == "cpu" and weight.dtype == torch.float32 and onednn_packing_works()
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_HINT_ROWS) if self.packed else weight
         self.lone_row_as_two = self.packed and lone_row_differs(self.weight, self.bias, self.in_features)
+        if self.packed:
+            self.warm_buckets()
+
+    def warm_buckets(self) -> None:
+        """Build this weight shape's kernel for every bucket, once per process (see the
+        module's note): later products of any row count add no kernel."""
+        key = (self.out_features, self.in_features, self.bias is not None)
+        if key not in _WARM:
+            x = torch.zeros(MAX_PRODUCT_ROWS, self.in_features, dtype=self.weight.dtype)
+            for rows in ROW_BUCKETS:
+                self._product(x[:rows])
+            _WARM.add(key)
+
+    def _product(self, rows: torch.Tensor) -> torch.Tensor:
+        """(T, in) contiguous -> (T, out), on oneDNN's kernel for exactly T rows."""
+        return torch.ops.mkldnn._linear_pointwise(rows, self.weight, self.bias, "none", [], "")
+
+    def _bucketed(self, rows: torch.Tensor) -> torch.Tensor:
+        """(T, in), 1 <= T <= MAX_PRODUCT_ROWS -> (T, out), the rows zero-padded to their bucket."""
+        t = rows.shape[0]
+        t_run = bucket_rows(max(t, 2) if self.lone_row_as_two else t)  # see lone_row_differs
+        if t_run == t:
+            return self._product(rows.contiguous())
+        padded = rows.new_zeros(t_run, self.in_features)
+        padded[:t] = rows
+        return self._product(padded)[:t]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if not self.packed:
@@ -73,8 +133,8 @@ class Linear:
         rows = x.reshape(-1, self.in_features)  # oneDNN takes a (T, in) matrix
         if rows.shape[0] == 0:  # and at least one row
             return x.new_zeros(*x.shape[:-1], self.out_features)
-        twice = rows.shape[0] == 1 and self.lone_row_as_two  # see lone_row_differs
-        y = torch.ops.mkldnn._linear_pointwise((rows.expand(2, -1) if twice else rows).contiguous(), self.weight,
-                                               self.bias, "none", [], "")
-        y = y[:1] if twice else y  # (T, out)
+        if rows.shape[0] <= MAX_PRODUCT_ROWS:
+            y = self._bucketed(rows)  # (T, out)
+        else:
+            y = torch.cat([self._bucketed(rows[i:i + MAX_PRODUCT_ROWS]) for i in range(0, rows.shape[0], MAX_PRODUCT_ROWS)])
         return y.reshape(*x.shape[:-1], self.out_features)

@@ -8,12 +8,13 @@ states. The oracle is F.linear on the same weight, to f32 rounding.
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shard.linear import Linear, onednn_packing_works
+from shard.linear import MAX_PRODUCT_ROWS, ROW_BUCKETS, Linear, bucket_rows, onednn_packing_works
 
 
 def test_this_torch_build_packs_f32_weights_for_onednn():
@@ -77,3 +78,38 @@ def test_a_row_alone_equals_the_same_row_in_any_multi_row_product():
             for i in range(rows):
                 assert torch.equal(lin(x[i:i + 1])[0], many[i]), (in_features, rows, i)
         assert torch.equal(lin(x[0]), many[0])  # a 1-D row too
+
+
+def test_row_counts_map_to_the_least_bucket_holding_them():
+    # A fixed, small set (what bounds the kernels a process builds, issue 20): 1..8 as
+    # they are, then no bucket more than 1/8 above the count it serves past 32.
+    assert list(ROW_BUCKETS) == sorted(set(ROW_BUCKETS)) and len(ROW_BUCKETS) == 30
+    assert ROW_BUCKETS[:8] == tuple(range(1, 9)) and MAX_PRODUCT_ROWS == ROW_BUCKETS[-1] == 128
+    for rows in range(1, MAX_PRODUCT_ROWS + 1):
+        b = bucket_rows(rows)
+        assert b in ROW_BUCKETS and b >= rows and not any(rows <= c < b for c in ROW_BUCKETS), rows
+        assert b - rows <= (3 if rows <= 64 else 7)
+    assert [bucket_rows(r) for r in (1, 8, 9, 12, 13, 64, 65, 127)] == [1, 8, 12, 12, 16, 64, 72, 128]
+    for bad in (0, -1, MAX_PRODUCT_ROWS + 1):
+        with pytest.raises(ValueError, match="1 to 128 rows"):
+            bucket_rows(bad)
+
+
+@pytest.mark.slow
+def test_padded_products_equal_the_unpadded_ones_bitwise_on_smollm2_shapes():
+    # Bug guarded: padding a product's rows to its bucket (or splitting past 128 rows)
+    # must not move a single bit, or a job's states would depend on the other jobs in its
+    # batch. Sound: every row count 1..130, 200 and 300 through SmolLM2's four layer shapes
+    # and its LM head (fewer counts), against oneDNN's product of exactly those rows; a lone
+    # row against its 2-row product where the weight runs a lone row as two.
+    g = torch.Generator().manual_seed(5)
+    every = (*range(1, 131), 200, 300)
+    for (out_f, in_f), counts in (((960, 576), every), ((576, 576), every),
+                                  ((3072, 576), every), ((576, 1536), every),
+                                  ((49152, 576), (1, 2, 3, 9, 13, 70, 129, 200))):
+        lin = Linear(torch.randn(out_f, in_f, generator=g) * 0.05)
+        x = torch.randn(max(counts) + 1, in_f, generator=g) * 10
+        for rows in counts:
+            exact = x[:max(rows, 2)] if lin.lone_row_as_two else x[:rows]
+            want = torch.ops.mkldnn._linear_pointwise(exact.contiguous(), lin.weight, None, "none", [], "")[:rows]
+            assert torch.equal(lin(x[:rows]), want), (out_f, in_f, rows)
