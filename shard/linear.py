@@ -39,13 +39,16 @@ PACK_HINT_ROWS = 4
 
 
 # The row counts a packed product runs at: 1 to 8 as they are (a product's cost there is
-# mostly reading the weight), then every 4th to 64 and every 8th to 128 (where the cost
-# grows with the rows, ~30 us a row for one SmolLM2 layer: padding costs < 1/16 on average);
-# more rows run in pieces of 128 (as fast as one product: 4 x 128 rows took 19.7 ms, 512
-# rows 19.6 ms). 30 buckets, ~17 MB of kernels per weight shape: a 10-layer SmolLM2 stage
-# starts at 450 MB instead of 384 and stays there (forwards of 1..300 rows: +0.6 MB; they
-# kept +113 MB before, the 256-kernel caps full).
-ROW_BUCKETS = tuple(range(1, 9)) + tuple(range(12, 65, 4)) + tuple(range(72, 129, 8))
+# mostly reading the weight), then every 2nd to 16, every 4th to 64 and every 8th to 128
+# (past 8 rows the cost grows with the rows, ~30 us a row for one SmolLM2 layer's four
+# products on the dev VM, 1 thread); more rows run in pieces of 128 (as fast as one
+# product: 4 x 128 rows took 19.7 ms, 512 rows 19.6 ms). Measured on a 10-layer SmolLM2
+# stage at load 7-10 (the rows of the padding cost what rows do): a 9-, 13- or 17-row frame
+# padded to 12/16/20 took +11%, 65 -> 72 +10%, 130 -> 128 + 2 +12%, the rest within noise.
+# 32 buckets, ~17 MB of kernels per weight shape: a 10-layer SmolLM2 stage starts at 450 MB
+# instead of 384 and stays there (forwards of 1..300 rows: +0.6 MB; they kept +113 MB
+# before, the 256-kernel caps full).
+ROW_BUCKETS = tuple(range(1, 9)) + (10, 12, 14) + tuple(range(16, 65, 4)) + tuple(range(72, 129, 8))
 MAX_PRODUCT_ROWS = ROW_BUCKETS[-1]
 
 
