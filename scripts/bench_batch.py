@@ -16,8 +16,14 @@ decode frame's wait at the stage (arrival to output) before and while the prompt
 and the prompt's time at the stage, with prefill pieces (--prefill-piece-tokens 64) and
 without (0: a chunk is one forward), and the same prompt on an idle stage both ways; each
 `--prompt-reps` times, the two ways alternating: the prompt's best time, the waits pooled.
+Then which prompt's pieces go first (`prefill_order`, --order-only): the same stage and
+decode jobs, the long prompt arriving, and while it runs a 43-token prompt every 0.25 s
+(one chunk each): each short prompt's time at the stage (arrival to output) and the long
+prompt's, with prefill shortest remaining prompt first (the default) and oldest first
+(--prefill-order arrival), alternating, `--prompt-reps` runs each.
 Usage: python scripts/bench_batch.py [--json OUT] [--reps N] [--threads 1] [--model smollm2-135m]
-       [--rows-only | --pieces-only] [--piece-layers 10] [--prompt-tokens 2048] [--decode-jobs 16] [--prompt-reps 3]
+       [--rows-only | --pieces-only | --order-only] [--piece-layers 10] [--prompt-tokens 2048] [--decode-jobs 16]
+       [--prompt-reps 3]
 """
 
 from __future__ import annotations
@@ -132,10 +138,11 @@ def spread(waits: list[float]) -> dict:
 
 
 async def prompt_at_stage(stage: Stage, piece_rows: int, decode_jobs: int, prompt_tokens: int, delay_s: float,
-                          warm_s: float) -> dict:
+                          warm_s: float, order: str = "shortest", short_every_s: float = 0.0) -> dict:
     """One run: `decode_jobs` jobs decoding in a closed loop through the node's scheduler
     and worker, a prompt arriving after `warm_s`; what the decode frames waited and what
-    the prompt took. The worker's caches are fresh; the contexts are prefilled first."""
+    the prompt took; `short_every_s` > 0: a 43-token prompt that often while it runs, and
+    what each took. The worker's caches are fresh; the contexts are prefilled first."""
     cfg = stage.cfg
     worker = StageWorker(stage, WorkerConfig(max_context_tokens=4096))
     g = torch.Generator().manual_seed(1)
@@ -147,6 +154,7 @@ async def prompt_at_stage(stage: Stage, piece_rows: int, decode_jobs: int, promp
     prompt = torch.randint(3, cfg.vocab_size, (prompt_tokens,), generator=g).tolist()
     state, done, arrived, waits = object(), {}, {}, []
     prompt_out: list[float] = []
+    shorts: dict[str, list[float]] = {}  # job -> [arrived, done]
 
     async def run_batch(st, batch):
         outs = await trio.to_thread.run_sync(worker.process_frames, [(w.msg, b"") for w in batch],
@@ -157,12 +165,14 @@ async def prompt_at_stage(stage: Stage, piece_rows: int, decode_jobs: int, promp
                 raise out
             if out is not None and w.job_id == "prompt":
                 prompt_out.append(now)
+            elif out is not None and w.job_id in shorts:
+                shorts[w.job_id].append(now)
             elif out is not None:
                 waits.append((arrived[w.job_id], now - arrived[w.job_id]))
                 done[w.job_id].set()
         return []
 
-    sched = StageScheduler(lambda: state, run_batch, SchedulerConfig(piece_rows=piece_rows))
+    sched = StageScheduler(lambda: state, run_batch, SchedulerConfig(piece_rows=piece_rows, prefill_order=order))
 
     async def submit(fwd: Forward) -> None:
         rows, split_row_bytes = worker.queued_rows(fwd)
@@ -185,10 +195,16 @@ async def prompt_at_stage(stage: Stage, piece_rows: int, decode_jobs: int, promp
         for start in range(0, prompt_tokens, CHUNK_TOKENS):  # the coordinator pipelines every chunk
             await submit(frame("prompt", prompt[start:start + CHUNK_TOKENS], start, "prefill"))
         while len(prompt_out) < -(-prompt_tokens // CHUNK_TOKENS):
+            if short_every_s and trio.current_time() >= t0 + short_every_s * (len(shorts) + 1):
+                shorts[f"s{len(shorts)}"] = [trio.current_time()]
+                await submit(frame(f"s{len(shorts) - 1}", prompt[:43], 0, "prefill"))
             await trio.sleep(0.005)
         t1 = trio.current_time()
+        while any(len(t) < 2 for t in shorts.values()):
+            await trio.sleep(0.005)
         nursery.cancel_scope.cancel()
     return {"prompt_s": t1 - t0, "forwards": sched.forwards, "frames_and_pieces": sched.frames_run,
+            "short_prompt_s": [t[1] - t[0] for t in shorts.values()],
             "decode_waits_before_prompt": [w for t, w in waits if t < t0],
             "decode_waits_while_prompt": [w for t, w in waits if t0 <= t < t1]}
 
@@ -230,6 +246,34 @@ def bench_pieces(store, args) -> dict:
     return out
 
 
+def bench_order(store, args) -> dict:
+    """The long prompt beside decode jobs and short prompts arriving while it runs, prefill
+    shortest first and oldest first, alternating: the short prompts' times pooled, the long
+    prompt's best and all."""
+    cfg = store.config
+    r = LayerRange(0, min(args.piece_layers, cfg.num_layers))
+    stage = Stage(cfg, r, store.load_layers(r), embedding=store.load_embedding())
+    out = {"layers": len(r), "decode_jobs": args.decode_jobs, "prompt_tokens": args.prompt_tokens,
+           "short_prompt_tokens": 43, "short_every_s": 0.25, "chunk_tokens": CHUNK_TOKENS,
+           "ring_delay_s": args.ring_delay_ms / 1e3, "piece_rows": args.piece_rows, "reps": args.prompt_reps}
+    runs: dict[str, list[dict]] = {"shortest": [], "arrival": []}
+    for _ in range(args.prompt_reps):
+        for order in runs:
+            runs[order].append(trio.run(prompt_at_stage, stage, args.piece_rows, args.decode_jobs, args.prompt_tokens,
+                                        args.ring_delay_ms / 1e3, 1.5, order, 0.25))
+    for order, rs in runs.items():
+        row = {"short_prompt": spread([s for run in rs for s in run["short_prompt_s"]]),
+               "long_prompt_s_best": min(run["prompt_s"] for run in rs), "long_prompt_s": [run["prompt_s"] for run in rs],
+               "decode_wait_while_prompt": spread([w for run in rs for w in run["decode_waits_while_prompt"]])}
+        out[order] = row
+        sp, dw = row["short_prompt"], row["decode_wait_while_prompt"]
+        print(f"prefill {order:8s}  short prompt at the stage p50/p95/max {sp['p50_s'] * 1e3:5.0f} / "
+              f"{sp['p95_s'] * 1e3:5.0f} / {sp['max_s'] * 1e3:5.0f} ms (n {sp['n']})  long prompt "
+              f"{' '.join(f'{x:.2f}' for x in row['long_prompt_s'])} s  decode wait p95 {dw['p95_s'] * 1e3:.0f} ms",
+              flush=True)
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")
@@ -239,6 +283,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rows-only", action="store_true", help="only the batched-vs-alone rows, not the long prompt")
     ap.add_argument("--pieces-only", action="store_true",
                     help="only the long prompt beside decode jobs (an existing --json file keeps its other figures)")
+    ap.add_argument("--order-only", action="store_true",
+                    help="only the prefill order: short prompts beside the long one (other --json figures kept)")
     ap.add_argument("--piece-layers", type=int, default=10, help="layers of the stage the prompt runs on")
     ap.add_argument("--prompt-tokens", type=int, default=2048)
     ap.add_argument("--decode-jobs", type=int, default=16)
@@ -254,7 +300,7 @@ def main(argv=None) -> int:
                   "torch_threads": args.threads, "torch": torch.__version__, "python": platform.python_version(),
                   "machine": platform.machine(), "cpus": os.cpu_count(), "git_revision": git_revision}
     result = {}
-    if args.pieces_only and args.json and os.path.exists(args.json):
+    if (args.pieces_only or args.order_only) and args.json and os.path.exists(args.json):
         with open(args.json) as f:
             result = json.load(f)  # the batched-vs-alone figures stay as they were measured
     else:
@@ -266,7 +312,12 @@ def main(argv=None) -> int:
                       "else wall time", "load_average_at_start": load_before,
             "load_average": list(os.getloadavg())}
         result["rows"] = rows
-    if not args.rows_only:
+    if args.order_only:
+        load_before = list(os.getloadavg())
+        order = bench_order(store, args)
+        order["conditions"] = conditions | {"load_average_at_start": load_before, "load_average": list(os.getloadavg())}
+        result["prefill_order"] = order
+    elif not args.rows_only:
         load_before = list(os.getloadavg())
         pieces = bench_pieces(store, args)
         pieces["conditions"] = conditions | {"load_average_at_start": load_before, "load_average": list(os.getloadavg())}
