@@ -68,3 +68,15 @@ def test_a_long_prompt_passed_over_max_passes_times_goes_first():
     batches, passed = batches_for(SchedulerConfig(token_budget=320, piece_rows=64, max_passes=2), rounds)
     assert [b[0] for b in batches] == [("L:256", (0, 64)), ("s0:64", None), ("s1:64", None), ("L:256", (64, 128))]
     assert passed == [{}, {"L": 1}, {"L": 2}, {"s2": 1}]
+
+
+def test_the_node_flags_reach_its_scheduler():
+    # Bug guarded: shard-node join --prefill-order (or the budget, pieces, burst wait)
+    # parsed but not handed to the StageScheduler the node builds from its config.
+    from shard.node_config import NodeConfig
+
+    cfg = NodeConfig(coordinator="/ip4/127.0.0.1/tcp/1/p2p/x", batch_token_budget=100, prefill_piece_tokens=16,
+                     prefill_order="arrival", burst_wait_ms=5.0)
+    assert cfg.scheduler_config() == SchedulerConfig(token_budget=100, piece_rows=16, prefill_order="arrival",
+                                                     burst_wait_s=0.005)
+    assert NodeConfig(coordinator="x").scheduler_config() == SchedulerConfig()
