@@ -22,7 +22,11 @@ prefill pieces, a hostile predecessor's frames) kept +478 MB for good, +118 MB c
 256 (glibc thresholds fixed as above; tests/shard/test_kernel_cache_bound.py). 256 holds a
 stage's working set: forwards cycling through 1..24 rows ran as fast as uncapped (at 64
 they ran 28% slower, each rebuilt kernel ~0.5 ms). ideep reads its capacity when torch is
-loaded, so the processes' entry points call it before importing torch.
+loaded, so the processes' entry points call it before importing torch. Since shard.linear
+runs every packed product on 32 fixed row counts, built when a weight shape is first
+loaded (a SmolLM2 stage: 4 shapes, 128 kernels; the gateway's head and EAGLE drafter: 7,
+224), these caps are a backstop: a process holding more shapes than 256 / 32 would evict
+and rebuild kernels (slower, not bigger).
 """
 
 from __future__ import annotations

@@ -45,9 +45,11 @@ PACK_HINT_ROWS = 4
 # product: 4 x 128 rows took 19.7 ms, 512 rows 19.6 ms). Measured on a 10-layer SmolLM2
 # stage at load 7-10 (the rows of the padding cost what rows do): a 9-, 13- or 17-row frame
 # padded to 12/16/20 took +11%, 65 -> 72 +10%, 130 -> 128 + 2 +12%, the rest within noise.
-# 32 buckets, ~17 MB of kernels per weight shape: a 10-layer SmolLM2 stage starts at 450 MB
-# instead of 384 and stays there (forwards of 1..300 rows: +0.6 MB; they kept +113 MB
-# before, the 256-kernel caps full).
+# 32 buckets, ~17 MB of kernels per weight shape: a 10-layer SmolLM2 stage (fresh process,
+# 1 thread) starts at 455 MB instead of 384 and stays there (forwards of every row count
+# 1..800: +2.1 MB; they kept +114.9 MB before, the 256-kernel caps full, in as much time);
+# the gateway's LM head (49152 x 576) +18 MB and 1.1 s at load, then products of 1..160
+# rows +0.5 MB (+86.2 MB before).
 ROW_BUCKETS = tuple(range(1, 9)) + (10, 12, 14) + tuple(range(16, 65, 4)) + tuple(range(72, 129, 8))
 MAX_PRODUCT_ROWS = ROW_BUCKETS[-1]
 
