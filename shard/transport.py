@@ -52,7 +52,7 @@ from shard.errors import DialError, FrameTimeoutError, ShardError, StreamClosedE
 from shard.addresses import advertised
 from shard.inbound_conns import release_slots_on_close
 from shard.relay import Reach, ReachConfig, is_circuit
-from shard.yamux_window import bound_stream_buffers
+from shard.yamux_window import batch_window_updates, bound_stream_buffers
 from shard.wire.limits import FRAME_PREFIX  # ">I": body length, big-endian uint32; torch-free home
 
 log = logging.getLogger(__name__)
@@ -368,6 +368,7 @@ async def open_host(
     )
     release_slots_on_close(libp2p_host.get_network())
     bound_stream_buffers(libp2p_host.get_network())
+    batch_window_updates()
     reach = Reach(libp2p_host, relay_hop, reach_config or ReachConfig())
     async with libp2p_host.run([listen]), trio.open_nursery() as nursery:
         await nursery.start(reach.serve)
