@@ -21,13 +21,27 @@ streams with four ~1.9k-token prompts, a short prompt's round behind their piece
 honest tail blamed three times in five minutes, out for an hour). Only the round's own job
 resumes then. A stage that answers some jobs and stalls others is still blamed once a ring
 epoch has missed `BUSY_MISSES_BEFORE_BLAME` rounds while answering.
+
+A round's deadline is soft while its ring answers (`Liveness.round_timer`): a Result back
+through the ring within `ALIVE_WINDOW_S` before it passes moves it one deadline on, and so
+on up to the policy's cap (`max_s` a frame); only a deadline that passes with the ring
+silent that long, or the cap, misses the round.
+Failing it at once resumed its job, whose re-prefill added to the load that made it late:
+300 s at 32 streams on the loopback ring (bench_load at 998cd70) had honest stages blamed
+after three such misses, the ring re-formed under every job and lost its nodes (236
+requests failed, "lost its ring 4 times", "no ring is formed yet"). A stage that stalls
+answers nothing, so its round is missed at the first deadline as before.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
+
+import trio
 
 from coordinator.jobs.deadline import DeadlinePolicy, round_deadline_s
 from coordinator.swarm import topology
@@ -105,6 +119,7 @@ class Liveness:
         self._blamed_epoch = -1  # one stage sits out per ring that misses, however many jobs missed
         self.clock = time.monotonic
         self._answered: dict[int, float] = {}  # ring epoch -> when a Result last came back on it
+        self._timers: dict[int, set[tuple]] = {}  # ring epoch -> (scope, step s, cap at) of rounds awaited
         self._busy_misses: dict[int, int] = {}  # ring epoch -> rounds missed while it answered
         self._predicted: tuple[object, dict] = (None, {})  # (plan, shape -> predicted traversal s)
         # prefill -> ((epoch, samples), the newest sample, the ratios of those samples)
@@ -137,6 +152,7 @@ class Liveness:
                 self._answered = {e: t for e, t in self._answered.items() if e >= ring.epoch - 8}
                 self._busy_misses = {e: n for e, n in self._busy_misses.items() if e >= ring.epoch - 8}
             self._answered[ring.epoch] = self.clock()
+            self._extend(ring.epoch)
             for peer, _ in ring.stages:
                 self.served[peer] = self.served.get(peer, 0) + 1
 
@@ -180,13 +196,49 @@ class Liveness:
             got = self._measured[prefill] = ((epoch, len(samples)), last, ratios)
         return got[2]
 
+    def _extend(self, epoch: int) -> None:
+        """A Result came back through ring `epoch`: the rounds awaited there whose deadline
+        falls within ALIVE_WINDOW_S get one more deadline (round_timer)."""
+        timers = self._timers.get(epoch)
+        if not timers:
+            return
+        now = trio.current_time()
+        for scope, step_s, cap_at in timers:
+            if now <= scope.deadline <= now + ALIVE_WINDOW_S:
+                scope.deadline = min(scope.deadline + step_s, cap_at)
+
+    def answering(self, epoch: int) -> bool:
+        """Whether a Result came back through ring `epoch` within ALIVE_WINDOW_S."""
+        answered = self._answered.get(epoch)
+        return answered is not None and self.clock() - answered <= ALIVE_WINDOW_S
+
+    @contextmanager
+    def round_timer(self, ring: RingState, shape: Traversal, job_id: str) -> Iterator[None]:
+        """trio.fail_after for a round of `shape` on `ring` (raises trio.TooSlowError out of
+        the block): its deadline (deadline_s), soft while the ring answers (module doc):
+        a Result through the ring within ALIVE_WINDOW_S before the deadline moves it one
+        deadline on (result_arrived), never past the policy's cap from the start."""
+        step_s, now = self.deadline_s(ring, shape, job_id), trio.current_time()
+        timer = (trio.CancelScope(deadline=now + step_s), step_s, now + max(step_s, self.policy.max_s * max(shape.frames, 1)))
+        timers = self._timers.setdefault(ring.epoch, set())
+        timers.add(timer)
+        try:
+            with timer[0]:
+                yield
+        finally:
+            timers.discard(timer)
+            if not timers:
+                self._timers.pop(ring.epoch, None)
+        if timer[0].cancelled_caught:
+            raise trio.TooSlowError
+
     def round_missed(self, ring: RingState, round: int) -> None:
         """A round on `ring` missed its deadline: unless the ring changed meanwhile (its
         stages were told to stop), one stage sits out and the ring re-forms."""
         if self.swarm.ring_by_epoch(ring.epoch) is None or ring.epoch <= self._blamed_epoch:
             return
         answered = self._answered.get(ring.epoch)
-        if answered is not None and self.clock() - answered <= ALIVE_WINDOW_S:
+        if self.answering(ring.epoch):
             misses = self._busy_misses[ring.epoch] = self._busy_misses.get(ring.epoch, 0) + 1
             if misses < BUSY_MISSES_BEFORE_BLAME:
                 log.warning("round %d missed its deadline on ring epoch %d, which answered another round %.1f s ago: "
@@ -200,3 +252,4 @@ class Liveness:
         suspect = stall_suspect(stages, self.served, self.missed)
         self.swarm.report_unreachable(suspect, f"round {round} on ring epoch {ring.epoch} missed its deadline "
                                       f"({len(stages)} stages; it served {self.served.get(suspect, 0)} rounds)", "stalled")
+

@@ -11,6 +11,7 @@ bookkeeping, or how a job turns results into tokens.
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -56,9 +57,11 @@ class JobPort(Protocol):
         it is one, so nobody decodes our own frame again). Raises TransportError."""
         ...
 
-    def round_deadline_s(self, ring: RingState, shape: Traversal) -> float:
-        """Seconds a round of `shape` (its traversal_s and compute_s unused) may take on
-        `ring` before it is missed (coordinator.jobs.deadline)."""
+    def round_timer(self, ring: RingState, shape: Traversal) -> AbstractContextManager[None]:
+        """As trio.fail_after, for a round of `shape` (its traversal_s and compute_s unused)
+        on `ring`: raises trio.TooSlowError out of the block once the round is missed
+        (its deadline, coordinator.jobs.deadline, soft while the ring answers others:
+        coordinator.jobs.liveness)."""
         ...
 
     def round_missed(self, ring: RingState, round: int) -> None:

@@ -368,8 +368,8 @@ class EnginePort:
         self.engine.liveness.frame_sent(ring.epoch, body, sent)  # rows in flight, for other jobs' deadlines
         await self.engine.shadow_feed(ring, body)  # before the job awaits its result
 
-    def round_deadline_s(self, ring: RingState, shape: Traversal) -> float:
-        return self.engine.liveness.deadline_s(ring, shape, self.job_id)
+    def round_timer(self, ring: RingState, shape: Traversal):
+        return self.engine.liveness.round_timer(ring, shape, self.job_id)
 
     def round_missed(self, ring: RingState, round: int) -> None:
         self.engine.round_missed(ring, round)

@@ -283,7 +283,7 @@ class RingJob:
         last, fed, tree_aux = None, [], None  # the last result; aux rows of committed chunks, of the verify frame
         shape = Traversal(ring.epoch, prefill=prefix_end - start_ctx > 1, frames=len(rounds), traversal_s=0.0, compute_s=(),
                           tokens=max(0, prefix_end - start_ctx) + (tree.num_nodes + 1 if tree.num_nodes else 0))
-        with trio.fail_after(self.port.round_deadline_s(ring, shape)):  # coordinator.jobs.deadline
+        with self.port.round_timer(ring, shape):  # coordinator.jobs.deadline, liveness
             for expected in rounds:
                 last = await self._receive(ring, expected)  # receipts checked (fail closed)
                 if self.aux_layers and last.aux is not None:
@@ -339,8 +339,8 @@ class RingJob:
             return None
         try:
             await self._send_ahead(ring, ahead.tree, ahead.root, limit, ahead.sent_s)
-            with trio.fail_after(self.port.round_deadline_s(ring, Traversal(
-                    ring.epoch, prefill=False, frames=1, tokens=ahead.tree.num_nodes + 1, traversal_s=0.0, compute_s=()))):
+            with self.port.round_timer(ring, Traversal(
+                    ring.epoch, prefill=False, frames=1, tokens=ahead.tree.num_nodes + 1, traversal_s=0.0, compute_s=())):
                 result = await self._receive(ring, ahead.round)
             await self._release(ring, result)
         except ROUND_FAILURES as exc:

@@ -177,3 +177,62 @@ def test_a_ring_that_answers_is_busy_not_stalled():
     now[0] += ALIVE_WINDOW_S + 0.1  # nothing back since: stalled
     live.round_missed(quiet, round=2)
     assert len(blamed) == 2
+
+
+def test_a_rounds_deadline_is_soft_while_its_ring_answers_up_to_the_cap():
+    # Bug guarded (issue 21): 300 s at 32 streams on the loopback ring (bench_load at
+    # 998cd70): rounds behind long prompts' pieces passed their deadlines while the ring
+    # answered every other job; each miss resumed its job (re-prefill: more load), three
+    # such misses blamed an honest stage, the ring re-formed under every job and 236
+    # requests failed. A deadline now moves one step on for every Result back through the
+    # ring within ALIVE_WINDOW_S before it passes, up to the cap; a silent ring misses the
+    # round at its first deadline, as a stall must.
+    from types import SimpleNamespace
+
+    import trio
+    import trio.testing
+
+    from coordinator.jobs.liveness import ALIVE_WINDOW_S, Liveness
+
+    swarm = SimpleNamespace(ring_by_epoch=lambda e: None, plan_of=lambda e: None,
+                            traversals=SimpleNamespace(samples=[]))
+    live = Liveness(swarm, frame_timeout_s=30.0, prefill_chunk_tokens=256)
+    ring = SimpleNamespace(epoch=5, stages=(("head", None),))
+    shape = topology.Traversal(5, prefill=False, frames=1, tokens=1, traversal_s=0.0, compute_s=())
+    step = []
+
+    async def wait_round(answer_every_s: float | None) -> float:
+        start = trio.current_time()
+
+        async def answers():
+            while True:
+                await trio.sleep(answer_every_s)
+                live.result_arrived(ring, SimpleNamespace(job_id="other", round=1, epoch=5))
+
+        async with trio.open_nursery() as nursery:
+            if answer_every_s is not None:
+                nursery.start_soon(answers)
+            try:
+                with live.round_timer(ring, shape, "job"):
+                    step.append(live.deadline_s(ring, shape, "job"))
+                    await trio.sleep(1e6)  # the round's Result never comes
+            except trio.TooSlowError:
+                nursery.cancel_scope.cancel()
+                return trio.current_time() - start
+        raise AssertionError("the round never timed out")
+
+    def run(answer_every_s):
+        return trio.run(wait_round, answer_every_s, clock=trio.testing.MockClock(autojump_threshold=0))
+
+    silent = run(None)
+    assert silent == step[0]  # no plan here: the deadline is the cap, 30 s a frame
+    live2 = Liveness(swarm, frame_timeout_s=30.0, prefill_chunk_tokens=256)
+    live2.policy = SimpleNamespace(max_s=30.0 * 4)  # a cap of four deadlines
+    live, step[:] = live2, []
+    live.deadline_s = lambda ring, shape, job_id: 30.0
+    answering = run(ALIVE_WINDOW_S / 2)
+    assert answering == 120.0  # moved on three times, then the cap
+    live3 = Liveness(swarm, frame_timeout_s=30.0, prefill_chunk_tokens=256)
+    live3.policy, live3.deadline_s = live2.policy, live2.deadline_s
+    live = live3
+    assert run(ALIVE_WINDOW_S * 20) == 30.0  # answers, but none near the deadline: missed there

@@ -60,8 +60,8 @@ class EchoPort:
     def record_traversal(self, t) -> None:
         pass
 
-    def round_deadline_s(self, ring: RingState, shape) -> float:
-        return 4.0 * shape.frames
+    def round_timer(self, ring: RingState, shape):
+        return trio.fail_after(4.0 * shape.frames)
 
     def round_missed(self, ring: RingState, round: int) -> None:
         self.missed.append((ring.epoch, round))
