@@ -224,9 +224,9 @@ class StageScheduler:
         if self.config.burst_wait_s <= 0:
             return
         started, waited = self.clock(), False
-        while (deadline := self.burst_deadline()) is not None and deadline > self.clock():
-            waited = True
-            with trio.move_on_after(deadline - self.clock()):
+        while (deadline := self.burst_deadline()) is not None and (left := deadline - self.clock()) > 0:
+            waited = True  # one clock reading: a second one could be past the deadline (a negative wait raised)
+            with trio.move_on_after(left):
                 await self._changed.wait()
         if waited:
             self.tally.waits += 1

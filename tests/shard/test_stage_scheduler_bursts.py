@@ -111,3 +111,34 @@ def test_a_lone_frame_beside_a_complete_burst_does_not_wait_and_zero_turns_waiti
         await trio.testing.wait_all_tasks_blocked()
         assert [b for _, b in batches] == [["a"]] and sched.tally.waits == 0
     run(off, bound_s=0.0)
+
+
+def test_a_clock_read_past_the_deadline_never_waits_a_negative_time():
+    # Bug guarded: gather_bursts read the clock once to test the deadline and again to wait
+    # for it; at 32 streams time passed in between, trio.move_on_after got a negative wait,
+    # raised ValueError and the node process exited (bench_load's 300 s run at b75545f).
+    # Here every clock reading moves on by `step`, so some second reading falls past it.
+    for step in (0.0003, 0.0007, 0.0011, 0.0013, 0.0017, 0.0019, 0.0021):
+        clock = trio.testing.MockClock()
+        batches: list[list[str]] = []
+        reads = [0]
+
+        def ticking() -> float:
+            reads[0] += 1
+            return trio.current_time() + reads[0] * step
+
+        async def run_batch(state, batch):
+            batches.append([w.msg.name for w in batch])
+
+        async def main():
+            sched = StageScheduler(lambda: "s", run_batch, SchedulerConfig(burst_wait_s=BOUND_S), clock=ticking)
+            async with trio.open_nursery() as nursery:
+                await nursery.start(sched.serve)
+                await sched.submit(frame("s", "a", (1, 2)))  # its rest never comes
+                await trio.testing.wait_all_tasks_blocked()
+                clock.jump(BOUND_S)
+                await trio.testing.wait_all_tasks_blocked()
+                assert batches == [["a"]], step
+                nursery.cancel_scope.cancel()
+
+        trio.run(main, clock=clock)
