@@ -236,3 +236,9 @@ def test_a_rounds_deadline_is_soft_while_its_ring_answers_up_to_the_cap():
     live3.policy, live3.deadline_s = live2.policy, live2.deadline_s
     live = live3
     assert run(ALIVE_WINDOW_S * 20) == 30.0  # answers, but none near the deadline: missed there
+    # Answers 9 s apart: none within 2 s of a 30 s deadline, but within half of it (the
+    # 32-stream ring went > 2 s without a Result while long prompts' pieces ran).
+    live4 = Liveness(swarm, frame_timeout_s=30.0, prefill_chunk_tokens=256)
+    live4.policy, live4.deadline_s = live2.policy, live2.deadline_s
+    live = live4
+    assert run(9.0) == 120.0
