@@ -307,8 +307,7 @@ class Node:
         return evicted
 
     async def _handle(self, state: EpochState, msg, received: memoryview) -> None:
-        """`received`: msg's canonical bytes as they arrived (what its receipt hashes).
-        Queues a job's frame or its end for the scheduler, behind the job's earlier frames."""
+        """Queues a job's frame or its end for the scheduler (`received`: its bytes as they arrived, what receipts hash)."""
         if isinstance(msg, Forward) and msg.epoch != state.assignment.epoch:
             await self._job_error(msg, "stale_epoch", f"frame for epoch {msg.epoch}, serving {state.assignment.epoch}")
             return
@@ -321,7 +320,8 @@ class Node:
         if isinstance(msg, Forward):
             self.observer.stage_received(self.host.peer_id, msg)
         rows, split_row_bytes = state.worker.queued_rows(msg)
-        await self.scheduler.submit(Waiting(state, msg, received, msg.job_id, rows, len(received.obj), split_row_bytes))  # .obj: the whole body
+        if not await self.scheduler.submit(Waiting(state, msg, received, msg.job_id, rows, len(received.obj), split_row_bytes)):
+            await self._job_error(msg, "job_ended", "a frame of a job after its end at this stage")  # answered, as every frame
 
     async def _run_batch(self, state: EpochState, batch: list[Waiting]) -> list[str]:
         """Run a batch's frames (or pieces) in one forward; each output goes on to its own job's

@@ -106,8 +106,9 @@ def test_a_lone_frame_runs_at_once_and_a_jobs_end_drops_its_waiting_frames(tiny_
             await stream.send_frame(encode(fwd("b", 2, [12], ctx=2)))
             await stream.send_frame(encode(fwd("a", 3, [13], ctx=4)))  # after a's end
             await until(lambda: node.scheduler.dropped_after_end == 2 and len(node.scheduler.waiting) == 2)
-        got = await receive(ctx, 2)
-        assert set(got) == {("b", 1), ("b", 2)}
+        got = await receive(ctx, 3)
+        assert set(got) == {("b", 1), ("b", 2), ("a", 3)}  # a2 dropped unanswered (sent before the end)
+        assert isinstance(got[("a", 3)], JobError) and got[("a", 3)].code == "job_ended"  # sent after it: answered
         assert (got[("b", 2)].hidden - alone(store, [4, 4], [12])).abs().max().item() <= 1e-5
         await until(lambda: node.scheduler.forwards == 3)  # [a's end, b2]: a2 and a3 never ran
         assert set(node.state.worker.cache.jobs) == {"b"}  # a's K/V freed and not re-opened
