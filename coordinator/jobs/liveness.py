@@ -221,8 +221,8 @@ class Liveness:
     def round_timer(self, ring: RingState, shape: Traversal, job_id: str) -> Iterator[None]:
         """trio.fail_after for a round of `shape` on `ring` (raises trio.TooSlowError out of
         the block): its deadline (deadline_s), soft while the ring answers (module doc):
-        a Result through the ring within ALIVE_WINDOW_S before the deadline moves it one
-        deadline on (result_arrived), never past the policy's cap from the start."""
+        a Result through the ring shortly before the deadline moves it one deadline on
+        (_extend), never past the policy's cap from the start."""
         step_s, now = self.deadline_s(ring, shape, job_id), trio.current_time()
         timer = (trio.CancelScope(deadline=now + step_s), step_s, now + max(step_s, self.policy.max_s * max(shape.frames, 1)))
         timers = self._timers.setdefault(ring.epoch, set())
