@@ -75,6 +75,16 @@ class KVRefused(JobFailedError):
         super().__init__(f"stage {stage} has no K/V room: {message}")
 
 
+class UnverifiedNewcomers(CoordinatorError):
+    """`--unverified-newcomers refuse`: a round of a ring with a stage on probation that no
+    trusted party (the gateway, a node off probation, an operator-listed key) could check
+    is not released. Fields: newcomers (peer ids), reason (one line: who, what would verify)."""
+
+    def __init__(self, newcomers: tuple[PeerId, ...], reason: str) -> None:
+        self.newcomers, self.reason = newcomers, reason
+        super().__init__(f"tokens withheld (--unverified-newcomers refuse): {reason}")
+
+
 class ReceiptRejected(CoordinatorError):
     """A round's receipt chain failed: the job is failed closed. Fields: job_id, round,
     check (the receipts check name), stage (index in the chain or None), peer_id (the

@@ -4,7 +4,9 @@ The coordinator and its HTTP gateway run in this process on a copy of the model'
 without its layer files (SmolLM2-135M: manifest, tokenizer, embedding and head only), so it
 cannot recompute any slice: a newcomer's rounds are checked before release by the other
 nodes (coordinator.trust.round_verifier). Three honest `shard-node join` processes (1
-torch thread each) form a 3-stage ring; they start as newcomers and verify one another.
+torch thread each) form a 3-stage ring: the first with a key the operator lists
+(`--trusted-nodes`: only a trusted recomputation earns a newcomer credit), the other two
+newcomers it verifies (a newcomer's agreeing check vouches for nothing).
 Then, in order:
 1. the price: greedy 8-token chat requests while the three are on probation (each round's
    frames of every stage replayed by a verifier node before release) until they have
@@ -59,7 +61,7 @@ async def run(args) -> dict:
     from coordinator.gateway.operator import create_gateway
     from coordinator.jobs.engine_config import EngineConfig
     from coordinator.swarm.formation import SwarmConfig
-    from shard.identity import keypair_from_seed
+    from shard.identity import keypair_from_seed, load_or_create_identity, peer_id_of
     from shard.store import open_or_prepare
 
     store = await trio.to_thread.run_sync(open_or_prepare, MODEL, None)
@@ -67,14 +69,16 @@ async def run(args) -> dict:
     tmp = tempfile.mkdtemp(prefix="bench_probation_verifiers_")
     gateway_store = layerless_copy(store, tmp)
     api = ApiConfig(port=0)
+    trusted = peer_id_of(load_or_create_identity(os.path.join(tmp, "honest0.key")))  # Nodes.spawn's key path
     config = CoordConfig(listen=LOOPBACK_ANY_PORT, min_nodes=3, swarm=SwarmConfig(planner="all_nodes", ready_timeout_s=120),
-                         engine=EngineConfig(draft="none"), api=api)
+                         engine=EngineConfig(draft="none", trusted_nodes=(trusted,)), api=api)
     out: dict = {"conditions": {
         **base_conditions(store), "gateway_store": "the model's store without its layer files (it cannot recompute)",
         "process": "coordinator and gateway in this process; each node a process of its own (shard-node join, 1 torch "
                    "thread; the liar bench_hostile_ring's `node lie`)",
         "receipts": "signed by every stage, checked by the coordinator; audits at the default rate",
-        "ring": "3 honest stages (planner all_nodes: each node a stage), the liar a fourth",
+        "ring": "3 honest stages (planner all_nodes: each node a stage; honest0's key listed with --trusted-nodes), "
+                "the liar a fourth",
         "drafter": "none", "prompt": PROMPT[0]["content"], "max_tokens": args.tokens,
         "probation_clean_rounds": config.engine.probation_rounds}}
     nodes = Nodes(tmp)
@@ -99,7 +103,7 @@ async def run(args) -> dict:
             async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=600) as client:
                 during = [await ask(client, args.tokens)]
                 reference = during[0][0]
-                while any(engine.clean_rounds.get(p, 0) < engine.probation.clean_rounds for p in honest):
+                while engine.on_probation(swarm.ring):
                     during.append(await ask(client, args.tokens))
                 checks_on_probation = verifier.checks
                 info_on_probation = engine.info()["probation"]

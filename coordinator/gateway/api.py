@@ -45,7 +45,7 @@ from coordinator.spec.sampling import SamplingParams, choice_params
 from coordinator.gateway.openai_schema import (MAX_BODY_BYTES, ChatRequest, CompletionRequest, parse_chat_request,
                                                parse_completion_request, parse_json_object)
 from coordinator.errors import (CoordinatorError, EmptyPromptError, JobFailedError, NotReadyError, PromptFormatError, PromptTooLongError,
-                                RequestError, SamplingParamError)
+                                RequestError, SamplingParamError, UnverifiedNewcomers)
 from coordinator.gateway.auth import KeyBook
 from coordinator.gateway.job_queue import JobQueue
 from coordinator.gateway.body_limit import BodyLimit
@@ -101,6 +101,7 @@ STATUS_OF: tuple[tuple[type[CoordinatorError], int, str, str], ...] = (
     (EmptyPromptError, 400, "invalid_request_error", "empty_prompt"),
     (SamplingParamError, 400, "invalid_request_error", "invalid_parameter"),
     (NotReadyError, 503, "service_unavailable", "no_ring"),
+    (UnverifiedNewcomers, 503, "service_unavailable", "unverified_newcomers"),
     (JobFailedError, 503, "service_unavailable", "job_failed"),
     (CoordinatorError, 503, "service_unavailable", "engine_error"),
 )

@@ -40,6 +40,22 @@ class EngineConfig:
     # coordinator.trust.probation: a newcomer's rounds are recomputed here before release.
     probation_rounds: int = option(64, "rounds a new node serves with each one recomputed by the coordinator before "
                                    "its tokens are released (0: no probation; audits alone vouch for newcomers)")
+    # Keys whose recomputations vouch for newcomers (coordinator.trust.probation): the
+    # bootstrap of a swarm whose gateway holds no layers. The topology's --trusted-peers
+    # (head and tail) count too.
+    trusted_nodes: tuple[str, ...] = option((), "comma-separated peer ids never on probation whose recomputations "
+                                                "earn newcomers their clean rounds (default: none; nodes earn it "
+                                                "through the gateway's or a trusted node's checks)",
+                                            parse=lambda text: tuple(p.strip() for p in text.split(",") if p.strip()),
+                                            show=",".join)
+    # serve: a layerless gateway with no trusted verifier still answers (newcomers checking
+    # each other catch any lone liar; audits follow); refuse: 503 rather than tokens no
+    # trusted party checked. The default serves: a gateway holding the layers (the usual
+    # `shard-coord serve`) checks every newcomer itself, so only a layerless one with no
+    # trusted node is affected, and refusing would leave such a swarm unable to answer.
+    unverified_newcomers: str = option("serve", "a round of a ring with a newcomer no trusted party could check: "
+                                       "release it (serve) or answer 503 naming the newcomer (refuse)",
+                                       choices=("serve", "refuse"))
     # Emulated on the coordinator -> head edge; `shard-coord serve` gives its local nodes the same.
     link_latency_ms: float = option(0.0, "emulated one-way latency on every ring edge")
     link_upload_mbps: float = option(0.0, "emulated uplink of every ring sender in Mbit/s (0 = unlimited)")

@@ -6,11 +6,14 @@ receipt chain (coordinator.trust.receipt_check) and, where the gateway recompute
 cannot recompute has the job await `ReleaseGate.release` for the round whose rows become
 tokens (the last of a traversal, or a round sent ahead): every stage of the ring on
 probation is checked by verifier nodes (coordinator.trust.round_verifier), concurrently.
-Passed: each earns the rounds compared. Caught: nothing is released (JobFailedError; the
-job resumes from its committed tokens on a ring without the liar, and the rounds sent
-ahead on the unverified ones are discarded with the round). No verifier could answer: the
-round goes out unverified, as before, and the engine's `probation_off` says why
-(`GET /v1/ring`). It does not turn results into tokens, choose verifiers or rings.
+Passed with a trusted verifier agreeing: each earns the rounds compared. Caught: nothing
+is released (JobFailedError; the job resumes from its committed tokens on a ring without
+the liar, and the rounds sent ahead on the unverified ones are discarded with the round).
+No verifier could answer, or only newcomers did (they vouch for nothing): by the operator's
+`--unverified-newcomers` policy the round goes out unverified (`serve`, the default; the
+engine's `probation_off` says why, `GET /v1/ring` counts such rounds) or is withheld
+(`refuse`: UnverifiedNewcomers, a 503 naming the newcomers and what would verify them).
+It does not turn results into tokens, choose verifiers or rings.
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ from typing import Protocol
 
 import trio
 
-from coordinator.errors import JobFailedError, KVRefused, RingLost
+from coordinator.errors import JobFailedError, KVRefused, RingLost, UnverifiedNewcomers
+from coordinator.jobs.engine_config import EngineConfig
 from coordinator.jobs.head_batch import note_arrived
 from coordinator.jobs.port import JobPort
 from coordinator.swarm.swarm import RingState
@@ -40,6 +44,8 @@ class Probation(Protocol):
     clean_rounds: probation.Book
     probation: probation.ProbationPolicy
     probation_off: str | None  # why newcomers' rounds go out unverified
+    probation_counts: dict[str, int]  # rounds released unverified / withheld, for GET /v1/ring
+    config: EngineConfig  # unverified_newcomers: serve | refuse
 
     def on_probation(self, ring: RingState) -> tuple[PeerId, ...]: ...
 
@@ -68,8 +74,15 @@ class ReleaseGate:
         verifier nodes check every stage on probation. Raises JobFailedError on a catch."""
         engine, inner = self.engine, self.inner
         verifier = engine.round_verifier
-        if engine.shadow is not None or verifier is None or inner is None:
-            return  # checked by the shadow already, or by nothing (engine.info says why)
+        if engine.shadow is not None:
+            return  # checked by the shadow already
+        if verifier is None or inner is None:  # checked by nothing (engine.probation_off says why)
+            newcomers = probation.probation_stages(engine.clean_rounds, [p for p, _ in ring.stages], engine.probation)
+            if newcomers and engine.config.unverified_newcomers == "refuse":
+                outcomes = {p: Outcome(None, 0, f"no verifier can check stage {p[-6:]} on probation (receipts off)")
+                            for p in newcomers}
+                self._out(judge(outcomes, engine.clean_rounds))
+            return
         suspects = engine.on_probation(ring)
         if not suspects:
             return
@@ -86,7 +99,23 @@ class ReleaseGate:
         verdict = judge(outcomes, engine.clean_rounds)
         if verdict.caught is not None:
             raise JobFailedError(verdict.caught)
-        engine.clean_rounds, engine.probation_off = verdict.book, verdict.unverified
+        engine.clean_rounds = verdict.book
+        self._out(verdict)
+
+    def _out(self, verdict: Release) -> None:
+        """A round with no catch: out (serve), or withheld when nothing trusted checked a
+        newcomer and the operator refuses that (UnverifiedNewcomers: 503)."""
+        engine = self.engine
+        engine.probation_off = verdict.unverified
+        if verdict.unverified is None:
+            return
+        if engine.config.unverified_newcomers == "refuse":
+            engine.probation_counts["rounds_refused"] = engine.probation_counts.get("rounds_refused", 0) + 1
+            names = ", ".join(p[-6:] for p in verdict.newcomers)
+            raise UnverifiedNewcomers(verdict.newcomers, f"{verdict.reasons}; to verify newcomer(s) {names}: give the "
+                                      f"gateway the model's layers, or list a node keeping their slice with "
+                                      f"--trusted-nodes, or let a node that left probation keep it")
+        engine.probation_counts["rounds_unverified"] = engine.probation_counts.get("rounds_unverified", 0) + 1
 
     def finish(self, output_ids: list[int]) -> None:
         if self.inner is not None:
@@ -103,21 +132,26 @@ class Release:
     book: probation.Book
     caught: str | None
     unverified: str | None
+    newcomers: tuple[PeerId, ...] = ()  # the stages nothing trusted checked
+    reasons: str = ""  # why, one clause per stage
 
 
 def judge(outcomes: Mapping[PeerId, Outcome], book: probation.Book) -> Release:
     """Pure. Any stage caught: nothing is released and nobody earns the round (a caught
     round proves nothing of the others). Else each stage that passed earns the rounds it
-    had compared; a stage nobody could check earns nothing, and the round goes out."""
+    had compared when a trusted verifier vouched for it; a stage nobody could check, or only
+    newcomers did, earns nothing, and the round goes out unverified (or is refused: the
+    caller's policy) with the stages and reasons named."""
     caught = [o.detail for o in outcomes.values() if o.passed is False]
     if caught:
         return Release(book, f"{'; '.join(caught)}; its tokens were not released", None)
     for peer, o in outcomes.items():
-        if o.passed:
+        if o.passed and o.vouched:
             book = probation.credit(book, [peer], o.rounds)
-    unverified = [o.detail for o in outcomes.values() if o.passed is None]
-    return Release(book, None, f"{'; '.join(unverified)}: its rounds go out unverified (audits alone vouch for it)"
-                   if unverified else None)
+    lone = {p: o.detail for p, o in outcomes.items() if o.passed is None or not o.vouched}
+    reasons = "; ".join(lone.values())
+    return Release(book, None, f"{reasons}: its rounds go out unverified (audits alone vouch for it)" if lone else None,
+                   tuple(lone), reasons)
 
 
 async def receive_result(inbox: trio.MemoryReceiveChannel, port: JobPort, ring: RingState, expected_round: int,

@@ -100,7 +100,9 @@ class RingEngine:
         self.liveness = Liveness(swarm, config.frame_timeout_s, config.prefill_chunk_tokens)
         # Probation (coordinator.trust.probation): rounds of rings with a newcomer are
         # recomputed here (coordinator.trust.shadow) and checked before their tokens go out.
-        self.probation = probation.ProbationPolicy(config.probation_rounds)
+        self.probation = probation.ProbationPolicy(config.probation_rounds, frozenset(config.trusted_nodes)
+                                                   | frozenset(swarm.config.topology.trusted_peers))
+        self.probation_counts: dict[str, int] = {}  # rounds_unverified (released), rounds_refused (release_gate)
         self.clean_rounds: probation.Book = {}
         self.shadow: Shadow | None = Shadow(store)  # None: this store cannot recompute (no layers)
         self.probation_off: str | None = None  # why newcomers' rounds go out unverified, for /v1/ring
@@ -170,7 +172,8 @@ class RingEngine:
         by = None if verified != "before release" else "gateway" if self.shadow is not None else "verifier nodes"
         return {**self.router.status(self.model_id, len(self._jobs)),
                 "probation": {"clean_rounds": self.probation.clean_rounds, "rounds_verified": verified,
-                              "verified_by": by, "why_not": self.probation_off}}
+                              "verified_by": by, "why_not": self.probation_off, "policy": self.config.unverified_newcomers,
+                              **self.probation_counts}}
 
     def clock_offsets_s(self, epoch: int) -> tuple[float, ...] | None:
         """Ring `epoch`'s stages' clock offsets against ours, in ring order (hop_times

@@ -18,6 +18,12 @@ Why this catches a lying verifier: it disagrees with an honest stage, the second
 (honest) verifier sides with the stage, and two parties beat one; a cheating stage with
 a lying verifier that covers for it is outvoted once two honest verifiers were asked.
 
+Trust (`settle_trusted`, `vouched`; probation's checks): where a verifier is trusted (off
+probation, or a key the operator lists), only the stage and the trusted verifiers vote, and
+a newcomer verifier outside their winner is wrong too: two colluding fresh keys (the stage
+and its friend) cannot outvote a trusted recomputation. Only a trusted verifier agreeing
+with the stage vouches for it (earns it credit); newcomers agreeing prove nothing.
+
 Choosing (`pick`): a verifier-role node other than the audited stage and not excluded,
 drawn at random per audit (the auditor's rng is unpredictable to nodes), among those
 that keep exactly the audited slice warm first, then any other verifier (which loads the
@@ -69,6 +75,27 @@ def settle(opinions: Sequence[int]) -> Verdict:
         winner = top[0]
         return Verdict(opinions[0] != winner, tuple(i for i, o in enumerate(opinions) if i and o != winner), True)
     return Verdict(opinions[0] not in top, (), False)
+
+
+def settle_trusted(opinions: Sequence[int], trusted: Sequence[bool]) -> Verdict:
+    """`settle` where `trusted[i]` says party i (a verifier, i >= 1; party 0 is ignored) is
+    trusted: with any trusted verifier, the stage and the trusted verifiers alone decide,
+    and every verifier outside their winning opinion is lying; with none, as `settle`."""
+    voters = [0] + [i for i in range(1, len(opinions)) if trusted[i]]
+    if len(voters) == 1:
+        return settle(opinions)
+    sub = settle([opinions[i] for i in voters])
+    if not sub.settled:
+        return Verdict(sub.stage_faulty, (), False)
+    winner = opinions[0] if not sub.stage_faulty else next(
+        opinions[voters[j]] for j in range(1, len(voters)) if j not in sub.lying)
+    return Verdict(sub.stage_faulty, tuple(i for i in range(1, len(opinions)) if opinions[i] != winner), True)
+
+
+def vouched(opinions: Sequence[int], trusted: Sequence[bool]) -> bool:
+    """Whether a trusted verifier (i >= 1) holds the stage's opinion: only then does a
+    passed check earn the stage credit."""
+    return any(trusted[i] and opinions[i] == opinions[0] for i in range(1, len(opinions)))
 
 
 def pick(verifiers: Mapping[PeerId, LayerRange | None], layers: LayerRange, excluded: set[PeerId],

@@ -8,6 +8,13 @@ committed (coordinator.trust.shadow), until it has served `clean_rounds` rounds 
 matched; then only the default audit rate applies. A mismatch is blamed on the newest of
 the ring's stages on probation (`blame`).
 
+Credit needs a trusted witness: a round earns a newcomer credit only when the gateway
+recomputed it (the shadow) or a trusted node's recomputation agreed (off probation, or a
+key the operator lists: `shard-coord serve --trusted-nodes`, `ProbationPolicy.trusted`);
+newcomers checking newcomers still catch a disagreement but vouch for nothing, so two
+colluding fresh keys never leave probation on each other's word. The bootstrap of a swarm
+of newcomers is therefore a gateway whose store holds the layers, or trusted keys.
+
 Standing is kept per identity for the coordinator's lifetime, whether the node stays or
 leaves, so rejoining under the same key resumes where it left off, and a fresh key starts
 from nothing (coordinator.swarm.admission limits how often an address may register).
@@ -29,13 +36,16 @@ class ProbationPolicy:
     # about 8 short requests of plain decoding; the price is the coordinator recomputing
     # every round of a ring with a newcomer meanwhile (about one stage's work).
     clean_rounds: int = 64
+    # Keys the operator vouches for (its own machines): never on probation, and their
+    # recomputations earn a newcomer credit (coordinator.trust.round_verifier).
+    trusted: frozenset[PeerId] = frozenset()
 
 
 Book = Mapping[PeerId, int]  # peer -> rounds it served that were verified and matched
 
 
 def on_probation(book: Book, peer: PeerId, policy: ProbationPolicy = ProbationPolicy()) -> bool:
-    return book.get(peer, 0) < policy.clean_rounds
+    return peer not in policy.trusted and book.get(peer, 0) < policy.clean_rounds
 
 
 def probation_stages(book: Book, stages: Iterable[PeerId], policy: ProbationPolicy = ProbationPolicy()) -> tuple[PeerId, ...]:

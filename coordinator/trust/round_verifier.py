@@ -11,6 +11,12 @@ gets a second opinion, and verifiers that disagree with each other a third
 (coordinator.trust.opinions), as in an audit. The round's frames travel through the
 auditor's request machinery (coordinator.trust.audit), which the swarm's replies reach.
 
+Credit (issue 20): a passed check earns the stage its rounds only when a trusted verifier
+(off probation, or listed by the operator) agreed; trusted verifiers outvote newcomers
+(opinions.settle_trusted). Checked by newcomers alone, a disagreement still blocks the round,
+an agreement earns nothing (`Outcome.vouched` False) and those rounds stay uncompared, so a
+trusted verifier asked later credits them.
+
 Who verifies (coordinator.trust.opinions.candidates, pure, shared with audits): a member
 other than the stage, not faulty, whose node keeps every layer of the slice (loaded or in
 its store): those off probation first, then those holding exactly the slice loaded, then
@@ -65,6 +71,9 @@ class Outcome:
     passed: bool | None
     rounds: int  # the stage's rounds compared for the first time (what it earns when passed)
     detail: str
+    # Passed with a trusted verifier agreeing (opinions.vouched); False: only newcomers
+    # agreed, the round is not credited and `detail` says so.
+    vouched: bool = True
 
 
 def stage_plan(job: JobReceipts, ring: RingState, index: int, upto_round: int, quant: str) -> AuditPlan:
@@ -129,7 +138,7 @@ class RoundVerifier:
         # Every frame is replayed (the stage's K/V holds them all); only the rounds not yet
         # compared are held to the replay (the gateway's share of the cost stays per round).
         plan = dataclasses.replace(plan, receipts={r: plan.receipts[r] for r in fresh})
-        ids, parties, findings, recomputed = [0], [peer], [None], [None]
+        ids, parties, findings, recomputed, trust = [0], [peer], [None], [None], [False]
         excluded = {peer} | set(self.swarm.faulty)
         registers = {p: m.register for p, m in self.swarm.members.items()}
         for verifier in candidates(registers, plan.layers, excluded, on_probation, self._verifying):
@@ -143,14 +152,19 @@ class RoundVerifier:
             opinion = 0 if finding is None else next(
                 (i for i in range(1, len(ids)) if ids[i] == i and agree(plan, logged, recomputed[i], expected)), len(ids))
             parties.append(verifier), ids.append(opinion), findings.append(finding), recomputed.append(expected)
+            trust.append(not on_probation(verifier))
         if len(ids) == 1:
             return Outcome(None, 0, f"no verifier node could recompute layers [{plan.layers.start}, {plan.layers.end}) "
                                     f"of stage {peer[-6:]} on probation")
         self.checks += 1
-        verdict = opinions.settle(ids)
+        verdict = opinions.settle_trusted(ids, trust)
         for i in verdict.lying:
             self.swarm.mark_faulty(parties[i], f"verifier outvoted: its recomputation of layers {plan.layers} on "
                                    f"probation round {upto_round} of job {job.job_id} disagreed with the others")
+        if not verdict.stage_faulty and not opinions.vouched(ids, trust):  # newcomers agreed: no credit
+            return Outcome(True, 0, f"stage {peer[-6:]} on probation was checked only by nodes on probation "
+                                    f"({', '.join(p[-6:] for p in parties[1:])}): no trusted node or the gateway could "
+                                    f"recompute layers [{plan.layers.start}, {plan.layers.end})", vouched=False)
         if not verdict.stage_faulty:
             fetched.compared.update(fresh)
             return Outcome(True, len(fresh), "")

@@ -8,7 +8,8 @@ probation and then cheated was never checked again. Now an audit asks any other 
 whose node keeps the slice (coordinator.trust.opinions.audit_order).
 
 A TurningLiar computes honestly until the test turns it, once every node has left
-probation (its rounds are then released unverified, as for any trusted stage); from then
+probation (the first node is the operator's trusted key, and its recomputations earn the
+others their credit: newcomers checking newcomers earn none) (its rounds are then released unverified, as for any trusted stage); from then
 on it adds noise to every output it computes and signs it (receipts pass). At the default
 audit rate (0.25 of each (job, stage)), a job of the liar is audited with probability 1/4,
 so it is caught within MAX_JOBS = 40 jobs with probability 1 - 0.75^40 > 99.99%.
@@ -28,7 +29,7 @@ from coordinator.swarm.formation import SwarmConfig
 from coordinator.trust.report import trust_report
 from receipts import verify_evidence
 from shard.assignment_rules import public_key_of_peer
-from shard.identity import keypair_from_seed, peer_id_from_public_key
+from shard.identity import keypair_from_seed, peer_id_from_public_key, peer_id_of
 from shard.node import Node, NodeConfig
 from shard.wire.roles import ROLE_SPOT_CHECK_VERIFIER
 from tests.e2e.test_stalling_stage import _generate, _serve_host, _stages, _tokenizer
@@ -36,6 +37,7 @@ from tests.e2e.test_verifier_ring import layerless_store
 
 CLEAN_ROUNDS = 6  # an 8-token request is 9 rounds: each node leaves probation in its first
 MAX_JOBS = 40
+SEED_TRUSTED = bytes(range(32))  # the key the operator lists (--trusted-nodes): it vouches for the newcomers
 
 
 class TurningLiar(Node):
@@ -67,7 +69,9 @@ def test_a_liar_past_probation_is_caught_by_another_stage_auditing_it(tiny_llama
     # audit of it is a catch, and it is off probation first (no round check catches it).
     config = CoordConfig(listen=LOOPBACK_ANY_PORT, min_nodes=3,
                          swarm=SwarmConfig(ready_timeout_s=30, planner="all_nodes"),
-                         engine=EngineConfig(draft="none", resume_wait_s=10, probation_rounds=CLEAN_ROUNDS))
+                         engine=EngineConfig(draft="none", resume_wait_s=10, probation_rounds=CLEAN_ROUNDS,
+                                             # only a trusted recomputation earns credit: the operator's own key
+                                             trusted_nodes=(peer_id_of(keypair_from_seed(SEED_TRUSTED)),)))
 
     async def main():
         with trio.fail_after(300):
@@ -75,15 +79,14 @@ def test_a_liar_past_probation_is_caught_by_another_stage_auditing_it(tiny_llama
                                         keypair_from_seed(os.urandom(32))) as c:
                 swarm, engine, auditor, nursery = c.swarm, c.engine, c.auditor, c.nursery
                 nodes = []
-                for cls in (Node, Node, TurningLiar):
-                    seed = os.urandom(32)
+                for cls, seed in ((Node, SEED_TRUSTED), (Node, os.urandom(32)), (TurningLiar, os.urandom(32))):
                     host = await nursery.start(_serve_host, seed)
                     node = cls(NodeConfig(coordinator=c.addr), host, tiny_llama_store, signing_seed=seed)
                     await nursery.start(node.serve)
                     nodes.append(node)
                 liar = nodes[2].host.peer_id
                 out = {"liar": liar, "ring": await _stages(swarm, 3)}
-                while any(engine.clean_rounds.get(p, 0) < CLEAN_ROUNDS for p in out["ring"]):
+                while engine.on_probation(swarm.ring):
                     out["reference"] = await _generate(engine, 8)
                     await auditor.wait_idle()
                 out["audits_before"] = auditor.stats.audits

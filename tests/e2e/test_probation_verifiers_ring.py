@@ -2,8 +2,10 @@
 (issue 20): a newcomer's rounds are recomputed by other nodes before release.
 
 The gateway's store has the manifest, tokenizer, embedding and head but no layer file, so
-its shadow cannot recompute the ring. Two honest Nodes serve first: each is on probation
-and verified by the other, and both earn their clean rounds that way and leave it. Then a
+its shadow cannot recompute the ring. Two honest Nodes serve first: one the operator lists
+as trusted (--trusted-nodes: the bootstrap of a layerless gateway, as only a trusted
+recomputation earns credit), the other on probation, verified by it, earning its clean
+rounds that way and leaving probation. Then a
 third joins whose stage adds noise to every output it computes (and signs it: receipts
 pass): every request after it joins must still equal the honest ring's greedy answer, the
 newcomer must be excluded with evidence signed over its own receipt, and the honest
@@ -27,7 +29,7 @@ from coordinator.trust.audit import AuditConfig
 from coordinator.trust.report import trust_report
 from receipts import verify_evidence
 from shard.assignment_rules import public_key_of_peer
-from shard.identity import keypair_from_seed, peer_id_from_public_key
+from shard.identity import keypair_from_seed, peer_id_from_public_key, peer_id_of
 from shard.node import Node, NodeConfig
 from tests.e2e.ringkit import generate_greedy, generate_greedy_with_stats
 from tests.e2e.test_probation_ring import LyingNode
@@ -36,7 +38,8 @@ from tests.e2e.test_stalling_stage import _generate, _serve_host, _stages, _toke
 from tests.e2e.test_verifier_ring import LyingNode as LyingVerifier
 from tests.e2e.test_verifier_ring import layerless_store
 
-CLEAN_ROUNDS = 6  # an 8-token request is 9 rounds: the honest nodes leave probation in their first
+CLEAN_ROUNDS = 6  # an 8-token request is 9 rounds: the honest newcomer leaves probation in its first
+SEED_TRUSTED = bytes(range(32))  # the key the operator lists (--trusted-nodes)
 
 
 def test_a_layerless_gateway_verifies_newcomers_by_verifier_nodes(tiny_llama_store, tmp_path):
@@ -46,7 +49,8 @@ def test_a_layerless_gateway_verifies_newcomers_by_verifier_nodes(tiny_llama_sto
     # can have excluded it and kept its tokens back.
     config = CoordConfig(listen=LOOPBACK_ANY_PORT, min_nodes=2,
                          swarm=SwarmConfig(ready_timeout_s=30, planner="all_nodes"),
-                         engine=EngineConfig(draft="none", resume_wait_s=10, probation_rounds=CLEAN_ROUNDS),
+                         engine=EngineConfig(draft="none", resume_wait_s=10, probation_rounds=CLEAN_ROUNDS,
+                                             trusted_nodes=(peer_id_of(keypair_from_seed(SEED_TRUSTED)),)),
                          audit=AuditConfig(rate=0.0))
     gateway = layerless_store(tiny_llama_store, tmp_path)
 
@@ -55,8 +59,7 @@ def test_a_layerless_gateway_verifies_newcomers_by_verifier_nodes(tiny_llama_sto
             async with open_coordinator(config, gateway, _tokenizer(), keypair_from_seed(os.urandom(32))) as c:
                 swarm, engine, nursery = c.swarm, c.engine, c.nursery
                 nodes, out = [], {}
-                for cls in (Node, Node, LyingNode):
-                    seed = os.urandom(32)
+                for cls, seed in ((Node, SEED_TRUSTED), (Node, os.urandom(32)), (LyingNode, os.urandom(32))):
                     host = await nursery.start(_serve_host, seed)
                     node = cls(NodeConfig(coordinator=c.addr), host, tiny_llama_store, signing_seed=seed)
                     if cls is LyingNode:
@@ -81,10 +84,11 @@ def test_a_layerless_gateway_verifies_newcomers_by_verifier_nodes(tiny_llama_sto
     out = trio.run(main)
     honest, liar, swarm = out["honest"], out["liar"], out["swarm"]
     assert out["shadow"] is None  # this gateway cannot recompute: every check was a verifier node's
-    # The honest newcomers earned their clean rounds through each other's recomputations.
-    assert all(out["clean_before"][p] >= CLEAN_ROUNDS for p in honest) and out["checks_before"] >= 2
+    # The honest newcomer earned its clean rounds through the trusted node's recomputations.
+    (newcomer,) = honest - {peer_id_of(keypair_from_seed(SEED_TRUSTED))}
+    assert out["clean_before"][newcomer] >= CLEAN_ROUNDS and out["checks_before"] >= 1
     assert out["info_before"] == {"clean_rounds": CLEAN_ROUNDS, "rounds_verified": "before release",
-                                  "verified_by": "verifier nodes", "why_not": None}
+                                  "verified_by": "verifier nodes", "why_not": None, "policy": "serve"}
     assert len(out["reference"]) == 8 and out["answers"] == [out["reference"]] * 4  # 0 wrong tokens delivered
     assert liar in swarm.faulty and "recomputation of verifier node" in swarm.faulty[liar]
     assert all(p not in swarm.faulty and swarm.unreachable.table.get(p) is None for p in honest)
@@ -130,7 +134,8 @@ def test_rounds_sent_ahead_stay_lossless_under_verifier_checks(tiny_llama_store,
     tokens = 48
     config = CoordConfig(listen=LOOPBACK_ANY_PORT, min_nodes=2,
                          swarm=SwarmConfig(ready_timeout_s=30, planner="all_nodes"),
-                         engine=EngineConfig(draft="none", resume_wait_s=10, link_latency_ms=8, probation_rounds=10_000),
+                         engine=EngineConfig(draft="none", resume_wait_s=10, link_latency_ms=8, probation_rounds=10_000,
+                                             trusted_nodes=(peer_id_of(keypair_from_seed(SEED_TRUSTED)),)),
                          audit=AuditConfig(rate=0.0))
     gateway = layerless_store(tiny_llama_store, tmp_path)
 
@@ -139,8 +144,7 @@ def test_rounds_sent_ahead_stay_lossless_under_verifier_checks(tiny_llama_store,
             async with open_coordinator(config, gateway, _tokenizer(), keypair_from_seed(os.urandom(32))) as c:
                 swarm, engine, nursery = c.swarm, c.engine, c.nursery
                 nodes, out = [], {}
-                for cls in (Node, Node, LateLiar):
-                    seed = os.urandom(32)
+                for cls, seed in ((Node, SEED_TRUSTED), (Node, os.urandom(32)), (LateLiar, os.urandom(32))):
                     host = await nursery.start(_serve_host, seed)
                     node = cls(NodeConfig(coordinator=c.addr, link_latency_ms=8), host, tiny_llama_store, signing_seed=seed)
                     if cls is LateLiar:
@@ -162,7 +166,8 @@ def test_rounds_sent_ahead_stay_lossless_under_verifier_checks(tiny_llama_store,
     out = trio.run(main)
     (honest_tokens, honest_stats), (liar_tokens, liar_stats) = out["honest_run"], out["liar_run"]
     assert honest_tokens == out["plain"] and honest_stats["pipelined_rounds"] > 0, honest_stats
-    assert all(out["clean"][p] > 0 for p in out["honest"])  # checked round by round, no false alarm
+    (newcomer,) = out["honest"] - {peer_id_of(keypair_from_seed(SEED_TRUSTED))}  # the other is trusted (never on probation)
+    assert out["clean"][newcomer] > 0  # checked round by round by the trusted node, no false alarm
     assert liar_tokens == out["plain"] and liar_stats["pipelined_rounds"] > 0, liar_stats
     swarm = out["swarm"]
     assert out["liar"] in swarm.faulty and "recomputation of verifier node" in swarm.faulty[out["liar"]]

@@ -16,7 +16,7 @@ from collections import Counter
 from hypothesis import given
 from hypothesis import strategies as st
 
-from coordinator.trust.opinions import Verdict, audit_order, need_another, pick, settle
+from coordinator.trust.opinions import Verdict, audit_order, need_another, pick, settle, settle_trusted, vouched
 from ring import PeerId
 from shard.layers import LayerRange
 from shard.manifest import layer_file
@@ -145,3 +145,42 @@ def test_audits_ask_verifier_roles_first_then_any_member_keeping_the_slice():
     stages = {p: _member(p, stored=(0, 1, 2, 3)) for p in ("a", "b", "c")}
     assert sorted(audit_order({}, stages, layers, {PeerId("b")}, lambda p: False, random.Random(0))) == ["a", "c"]
     assert audit_order({}, stages, layers, set(stages), lambda p: False, random.Random(0)) == []
+
+
+def test_colluding_newcomers_cannot_outvote_a_trusted_verifier():
+    # Bug guarded (issue 20): a lying stage (opinion 0) and its fresh friend (agreeing with
+    # it) outvoting the one trusted verifier that disagreed, which settle alone would do
+    # (two parties against one) and then blame the trusted node. Sound: the trusted
+    # recomputation wins, the stage is faulty and the friend is named a liar.
+    assert settle([0, 1, 0]) == Verdict(False, (1,), True)  # by numbers alone the trusted one loses
+    assert settle_trusted([0, 1, 0], [False, True, False]) == Verdict(True, (2,), True)
+    assert settle_trusted([0, 0, 1], [False, False, True]) == Verdict(True, (1,), True)
+    # A trusted verifier agreeing with an honest stage outvotes a lying newcomer verifier.
+    assert settle_trusted([0, 1, 0], [False, False, True]) == Verdict(False, (1,), True)
+    # No trusted verifier: as settle (newcomers still catch each other's disagreement).
+    assert settle_trusted([0, 1], [False, False]) == settle([0, 1]) == Verdict(True, (), True)
+
+
+def test_only_a_trusted_verifier_agreeing_vouches_for_the_stage():
+    # Bug guarded: a newcomer's agreement earning another newcomer credit (a sybil pair then
+    # leaves probation having been checked only by each other).
+    assert not vouched([0, 0], [False, False])
+    assert vouched([0, 0], [False, True])
+    assert not vouched([0, 1], [False, True])  # a trusted verifier against the stage
+    assert vouched([0, 0, 1], [False, True, False]) and not vouched([0, 1, 0], [False, True, False])
+
+
+@given(st.lists(st.tuples(st.integers(0, 2), st.booleans()), min_size=1, max_size=5))
+def test_a_trusted_majority_decides_whatever_newcomers_say(parties):
+    # Sound: over every small mix, whenever one opinion holds a strict majority of the
+    # trusted verifiers and the stage is not in it, the stage is faulty; newcomers outside
+    # the trusted winner are always among the liars.
+    ids = [0] + [o for o, _ in parties]
+    trusted = [False] + [t for _, t in parties]
+    v = settle_trusted(ids, trusted)
+    held = Counter(o for o, t in parties if t)
+    if held:
+        top, n = held.most_common(1)[0]
+        if n > sum(held.values()) - n + (top != 0):  # the winner among stage + trusted verifiers
+            assert v.settled and v.stage_faulty == (top != 0)
+            assert set(v.lying) == {i for i in range(1, len(ids)) if ids[i] != top}

@@ -55,3 +55,11 @@ def test_one_liar_among_newcomers_is_found_and_no_honest_node_is_ever_faulty():
                     break
                 sitting.update(verdict.sit_out)
             assert faulty == liar, (order, liar)
+
+
+def test_an_operator_listed_key_is_never_on_probation():
+    # Bug guarded: the bootstrap of a layerless gateway (its trusted keys) seated on
+    # probation like any stranger, so nobody could ever vouch for a newcomer.
+    policy = ProbationPolicy(clean_rounds=4, trusted=frozenset({"own"}))
+    assert not probation.on_probation({}, "own", policy) and probation.on_probation({}, "fresh", policy)
+    assert probation.probation_stages({"old": 4}, ["own", "fresh", "old"], policy) == ("fresh",)
