@@ -26,6 +26,7 @@ from coordinator.swarm.seeding import Seeding
 from coordinator.swarm.swarm import REPORT_BUFFER, Swarm
 from coordinator.trust import probation
 from coordinator.trust.audit import Auditor
+from coordinator.trust.frame_release import FrameReleaser
 from coordinator.trust.receipt_check import ReceiptChecker
 from coordinator.trust.round_verifier import RoundVerifier
 from shard.addresses import refuse_if_in_use
@@ -106,9 +107,11 @@ async def open_coordinator(config: CoordConfig, store: ModelStore, tokenizer: An
     checked = config.receipts.enabled
     swarm = Swarm(store, seed, config.swarm, job_errors=job_errors_in, ring_changes=ring_changes_in,
                   audit_replies=audit_replies_in if checked else None)
-    checker = ReceiptChecker(store, seed, config.receipts, finished=finished_in) if checked else None
-    auditor = (Auditor(swarm, store, seed, config.audit, audit_rng, finished=finished, audit_replies=audit_replies)
+    releaser = FrameReleaser(swarm.send_control)  # stages drop the frames no audit will ask for
+    checker = (ReceiptChecker(store, seed, config.receipts, finished=finished_in, unaudited=releaser.release_job)
                if checked else None)
+    auditor = (Auditor(swarm, store, seed, config.audit, audit_rng, finished=finished, audit_replies=audit_replies,
+                       releaser=releaser) if checked else None)
     refuse_if_in_use(config.listen)
     async with open_host(keypair, config.listen, relay_hop=True) as host:  # relays for nodes behind NATs
         engine = RingEngine(swarm, host, tokenizer, config.engine, receipts=checker, job_errors=job_errors,

@@ -14,7 +14,10 @@ never ends otherwise filled the log to max_jobs and kept it there for grace_s. A
 what an audit reports as missing, so bounds must cover the audit window: the coordinator
 does not audit a job that waited longer than its max_job_age_s (240 s), which must stay
 below grace_s, and max_bytes must hold every job ended within that window
-(docs/receipts.md).
+(docs/receipts.md). Once the coordinator has decided a job's audits, it tells the stage which
+(job, epoch) no audit will ask for (ReleaseFrames, shard.audit_answers) and `release` drops
+them at once, so under load the log holds the jobs running and those awaiting an audit,
+not five minutes of every job; grace_s stays the bound for a coordinator that never says.
 
 Thread-safe: the stage's worker thread records while the node's trio task answers
 audits. Knows nothing of keys, receipts, streams or models.
@@ -51,6 +54,9 @@ class _JobLog:
     nbytes: int = 0
     ended_s: float | None = None  # clock time EndJob arrived; None while running
     abandoned: bool = False  # ended by the stage for idleness, not by an EndJob
+    # Released by the coordinator before the stage saw the job end (its ReleaseFrames raced
+    # the EndJob or a round still in flight): frames of it are not kept, and its end drops it.
+    released: bool = False
 
 
 class FrameLog:
@@ -73,6 +79,8 @@ class FrameLog:
             log = self._jobs.get(key)
             if log is None:
                 log = self._jobs[key] = _JobLog()
+            if log.released:  # a round in flight when the coordinator finished the job: no audit asks for it
+                return
             log.frames.append(FrameRecord(round, input_frame, output_frame))
             log.nbytes += size
             self._nbytes += size
@@ -84,10 +92,30 @@ class FrameLog:
         """Start the grace period of every epoch of `job_id`."""
         now = self._clock()
         with self._lock:
-            for (jid, _), log in self._jobs.items():
-                if jid == job_id and log.ended_s is None:
+            for key, log in list(self._jobs.items()):
+                if key[0] == job_id and log.released:
+                    self._drop_locked(key)
+                elif key[0] == job_id and log.ended_s is None:
                     log.ended_s = now
             self._evict_locked()
+
+    def release(self, job_id: str, epoch: int) -> int:
+        """Drop the job's frames on `epoch` now: the coordinator will not audit them. A job
+        not ended here yet keeps an empty entry until its end, so late frames of it are not
+        kept either; an unknown job changes nothing (no entry is made for it). Returns the
+        bytes freed."""
+        with self._lock:
+            key = (job_id, epoch)
+            log = self._jobs.get(key)
+            if log is None:
+                return 0
+            freed = log.nbytes
+            if log.ended_s is not None:
+                self._drop_locked(key)
+                return freed
+            self._nbytes -= freed
+            log.frames, log.nbytes, log.released = [], 0, True
+            return freed
 
     def abandon(self, job_id: str) -> None:
         """end_job for a job the stage gave up on (no EndJob came): its frames count
@@ -95,7 +123,7 @@ class FrameLog:
         now = self._clock()
         with self._lock:
             for (jid, _), log in self._jobs.items():
-                if jid == job_id and log.ended_s is None:
+                if jid == job_id and log.ended_s is None:  # a released one holds 0 bytes: ages out as abandoned
                     log.ended_s, log.abandoned = now, True
                     self._abandoned_bytes += log.nbytes
             self._evict_locked()
@@ -129,7 +157,7 @@ class FrameLog:
         while self._abandoned_bytes > cfg.max_abandoned_bytes:
             self._drop_locked(next(k for k, log in self._jobs.items() if log.abandoned))
         while self._jobs and (self._nbytes > cfg.max_bytes or len(self._jobs) > cfg.max_jobs):
-            ended = [k for k, log in self._jobs.items() if log.ended_s is not None]
+            ended = [k for k, log in self._jobs.items() if log.ended_s is not None or log.released]
             self._drop_locked(ended[0] if ended else next(iter(self._jobs)))
 
     def _drop_locked(self, key: tuple[str, int]) -> None:

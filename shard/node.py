@@ -19,9 +19,9 @@ import logging
 import time
 from dataclasses import dataclass, field, replace
 
-import torch
 import trio
 
+from shard import audit_answers
 from shard.assignment_rules import ACKNOWLEDGE, decide, open_jobs_cap, verify_assignment
 from shard.errors import JobRef, ShardError, WireError
 from shard.frame_log import FrameLog
@@ -49,8 +49,8 @@ from shard.wire.codec import decode, decode_frame, encode
 from shard.wire.dtypes import COMPUTE_DTYPES
 from shard.wire.limits import Limits
 from shard.wire.verify import VerifyRequest, control_limits
-from shard.wire.messages import (ROLE_STAGE, Assignment, AuditReply, AuditRequest, EndJob, Forward, JobError,
-                                 Ping, Pong, ProbePeers, Ready, Refused, Register)
+from shard.wire.messages import (ROLE_STAGE, Assignment, AuditRequest, EndJob, Forward, JobError, Ping, Pong,
+                                 ProbePeers, Ready, Refused, Register, ReleaseFrames)
 
 log = logging.getLogger("shard.node")
 
@@ -188,21 +188,16 @@ class Node:
                 await self._send_control(Pong(nonce=msg.nonce, sent_ns=msg.sent_ns, payload=bytes(msg.reply_bytes), clock_s=self.wall_clock()))
             elif isinstance(msg, ProbePeers):
                 self._tasks.start_soon(self.links.report, msg, self.coordinator_id)
-            elif isinstance(msg, AuditRequest):
-                await self._send_control(self._audit_reply(msg))
+            elif isinstance(msg, (AuditRequest, ReleaseFrames)):  # the coordinator's alone: only it has this stream
+                reply = audit_answers.answer(self.frame_log, msg)
+                if reply is not None:
+                    await self._send_control(reply)
             elif isinstance(msg, VerifyRequest):  # an audit's recomputation: in its own task, it takes a forward's time
                 self._tasks.start_soon(self._verify, msg)
             elif isinstance(msg, Refused):
                 raise RegistrationRefused(msg.code, msg.reason)
             else:
                 log.warning("ignoring %s on the control stream", type(msg).__name__)
-
-    def _audit_reply(self, req: AuditRequest) -> AuditReply:
-        """The logged canonical bytes of one side of one frame (None if not kept)."""
-        rec = self.frame_log.get(req.job_id, req.epoch, req.round)
-        data = None if rec is None else (rec.input_frame if req.side == "input" else rec.output_frame)
-        frame = None if data is None else torch.frombuffer(bytearray(data), dtype=torch.uint8)  # (nbytes,)
-        return AuditReply(job_id=req.job_id, epoch=req.epoch, round=req.round, side=req.side, frame=frame)
 
     async def _verify(self, req: VerifyRequest) -> None:
         fetch = lambda r: ensure_slice(self.host, self.coordinator_id, self.store, r, self.config.weights)  # noqa: E731

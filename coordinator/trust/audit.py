@@ -29,6 +29,8 @@ yields an EvidenceRecord signed by the coordinator and marks the stage faulty in
 swarm, which excludes it from the next ring formation. A verifier outvoted by the other
 opinions is marked faulty too (no evidence record: it signed nothing). A stage that left
 the swarm before answering is not accused (its records left with it; see docs/receipts.md).
+Once a job's audits are drawn, every stage not drawn is told to drop its frames of the job,
+and a drawn one once its audit is over (coordinator.trust.frame_release).
 
 It does not check receipt chains (receipt_check), choose rings, or serve HTTP.
 """
@@ -52,6 +54,7 @@ from coordinator.trust.audit_config import AuditConfig, AuditStats
 from coordinator.trust.audit_plan import AuditPlan, plan_audits
 from coordinator.trust.compare import (Finding, Logged, agree, compare, failed_spot, logged_frames, replay_here,
                                        split_reply)
+from coordinator.trust.frame_release import FrameReleaser
 from coordinator.trust.receipt_check import FinishedJob
 from coordinator.trust.replay_slices import ReplaySlices
 from coordinator.trust.tolerance import TOLERANCES
@@ -72,13 +75,16 @@ log = logging.getLogger("shard.coordinator")
 class Auditor:
     def __init__(self, swarm: Swarm, store: ModelStore, coordinator_seed: bytes, config: AuditConfig = AuditConfig(),
                  rng: random.Random | None = None, *, finished: trio.MemoryReceiveChannel[FinishedJob],
-                 audit_replies: trio.MemoryReceiveChannel[tuple[PeerId, AuditReply | VerifyReply]]) -> None:
+                 audit_replies: trio.MemoryReceiveChannel[tuple[PeerId, AuditReply | VerifyReply]],
+                 releaser: FrameReleaser | None = None) -> None:
         """`finished`: the jobs receipt_check finished (its buffer, AuditConfig.max_queued_jobs
         in the assembled coordinator, is the audit queue); `audit_replies`: (peer, AuditReply
         or VerifyReply) pairs from the swarm's control streams. serve() is their only reader.
         `store`: the model's manifest, and the layers to recompute here when no verifier can
-        (AuditConfig.replay_here), if it holds them."""
+        (AuditConfig.replay_here), if it holds them. `releaser` (None: one of its own) tells
+        stages which frames no audit needs; serve() runs it."""
         self.swarm, self.store, self.config = swarm, store, config
+        self.releaser = releaser or FrameReleaser(swarm.send_control)
         self._finished, self._replies = finished, audit_replies
         self.key = NodeKey.from_private_bytes(coordinator_seed)
         self.rng = rng or random.SystemRandom()
@@ -112,6 +118,7 @@ class Auditor:
         re-forms without it); nothing here raises."""
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._serve_replies)
+            await nursery.start(self.releaser.serve)
             task_status.started()
             await self._serve_audits()
 
@@ -138,12 +145,14 @@ class Auditor:
 
     async def _audit_job(self, job: FinishedJob, slots: trio.Semaphore) -> None:
         try:
-            if time.monotonic() - job.finished_s > self.config.max_job_age_s:
+            stale = time.monotonic() - job.finished_s > self.config.max_job_age_s
+            if stale:
                 log.warning("audit backlog: job %s waited %.0f s, its frame logs may be gone; not audited",
                             job.job_id, time.monotonic() - job.finished_s)
                 self.stats.skipped_stale += 1
-                return
-            await self._audit_plans(plan_audits(job, self.config.rate, self.rng))
+            plans = [] if stale else plan_audits(job, self.config.rate, self.rng)
+            self.releaser.release_job(job, keep={(p.peer_id, p.epoch) for p in plans})  # the stages not drawn
+            await self._audit_plans(plans)
         finally:
             self._in_flight -= 1
             slots.release()
@@ -156,6 +165,8 @@ class Auditor:
             except (TransportError, trio.TooSlowError) as exc:
                 self.stats.skipped_gone += 1
                 log.info("audit of %s on job %s skipped, the stage left: %s", plan.peer_id, plan.job_id, exc)
+            finally:  # passed, caught or skipped: nothing will ask for these frames again
+                self.releaser.release(plan.peer_id, plan.job_id, plan.epoch)
 
     async def audit(self, plan: AuditPlan) -> Finding | None:
         """Audit one stage's frames of one job. Raises TransportError or TooSlowError only

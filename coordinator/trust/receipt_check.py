@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import trio
@@ -93,11 +94,14 @@ class FinishedJob:
 
 class ReceiptChecker:
     def __init__(self, store: ModelStore, coordinator_seed: bytes, config: ReceiptConfig = ReceiptConfig(), *,
-                 finished: trio.MemorySendChannel[FinishedJob] | None = None) -> None:
+                 finished: trio.MemorySendChannel[FinishedJob] | None = None,
+                 unaudited: Callable[[FinishedJob], None] | None = None) -> None:
         """`finished` gets every job that finishes with a bundle (the auditor reads it); a
-        full or closed channel drops the job from auditing, never blocks. None: nobody."""
+        full or closed channel drops the job from auditing, never blocks. None: nobody.
+        `unaudited` gets every finished job that no audit will cover (a full or closed
+        channel, failed receipts), so its stages drop its frames (FrameReleaser.release_job)."""
         self.config = config
-        self._finished = finished
+        self._finished, self._unaudited = finished, unaudited
         self.key = NodeKey.from_private_bytes(coordinator_seed)
         self.store = store
         self.manifest_digest = bytes.fromhex(store.digest)
@@ -216,7 +220,11 @@ class JobReceipts:
         """Sign and keep the bundle of the verified rounds; hand the job to the auditor.
         A job whose receipts failed gets no bundle: nothing of it is vouched for."""
         checker = self.checker
+        done = FinishedJob(self.job_id, {e: list(rs) for e, rs in self._order.items()}, dict(self._verified),
+                           dict(self._epochs))
         if self.failed or not self._rounds:
+            if checker._unaudited is not None:
+                checker._unaudited(done)
             return
         epochs = sorted({r.epoch for r in self._rounds.values()})
         bundle = sign_bundle(
@@ -228,13 +236,13 @@ class JobReceipts:
         checker._keep(self.job_id, bundle_to_json(bundle))
         if checker.bundle_store is not None:
             checker.bundle_store.append(bundle)
-        if checker._finished is None:
-            return
-        done = FinishedJob(self.job_id, {e: list(rs) for e, rs in self._order.items()}, dict(self._verified),
-                           dict(self._epochs))
         try:
-            checker._finished.send_nowait(done)
+            if checker._finished is not None:
+                checker._finished.send_nowait(done)
+                return
         except trio.WouldBlock:
             log.warning("audit queue full: job %s is not audited", self.job_id)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             log.info("job %s is not audited: nobody audits any more", self.job_id)
+        if checker._unaudited is not None:
+            checker._unaudited(done)

@@ -26,6 +26,7 @@ from shard.wire.shapes import (check_activations, check_context, check_nonnegati
 from shard.wire.roles import ROLE_STAGE
 # The trailer's fields (receipts, compute_s, clock_s, burst): shard.wire.trailer.
 from shard.wire.trailer import BURST, CLOCK_TIMES, COMPUTE_TIMES, RECEIPTS, TRAILER_FIELDS
+from shard.wire.release_frames import ReleaseFrames
 from shard.wire.verify import VerifyReply, VerifyRequest
 from shard.wire.weight_messages import WEIGHT_MESSAGES
 
@@ -383,11 +384,11 @@ class AuditReply:
 
 
 Message = Union[Forward, Result, EndJob, JobError, Register, Refused, Assignment, Ready, Ping, Pong, ProbePeers,
-                LinkReport, HopPath, AuditRequest, AuditReply, VerifyRequest, VerifyReply]
+                LinkReport, HopPath, AuditRequest, AuditReply, ReleaseFrames, VerifyRequest, VerifyReply]
 # The allow-list: the only classes a peer's `kind` can name.
 REGISTRY: dict[str, type] = {c.KIND: c for c in (Forward, Result, EndJob, JobError, Register, Refused, Assignment, Ready,
                                                  Ping, Pong, ProbePeers, LinkReport, HopPath, AuditRequest, AuditReply,
-                                                 VerifyRequest, VerifyReply)}
+                                                 ReleaseFrames, VerifyRequest, VerifyReply)}
 
 REGISTRY.update({c.KIND: c for c in WEIGHT_MESSAGES})  # weights from peers (shard.wire.weight_messages)
 for _cls in REGISTRY.values():

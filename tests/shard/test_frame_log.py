@@ -88,3 +88,42 @@ def test_abandoned_jobs_are_kept_only_within_their_own_small_bound():
     log.abandon("ended")  # an ended job is not abandoned after the fact
     log.record("d", 1, 1, b"i", b"o")
     assert log.frames("ended", 1) and log.nbytes == 152
+
+
+def test_release_drops_an_ended_job_at_once_and_only_that_epoch():
+    # Issue 21: an ended job's frames stayed grace_s (300 s) although the coordinator had
+    # already drawn its audits; release is how it says so. Sound: the clock never moves, so
+    # only release can have dropped them; the other epoch and job keep theirs, bytes exact.
+    log = FrameLog(FrameLogConfig(grace_s=300.0), clock=Clock())
+    log.record("a", 1, 1, b"in", b"out")
+    log.record("a", 2, 1, b"in", b"out")
+    log.record("b", 1, 1, b"in", b"out")
+    log.end_job("a")
+    assert log.release("a", 1) == 5
+    assert log.frames("a", 1) == [] and log.frames("a", 2) and log.frames("b", 1) and log.nbytes == 10
+    assert log.release("a", 1) == 0 and log.release("nobody", 7) == 0 and log.nbytes == 10
+
+
+def test_a_job_released_before_its_end_keeps_no_late_frames_and_its_end_clears_it():
+    # The coordinator's ReleaseFrames travels on the control stream and may overtake the
+    # job's EndJob or a round still in flight on the ring. Sound: a frame recorded after
+    # the release adds no bytes; the end removes the empty entry (the job id may be reused).
+    log = FrameLog()
+    log.record("a", 1, 1, b"in", b"out")
+    assert log.release("a", 1) == 5 and log.nbytes == 0
+    log.record("a", 1, 2, b"late-in", b"late-out")
+    assert log.frames("a", 1) == [] and log.nbytes == 0
+    log.end_job("a")
+    log.record("a", 1, 1, b"in", b"out")  # a new job of the same id and epoch is logged again
+    assert len(log.frames("a", 1)) == 1 and log.nbytes == 5
+
+
+def test_released_entries_are_evicted_before_running_jobs():
+    # A released entry waiting for its EndJob holds no bytes but counts against max_jobs;
+    # it must go before a running job's frames, which an audit may still need.
+    log = FrameLog(FrameLogConfig(max_jobs=2))
+    log.record("released", 1, 1, b"i", b"o")
+    log.release("released", 1)
+    log.record("running", 1, 1, b"i", b"o")
+    log.record("new", 1, 1, b"i", b"o")
+    assert log.frames("running", 1) and log.frames("new", 1) and log.nbytes == 4

@@ -25,7 +25,7 @@ from shard.wire.dtypes import BY_NAME, FLOAT_NAMES, FP8_NAMES
 from shard.wire.fp8 import encode_fp8
 from shard.wire.limits import FRAME_PREFIX, MAX_RECEIPTS, Limits
 from shard.wire.messages import (REGISTRY, Assignment, AuditRequest, EndJob, Forward, HopPath, JobError, LinkReport, Ping, Pong, ProbePeers, Ready,
-                                 Refused, Register, Result)
+                                 Refused, Register, ReleaseFrames, Result)
 from shard.wire.weight_messages import (FetchReport, ManifestRequest, SignedManifest, Sources, SourcesRequest, WeightsChunk,
                                         WeightsRefused, WeightsRequest)
 
@@ -73,6 +73,7 @@ SMALL = {
     "pong": Pong(nonce=0, sent_ns=0),
     "probe_peers": ProbePeers(peers={"12D3KooWB": ("/ip4/127.0.0.1/tcp/4002",), "12D3KooWC": ()}, bandwidth_bytes=65536),
     "audit_request": AuditRequest(job_id="j", epoch=1, round=2, side="output"),
+    "release_frames": ReleaseFrames(job_ids=("j", "job-2"), epochs=(1, 3)),
     "link_report": LinkReport(peer_id="12D3KooWA", rtt_ms={"12D3KooWB": 41.0}, upload_bytes_per_s=2.5e6),
     "hop_path": HopPath(peer_id="12D3KooWA", successor="12D3KooWB", path="relayed"),
 }

@@ -185,10 +185,14 @@ def test_selection_rate_is_per_stage_and_independent_of_length():
 def test_jobs_older_than_the_frame_log_grace_are_not_audited():
     """Guards against accusing honest stages: a job whose audit waited past the nodes'
     frame-log grace would read as missing records; it is skipped and counted instead.
-    (The swarm here has no send_control: any fetch would fail the test.)"""
+    (The swarm here sends nothing but releases of the job's frames: any fetch fails the test.)"""
     from coordinator.trust.audit import AuditConfig, Auditor
+    from shard.wire.release_frames import ReleaseFrames
 
-    swarm = SimpleNamespace()
+    async def send_control(peer, msg):
+        assert isinstance(msg, ReleaseFrames), msg
+
+    swarm = SimpleNamespace(send_control=send_control)
     job = finished_job(3, {1: [1, 2]}, {1: 1, 2: 1})
 
     async def main():
