@@ -21,7 +21,7 @@ import trio
 
 from receipts import sha256_digest
 from coordinator.errors import JobFailedError, KVRoomTimeout, NotReadyError
-from coordinator.trust import probation
+from coordinator.trust import opinions, probation
 from coordinator.trust.receipt_check import ReceiptChecker
 from coordinator.trust.round_verifier import RoundVerifier
 from coordinator.trust.shadow import Shadow
@@ -42,6 +42,8 @@ from coordinator.swarm.swarm import RingState, Swarm
 from coordinator.swarm.topology import Traversal
 from ring import PeerId
 from shard.errors import DialError, ShardError, WireError
+from shard.layers import LayerRange
+from shard.manifest import layer_file
 from shard.stage import OutputHead
 from shard.stage_worker import DRAFT_SLACK_SLOTS
 from shard.transport import FramedStream, Host, TransportError
@@ -107,6 +109,7 @@ class RingEngine:
         self.shadow: Shadow | None = Shadow(store)  # None: this store cannot recompute (no layers)
         self.probation_off: str | None = None  # why newcomers' rounds go out unverified, for /v1/ring
         self.round_verifier = round_verifier  # used once the shadow is off (coordinator.jobs.release_gate)
+        swarm.unverifiable = self.unverifiable  # formation seats a newcomer nothing trusted checks only if it must
 
     def make_drafters(self) -> list[Drafter]:
         """Fresh drafters for one job; several means the router picks per round (hybrid),
@@ -173,7 +176,7 @@ class RingEngine:
         return {**self.router.status(self.model_id, len(self._jobs)),
                 "probation": {"clean_rounds": self.probation.clean_rounds, "rounds_verified": verified,
                               "verified_by": by, "why_not": self.probation_off, "policy": self.config.unverified_newcomers,
-                              **self.probation_counts}}
+                              "seated_unverified": self.swarm.seated_unverified, **self.probation_counts}}
 
     def clock_offsets_s(self, epoch: int) -> tuple[float, ...] | None:
         """Ring `epoch`'s stages' clock offsets against ours, in ring order (hop_times
@@ -271,6 +274,13 @@ class RingEngine:
         if self.shadow is None and self.round_verifier is None:
             return ()
         return probation.probation_stages(self.clean_rounds, [p for p, _ in ring.stages], self.probation)
+
+    def unverifiable(self, stages: tuple[tuple[PeerId, LayerRange], ...]) -> tuple[PeerId, ...]:
+        """`stages` on probation nothing trusted could check (coordinator.trust.opinions.unverifiable)."""
+        regs = {p: m.register for p, m in self.swarm.members.items()} if self.round_verifier is not None else {}
+        return opinions.unverifiable(stages, lambda p: probation.on_probation(self.clean_rounds, p, self.probation), regs,
+                                     set(self.swarm.faulty), lambda r: self.shadow is not None and all(
+                                         (self.swarm.store.root / layer_file(i)).exists() for i in r))
 
     def quant_of(self) -> dict[str, str]:
         return {p: m.register.quant for p, m in self.swarm.members.items()}

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import trio
@@ -23,6 +24,7 @@ from shard.transport import TransportError
 from shard.wire.codec import encode
 from shard.wire.messages import Assignment
 from ring import PeerId
+from shard.layers import LayerRange
 
 Swarm = Any  # coordinator.swarm.swarm.Swarm, which imports this module
 
@@ -37,7 +39,10 @@ async def form(swarm: Swarm, members: frozenset[PeerId]) -> None:
         if not ring_set.single_ring(several, current):
             await form_rings(swarm, members, several)
             return
-    decision = formation.decide(swarm.snapshot(), members, swarm.config, swarm.identity)
+    decision, swarm.seated_unverified = prefer_verifiable(
+        lambda pool: formation.decide(swarm.snapshot(), pool, swarm.config, swarm.identity), members, swarm.unverifiable)
+    if swarm.seated_unverified:
+        log.warning("%s", swarm.seated_unverified)
     if isinstance(decision, NoRing):
         log.warning("cannot form a ring from %d nodes: %s", len(members), decision.reason)
         swarm._formed_for = members
@@ -77,6 +82,23 @@ async def form(swarm: Swarm, members: frozenset[PeerId]) -> None:
         swarm._set_ring(RingState(epoch, decision.stages, tuple(assignments)))
         swarm.drain_until = None
         log.info("ring epoch %d ready", epoch)
+
+
+def prefer_verifiable(decide: Callable[[frozenset[PeerId]], Formation | NoRing], members: frozenset[PeerId],
+                      unverifiable: Callable[[tuple[tuple[PeerId, LayerRange], ...]], tuple[PeerId, ...]] | None
+                      ) -> tuple[Formation | NoRing, str | None]:
+    """Pure. The ring `decide` forms from `members`, unless it seats newcomers nothing
+    trusted could check (`unverifiable`, coordinator.trust.opinions.unverifiable: set by the
+    engine) and a ring forms without them whose probation stages can all be checked: that
+    one. Else the first, with a one-line note naming whom it seats unverified (GET /v1/ring)."""
+    decision = decide(members)
+    if unverifiable is None or isinstance(decision, NoRing) or not (bad := unverifiable(decision.stages)):
+        return decision, None
+    alt = decide(members - frozenset(bad))
+    if not isinstance(alt, NoRing) and not unverifiable(alt.stages):
+        return alt, None
+    return decision, (f"newcomer(s) {', '.join(p[-6:] for p in bad)} seated though neither the gateway nor a trusted "
+                      f"node can recompute their slices: no ring formed without them")
 
 
 async def drain(swarm: Swarm, members: frozenset[PeerId]) -> bool:

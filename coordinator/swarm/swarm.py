@@ -112,6 +112,8 @@ class Swarm:
         self._formed_for: frozenset[PeerId] | None = None  # eligible members at the last formation
         self.busy: Callable[[int], int] = lambda epoch: 0  # jobs running on ring `epoch` (the engine's router sets it)
         self.drain_until: float | None = None  # a join's re-form waits for running jobs until then (forming.drain)
+        self.unverifiable = None  # the engine's: stages on probation nothing trusted could check (forming.prefer_verifiable)
+        self.seated_unverified: str | None = None  # why the ring seats such a newcomer anyway
 
     # -- control streams -------------------------------------------------------------
     async def handle_control(self, stream: FramedStream) -> None:

@@ -131,6 +131,17 @@ def candidates(registers: Mapping[PeerId, Register], layers: LayerRange, exclude
                                         p in verifying, draw[p], p))
 
 
+def unverifiable(stages: Sequence[tuple[PeerId, LayerRange]], on_probation: Callable[[PeerId], bool],
+                 registers: Mapping[PeerId, Register], excluded: set[PeerId],
+                 gateway_can: Callable[[LayerRange], bool]) -> tuple[PeerId, ...]:
+    """The stages on probation nothing trusted could check: the gateway cannot recompute
+    their slice (`gateway_can`) and no trusted member (off probation, not `excluded`, not
+    the stage) keeps every layer of it. Formation seats them only when no ring forms
+    without them (coordinator.swarm.forming.prefer_verifiable)."""
+    return tuple(p for p, layers in stages if on_probation(p) and not gateway_can(layers) and not any(
+        q != p and q not in excluded and not on_probation(q) and keeps_slice(reg, layers) for q, reg in registers.items()))
+
+
 def audit_order(verifiers: Mapping[PeerId, LayerRange | None], registers: Mapping[PeerId, Register],
                 layers: LayerRange, excluded: set[PeerId], on_probation: Callable[[PeerId], bool],
                 rng: random.Random) -> list[PeerId]:

@@ -76,7 +76,8 @@ def test_a_lying_newcomer_delivers_no_wrong_token_and_is_excluded(tiny_llama_sto
                 nursery.cancel_scope.cancel()
                 report = trust_report(c.receipts, c.auditor)["audits"]
                 assert engine.info()["probation"] == {"clean_rounds": 64, "rounds_verified": "before release",
-                                                      "verified_by": "gateway", "why_not": None, "policy": "serve"}
+                                                      "verified_by": "gateway", "why_not": None, "policy": "serve",
+                                                      "seated_unverified": None}
                 return honest, reference, answers, liar, swarm, clean, c.receipts.evidence, c.host.peer_id, report
 
     honest, reference, answers, liar, swarm, clean, evidence, coordinator, report = trio.run(main)

@@ -99,6 +99,8 @@ def test_two_colluders_alone_never_leave_probation_and_refuse_answers_503(tiny_l
     info = out["info"]
     assert info["rounds_verified"] == "no" and info["policy"] == "serve" and info["rounds_unverified"] >= 2
     assert "checked only by nodes on probation" in info["why_not"]
+    # Seated only because no ring forms without them, and /v1/ring says so.
+    assert "seated though neither the gateway nor a trusted node" in info["seated_unverified"]
     refused = out["refused"]
     assert set(refused.newcomers) <= set(pair) and refused.newcomers
     err = request_error_for(refused)
@@ -133,6 +135,7 @@ def test_a_trusted_node_outvotes_two_colluding_newcomers(tiny_llama_store, tmp_p
                 assert set(pair) <= set(ring)
                 out["answers"] = [await _generate(engine, 8) for _ in range(3)]
                 out["clean"], out["faulty"] = dict(engine.clean_rounds), dict(swarm.faulty)
+                out["seated_unverified"] = engine.info()["probation"]["seated_unverified"]
                 c.nursery.cancel_scope.cancel()
                 return out
 
@@ -140,3 +143,4 @@ def test_a_trusted_node_outvotes_two_colluding_newcomers(tiny_llama_store, tmp_p
     assert len(out["reference"]) == 8 and out["answers"] == [out["reference"]] * 3  # no lie released
     assert all(p in out["faulty"] for p in out["pair"]), out["faulty"]
     assert trusted not in out["faulty"] and all(out["clean"].get(p, 0) == 0 for p in out["pair"])
+    assert out["seated_unverified"] is None  # the trusted node keeps every slice: they were checkable
