@@ -48,7 +48,7 @@ from shard.weight_server import WEIGHTS_PROTOCOL, WeightServer
 from shard.wire.codec import decode, decode_frame, encode
 from shard.wire.dtypes import COMPUTE_DTYPES
 from shard.wire.limits import Limits
-from shard.wire.verify import VerifyRequest, control_limits
+from shard.wire.verify import VerifyPart, VerifyRequest, control_limits
 from shard.wire.messages import (ROLE_STAGE, Assignment, AuditRequest, EndJob, Forward, JobError, Ping, Pong,
                                  ProbePeers, Ready, Refused, Register, ReleaseFrames)
 
@@ -192,18 +192,18 @@ class Node:
                 reply = audit_answers.answer(self.frame_log, msg)
                 if reply is not None:
                     await self._send_control(reply)
-            elif isinstance(msg, VerifyRequest):  # an audit's recomputation: in its own task, it takes a forward's time
-                self._tasks.start_soon(self._verify, msg)
+            elif isinstance(msg, (VerifyRequest, VerifyPart)):  # an audit's recomputation, whole or in parts
+                self._verify(msg)
             elif isinstance(msg, Refused):
                 raise RegistrationRefused(msg.code, msg.reason)
             else:
                 log.warning("ignoring %s on the control stream", type(msg).__name__)
 
-    async def _verify(self, req: VerifyRequest) -> None:
+    def _verify(self, msg: VerifyRequest | VerifyPart) -> None:
         fetch = lambda r: ensure_slice(self.host, self.coordinator_id, self.store, r, self.config.weights)  # noqa: E731
         self.verifier = self.verifier or Verifier(self.store, self.config.device, self.compute_limiter, fetch)
         warm = (self._warm, self.config.quant) if self._warm is not None else None
-        await self._send_control(await self.verifier.answer(req, self.limits, warm))
+        self.verifier.receive(msg, self.limits, warm, self._tasks, self._send_control)  # answers in its own task
 
     async def _send_control(self, msg) -> None:
         async with self.control_lock:

@@ -7,7 +7,9 @@ declared) on its own copy of the slice, the one it keeps warm for its role when 
 matches, else one it loads from its store (kept for the next audit), first fetching from
 peers whatever files of the slice the store lacks (`fetch`, shard.weight_fetch on a
 node), and answers with the rows it recomputed. So the gateway that asks needs no layers
-of its own.
+of its own. A request or reply past one control frame travels as VerifyParts
+(shard.verify_parts): `receive` puts a request back together (bounded by the model:
+upload_cap) and answers in parts of the asker's max_part_bytes.
 
 It does not see the stage's outputs, compare anything or judge anyone (the coordinator
 does: coordinator.trust.audit); it never raises on a request: whatever is wrong with one
@@ -30,10 +32,11 @@ from shard.quant import quantise_stage, scheme
 from shard.replay import Replayed, replay
 from shard.stage import Stage
 from shard.store import ModelStore
+from shard.verify_parts import Uploads, assemble, split, upload_cap, whole_limits
 from shard.wire.codec import decode, encode
 from shard.wire.limits import Limits
-from shard.wire.messages import Forward
-from shard.wire.verify import TIMING_ERROR, VerifyReply, VerifyRequest, is_timing
+from shard.wire.messages import Forward, Message
+from shard.wire.verify import TIMING_ERROR, VerifyPart, VerifyReply, VerifyRequest, is_timing
 
 log = logging.getLogger("shard.node")
 WARN_EVERY_S = 60.0  # refusals logged at WARNING at most this often (the rest at INFO)
@@ -83,6 +86,36 @@ class Verifier:
         self.answered = 0  # requests answered with rows (not errors)
         self.refused = 0  # requests answered with an error (timing requests aside)
         self._warned_s = -WARN_EVERY_S  # when a refusal was last logged at WARNING (trio's clock)
+        self.uploads: Uploads | None = None  # requests arriving in parts (made on the first part)
+
+    def receive(self, msg: VerifyRequest | VerifyPart, limits: Limits, warm: tuple[Stage, str] | None,
+                nursery: trio.Nursery, send: Callable[[Message], Awaitable[None]]) -> None:
+        """Take one control message from the coordinator: a whole request, or a part of one
+        (put back together by `self.uploads`, under upload_cap(limits)). A whole request is
+        answered in its own task (it takes a forward's time), its reply sent by `send` whole
+        or in parts of the request's max_part_bytes; a part that breaks an upload's rule is
+        answered at once with that request's error. Never raises on a message."""
+        if isinstance(msg, VerifyPart):
+            self.uploads = self.uploads or Uploads(upload_cap(limits))
+            try:
+                data = self.uploads.add("coordinator", msg)
+                if data is None:
+                    return
+                msg = assemble(data, limits, self.uploads.cap, VerifyRequest, msg.request_id)  # type: ignore[assignment]
+            except ShardError as exc:
+                nursery.start_soon(send, self._refuse(msg.request_id, str(exc)))
+                return
+        nursery.start_soon(self._serve, msg, limits, warm, send)
+
+    async def _serve(self, req: VerifyRequest, limits: Limits, warm: tuple[Stage, str] | None,
+                     send: Callable[[Message], Awaitable[None]]) -> None:
+        reply = await self.answer(req, limits, warm)
+        try:
+            parts = split(reply, req.max_part_bytes or limits.max_frame_bytes, whole_limits(limits, req.max_reply_bytes))
+        except ShardError as exc:  # answer() held it to max_reply_bytes already: a part size too small
+            parts = [self._refuse(req.request_id, str(exc), req)]
+        for part in parts:
+            await send(part)
 
     async def answer(self, req: VerifyRequest, limits: Limits, warm: tuple[Stage, str] | None = None) -> VerifyReply:
         """Recompute `req` and return the reply (an error reply for anything wrong with it).
@@ -101,26 +134,27 @@ class Verifier:
                 lambda: replay(stage, req.wire_dtype, frames, req.max_replay_rows, aux_dtype=req.aux_dtype,
                                frame_by_frame=scheme(req.quant).quantised), limiter=self.limiter)
             reply = reply_of(req.request_id, replayed)
+            size = len(encode(reply, whole_limits(limits, 1 << 32)))
         except ShardError as exc:
-            return self._refuse(req, str(exc))
+            return self._refuse(req.request_id, str(exc), req)
         except Exception as exc:  # a check we missed: this request's error, never the node's
             log.exception("verify request %d raised", req.request_id)
-            return self._refuse(req, f"{type(exc).__name__}: {exc}")
-        size = len(encode(reply))
+            return self._refuse(req.request_id, f"{type(exc).__name__}: {exc}", req)
         if size > req.max_reply_bytes:
-            return self._refuse(req, f"the recomputed rows take {size} bytes, over the request's max_reply_bytes "
-                                     f"{req.max_reply_bytes}")
+            return self._refuse(req.request_id, f"the recomputed rows take {size} bytes, over the request's "
+                                                f"max_reply_bytes {req.max_reply_bytes}", req)
         self.answered += 1
         return reply
 
-    def _refuse(self, req: VerifyRequest, why: str) -> VerifyReply:
+    def _refuse(self, request_id: int, why: str, req: VerifyRequest | None = None) -> VerifyReply:
         """At WARNING at most once per WARN_EVERY_S (with the refusals since), else at INFO."""
         self.refused, now = self.refused + 1, trio.current_time()
         loud = now - self._warned_s >= WARN_EVERY_S
         self._warned_s = now if loud else self._warned_s
-        log.log(logging.WARNING if loud else logging.INFO, "verify request %d (layers [%d, %d)) not answered (%d "
-                "refused in all): %s", req.request_id, req.layer_start, req.layer_end, self.refused, why)
-        return VerifyReply(request_id=req.request_id, error=why[:1024])
+        where = "" if req is None else f" (layers [{req.layer_start}, {req.layer_end}))"
+        log.log(logging.WARNING if loud else logging.INFO, "verify request %d%s not answered (%d refused in all): %s",
+                request_id, where, self.refused, why)
+        return VerifyReply(request_id=request_id, error=why[:1024])
 
     async def _stage(self, r: LayerRange, quant: str, warm: tuple[Stage, str] | None) -> Stage:
         if warm is not None and warm[0].layers == r and warm[1] == quant and warm[0].dtype == torch.float32:

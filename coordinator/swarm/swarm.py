@@ -40,7 +40,7 @@ from shard.wire.codec import decode, encode
 from shard.wire.limits import Limits
 from shard.wire.messages import (Assignment, AuditReply, HopPath, JobError, LinkReport, Ping, Pong, ProbePeers, Ready,
                                  Register, VerifyReply)
-from shard.wire.verify import control_limits
+from shard.wire.verify import VerifyPart, control_limits
 
 __all__ = ["REPORT_BUFFER", "Member", "RingState", "Swarm", "SwarmConfig"]
 
@@ -150,7 +150,7 @@ class Swarm:
                     _offer(self._job_errors, msg, f"job {msg.job_id}'s error from {peer}")
                 elif isinstance(msg, HopPath) and msg.peer_id == peer:  # the path its ring stream crosses
                     self.traversals.record_path(peer, PeerId(msg.successor), msg.path, msg.via)
-                elif isinstance(msg, (AuditReply, VerifyReply)):
+                elif isinstance(msg, (AuditReply, VerifyReply, VerifyPart)):  # VerifyPart: a reply in parts
                     self.probes.answer(peer, msg) or _offer(self._audit_replies, (peer, msg), f"an audit reply from {peer}")
                 else:
                     log.warning("ignoring %s on %s's control stream", type(msg).__name__, peer)

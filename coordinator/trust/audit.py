@@ -60,6 +60,7 @@ from coordinator.trust.replay_slices import ReplaySlices
 from coordinator.trust.tolerance import TOLERANCES
 from receipts import NodeKey, sign_evidence
 from ring import PeerId
+from shard.errors import ShardError
 from shard.layers import LayerRange
 from shard.manifest import layer_file
 from shard.replay import Replayed
@@ -67,7 +68,8 @@ from shard.store import ModelStore
 from shard.transport import TransportError
 from shard.wire.messages import AuditReply, AuditRequest
 from shard.wire.roles import ROLE_SPOT_CHECK_VERIFIER
-from shard.wire.verify import MAX_VERIFY_REPLAY_ROWS, VerifyReply, VerifyRequest
+from shard.verify_parts import Uploads, assemble, split, upload_cap, whole_limits
+from shard.wire.verify import MAX_VERIFY_REPLAY_ROWS, VerifyPart, VerifyReply, VerifyRequest
 
 log = logging.getLogger("shard.coordinator")
 
@@ -92,6 +94,7 @@ class Auditor:
         self.stats = AuditStats()
         self._waiting: dict[tuple, list] = {}  # (peer, job, epoch, round, side) or (peer, request id) -> [Event, reply]
         self._request_ids = itertools.count()
+        self._reply_parts: Uploads | None = None  # made on first use: `reply_parts`
         self._limiter = trio.CapacityLimiter(1)
         self.slices = ReplaySlices(store, config.max_cached_slices, self._limiter)  # for replays here
         # Whether a member is on probation (the engine's book, set by coordinator.assembly):
@@ -276,23 +279,29 @@ class Auditor:
         return out
 
     async def ask_verifier(self, peer: PeerId, plan: AuditPlan, logged: Logged) -> list[Replayed | None] | None:
-        """`peer`'s recomputation of the logged frames; None if it could not give one (too
-        large to send, left, timed out, answered an error or a malformed reply)."""
-        limits = self.swarm.control_limits
+        """`peer`'s recomputation of the logged frames; None if it could not give one (past
+        upload_cap, left, timed out, answered an error or a malformed reply). A request past
+        one control frame goes in VerifyParts (shard.verify_parts), the reply may come so."""
+        limits, cap = self.swarm.control_limits, self.reply_parts.cap
+        part_bytes = min(self.config.verify_part_bytes or limits.max_frame_bytes, limits.max_frame_bytes)
         data = b"".join(logged.input_bytes)
-        if len(data) > limits.max_frame_bytes - limits.max_header_bytes:
-            log.info("job %s's frames (%d bytes) are too large for a verify request", plan.job_id, len(data))
-            return None
         request_id = next(self._request_ids)
         req = VerifyRequest(request_id=request_id, layer_start=plan.layers.start, layer_end=plan.layers.end,
                             quant=plan.quant, wire_dtype=plan.wire_dtype, aux_dtype=plan.aux_dtype,
                             max_replay_rows=min(self.config.max_replay_rows, MAX_VERIFY_REPLAY_ROWS),
-                            max_reply_bytes=limits.max_frame_bytes, frame_bytes=tuple(map(len, logged.input_bytes)),
+                            max_reply_bytes=cap, max_part_bytes=part_bytes,
+                            frame_bytes=tuple(map(len, logged.input_bytes)),
                             frames=torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        try:
+            parts = split(req, part_bytes, whole_limits(limits, cap))
+        except ShardError as exc:
+            log.info("job %s's frames (%d bytes) cannot go to a verifier: %s", plan.job_id, len(data), exc)
+            return None
         key = (peer, request_id)
         slot = self._waiting[key] = [trio.Event(), None]
         try:
-            await self.swarm.send_control(peer, req)
+            for part in parts:
+                await self.swarm.send_control(peer, part)
             with trio.fail_after(self.config.verify_timeout_s):
                 await slot[0].wait()
         except (TransportError, trio.TooSlowError) as exc:
@@ -353,7 +362,24 @@ class Auditor:
         reply: AuditReply = slot[1]
         return None if reply.frame is None else reply.frame.numpy().tobytes()
 
-    def _on_reply(self, peer: PeerId, reply: AuditReply | VerifyReply) -> None:
+    @property
+    def reply_parts(self) -> Uploads:
+        """Verify replies past one control frame being put back together (only those awaited)."""
+        if self._reply_parts is None:
+            self._reply_parts = Uploads(upload_cap(self.swarm.control_limits), max_open=4)
+        return self._reply_parts
+
+    def _on_reply(self, peer: PeerId, reply: AuditReply | VerifyReply | VerifyPart) -> None:
+        if isinstance(reply, VerifyPart):
+            if (peer, reply.request_id) not in self._waiting:
+                return  # parts nobody awaits are dropped unread
+            try:
+                data = self.reply_parts.add(peer, reply)
+                if data is None:
+                    return
+                reply = assemble(data, self.swarm.control_limits, self.reply_parts.cap, VerifyReply, reply.request_id)
+            except ShardError as exc:
+                reply = VerifyReply(request_id=reply.request_id, error=f"its reply's parts: {exc}"[:1024])
         if isinstance(reply, VerifyReply):
             slot = self._waiting.get((peer, reply.request_id))
         else:

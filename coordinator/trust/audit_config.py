@@ -40,6 +40,9 @@ class AuditConfig:
     # the stage, a third when those two disagree (coordinator.trust.opinions).
     max_opinions: int = 3
     verify_timeout_s: float = 60.0  # a verifier's recomputation: about one prefill of the job's rows
+    # The largest control frame a verify request or its reply is cut to (shard.verify_parts);
+    # None: the swarm's control frame cap. Smaller (>= 2 KiB) only to cut short jobs in tests.
+    verify_part_bytes: int | None = None
     # When no verifier node can recompute a slice, recompute it here, if this gateway's
     # store holds the slice's layer files; False: such audits wait for a verifier (skipped).
     replay_here: bool = True

@@ -52,6 +52,7 @@ from coordinator.trust.receipt_check import JobReceipts, ReceiptChecker
 from ring import PeerId
 from shard.layers import LayerRange
 from shard.transport import TransportError
+from shard.verify_parts import upload_cap
 
 log = logging.getLogger("shard.coordinator")
 
@@ -130,10 +131,10 @@ class RoundVerifier:
         logged = await trio.to_thread.run_sync(logged_frames, plan, fetched.records, self.swarm.control_limits)
         if isinstance(logged, Finding):  # its log does not match its own receipts
             return self._caught(plan, logged, "its receipts")
-        limits, size = self.swarm.control_limits, sum(map(len, logged.input_bytes))
-        if size > limits.max_frame_bytes - limits.max_header_bytes:  # as Auditor.ask_verifier refuses it
-            return Outcome(None, 0, f"the frames of stage {peer[-6:]} on probation ({size} bytes) are past one verify "
-                                    f"request ({limits.max_frame_bytes - limits.max_header_bytes} bytes)")
+        cap, size = upload_cap(self.swarm.control_limits), sum(map(len, logged.input_bytes))
+        if size > cap:  # as Auditor.ask_verifier refuses it (past one control frame it sends parts: shard.verify_parts)
+            return Outcome(None, 0, f"the frames of stage {peer[-6:]} on probation ({size} bytes) are past a verify "
+                                    f"request's cap ({cap} bytes)")
         fresh = [r for r in plan.receipts if r not in fetched.compared]
         # Every frame is replayed (the stage's K/V holds them all); only the rounds not yet
         # compared are held to the replay (the gateway's share of the cost stays per round).

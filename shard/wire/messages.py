@@ -27,7 +27,7 @@ from shard.wire.roles import ROLE_STAGE
 # The trailer's fields (receipts, compute_s, clock_s, burst): shard.wire.trailer.
 from shard.wire.trailer import BURST, CLOCK_TIMES, COMPUTE_TIMES, RECEIPTS, TRAILER_FIELDS
 from shard.wire.release_frames import ReleaseFrames
-from shard.wire.verify import VerifyReply, VerifyRequest
+from shard.wire.verify import VerifyPart, VerifyReply, VerifyRequest
 from shard.wire.weight_messages import WEIGHT_MESSAGES
 
 # 2: per-stage trailer fields (receipts, compute_s) left the header for a trailer after
@@ -391,6 +391,7 @@ REGISTRY: dict[str, type] = {c.KIND: c for c in (Forward, Result, EndJob, JobErr
                                                  ReleaseFrames, VerifyRequest, VerifyReply)}
 
 REGISTRY.update({c.KIND: c for c in WEIGHT_MESSAGES})  # weights from peers (shard.wire.weight_messages)
+REGISTRY[VerifyPart.KIND] = VerifyPart  # a verify message cut in parts (shard.verify_parts)
 for _cls in REGISTRY.values():
     _clash = {f.name for f in dataclasses.fields(_cls)} & RESERVED_KEYS
     if _clash:

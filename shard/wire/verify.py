@@ -30,6 +30,10 @@ WIRE_DTYPE = Str(16, choices=tuple(sorted(FLOAT_NAMES)))
 # replay forward may hold (its attention mask is rows x rows: 4096^2 f32 = 64 MiB).
 MAX_VERIFY_FRAMES = 4096
 MAX_VERIFY_REPLAY_ROWS = 4096
+# Parts one verify message may be cut into (shard.verify_parts), and the least frame a
+# part may be cut to (an asker's max_part_bytes; tests cut small ones).
+MAX_VERIFY_PARTS = 4096
+MIN_PART_BYTES = 2048  # above verify_parts.PART_OVERHEAD_BYTES
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -48,6 +52,9 @@ class VerifyRequest:
     aux_dtype: str | None = spec(OptionalOf(WIRE_DTYPE), default=None)
     max_replay_rows: int = spec(Int(1, MAX_VERIFY_REPLAY_ROWS), default=1024)
     max_reply_bytes: int = spec(Int(1), default=64 << 20)  # the most the asker reads back: larger is an error reply
+    # The largest control frame the asker reads: a reply encoding to more comes back in
+    # VerifyParts of at most this (None: the verifier's own frame cap).
+    max_part_bytes: int | None = spec(OptionalOf(Int(MIN_PART_BYTES)), default=None)
     frame_bytes: tuple[int, ...] = spec(ListOf(Int(1), max_items=MAX_VERIFY_FRAMES))
     frames: torch.Tensor = spec(Tensor(frozenset({"u8"})))  # (sum(frame_bytes),)
 
@@ -98,6 +105,26 @@ class VerifyReply:
         if n and (int(self.keep.min()) < 0 or int(self.keep.max()) >= limits.max_tokens_per_frame):
             bad = int(self.keep.min()) if int(self.keep.min()) < 0 else int(self.keep.max())
             raise WireError("tensor 'keep' value", f"[0, {limits.max_tokens_per_frame})", bad)
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class VerifyPart:
+    """Either way (control stream): part `part` of `parts` of one VerifyRequest or
+    VerifyReply too large for one control frame: the next bytes of its encoding, whose
+    length is `total_bytes` (cut and put back together by shard.verify_parts)."""
+
+    KIND: ClassVar[str] = "verify_part"
+    request_id: int = spec(Int())
+    part: int = spec(Int(0, MAX_VERIFY_PARTS - 1))
+    parts: int = spec(Int(2, MAX_VERIFY_PARTS))
+    total_bytes: int = spec(Int(1))
+    data: torch.Tensor = spec(Tensor(frozenset({"u8"})))  # (n,) with 1 <= n <= total_bytes
+
+    def check(self, limits: Limits) -> None:
+        if self.part >= self.parts:
+            raise WireError("field 'part'", f"< parts ({self.parts})", self.part)
+        if self.data.dim() != 1 or not 1 <= self.data.shape[0] <= self.total_bytes:
+            raise fail_shape("data", [f"1..{self.total_bytes}"], self.data)
 
 
 TIMING_ERROR = "a timing request: nothing to recompute"

@@ -159,8 +159,9 @@ def test_small_messages_round_trip(kind):
 
 def test_registry_covers_every_kind():
     # AuditReply carries a tensor (compared bitwise elsewhere), like forward and result;
-    # the verify messages round-trip in tests/shard/test_verifier.py.
-    assert set(REGISTRY) == set(SMALL) | {"forward", "result", "audit_reply", "verify_request", "verify_reply"}
+    # the verify messages round-trip in tests/shard/test_verifier.py and test_verify_parts.py.
+    assert set(REGISTRY) == set(SMALL) | {"forward", "result", "audit_reply", "verify_request", "verify_reply",
+                                          "verify_part"}
 
 
 def test_writable_body_is_viewed_not_copied_and_odd_offsets_are_realigned():
