@@ -8,8 +8,10 @@ accepts ring frames only from the peer that the current epoch names as its prede
 queues the frames of every job that wait for it (`shard.stage_scheduler`), runs what waits
 as one forward in a worker thread so the network never waits on a forward, and ships each
 frame's output to its job's successor (or straight back to the coordinator when it is the tail). No
-frame ends the process: whatever goes wrong with one ends its job with a JobError. Every stream it sends on crosses the node's one
-emulated uplink, and its probes measure those same links (`shard.node_links`).
+frame ends the process: whatever goes wrong with one ends its job with a JobError; a bug outside
+a frame ends the session, not the node (`shard.reconnect`: its jobs dropped, it registers again).
+Every stream it sends on crosses the node's one emulated uplink, and its probes measure those
+same links (`shard.node_links`).
 It does not choose rings, schedule requests or look inside activations.
 """
 
@@ -22,24 +24,24 @@ from dataclasses import dataclass, field, replace
 import trio
 
 from shard import audit_answers
-from shard.assignment_rules import ACKNOWLEDGE, decide, open_jobs_cap, verify_assignment
+from shard.assignment_rules import ACKNOWLEDGE, decide, verify_assignment
 from shard.errors import JobRef, ShardError, WireError
 from shard.frame_log import FrameLog
 from shard.heap import return_freed_heap
 from shard.layers import LayerRange
 from shard.linkprobe import PROBE_PROTOCOL
 from shard.node_links import NodeLinks
-from shard.node_config import NodeConfig, measure_compute  # noqa: F401 (NodeConfig re-exported)
+from shard.node_config import NodeConfig, load_stage, measure_compute, worker_config  # noqa: F401 (NodeConfig re-exported)
 from shard import reach_duty
-from shard.kv_budget import held_bytes_per_layer, node_kv_bytes
-from shard.quant import effective_scheme, quantise_stage, scheme
+from shard.kv_budget import held_bytes_per_layer
+from shard.quant import effective_scheme, scheme
 from shard.receipt_signer import make_signer
 from shard.reconnect import ReconnectPolicy, RegistrationRefused, serve_reconnecting
 from shard.ring_inbox import InboxConfig, RingInbox
 from shard.ring_observer import NO_OBSERVER, RingObserver
 from shard.stage import Stage
 from shard.stage_scheduler import StageScheduler, Waiting
-from shard.stage_worker import StageWorker, WallClock, WorkerConfig
+from shard.stage_worker import StageWorker, WallClock
 from shard.store import ModelStore, stored_weight_files
 from shard.transport import FramedStream, Host, TransportError
 from shard.verifier import Verifier
@@ -110,8 +112,9 @@ class Node:
     async def serve(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Register and serve until cancelled. Error handling: a bad frame, failed job or
         failed probe is reported and logged, never fatal; losing the coordinator's control
-        stream ends only the session: the node keeps its slice and registers again after a
-        backoff (shard.reconnect); a refused registration raises RegistrationRefused.
+        stream, or a bug (its jobs dropped: _drop_jobs), ends only the session: the node keeps
+        its slice and registers again after a backoff (shard.reconnect, which bounds a bug's
+        restarts); a refused registration raises RegistrationRefused.
         Resource handling: all tasks live in this call's nurseries."""
         cfg = self.config
         self.limits = Limits.for_model(self.store.config, max_tokens_per_frame=2048)
@@ -134,7 +137,14 @@ class Node:
                 with trio.CancelScope(shield=True), trio.move_on_after(1.0):
                     await control.aclose()
 
-        await serve_reconnecting(session, self.reconnect, task_status)
+        await serve_reconnecting(session, self.reconnect, task_status, on_crash=self._drop_jobs)
+
+    def _drop_jobs(self) -> None:
+        """After a session that failed on a bug: every job's K/V and waiting frame goes (the
+        coordinator resumes them, losslessly); the slice, the store and the epoch held stay."""
+        dropped = self.state.worker.drop_jobs("dropped when the node's session failed") if self.state else []
+        log.info("dropped %d jobs and %d waiting frames", len(dropped), self.scheduler.clear())
+        self._out_streams.clear()
 
     async def _serve_registered(self, control: FramedStream, decode_s: float, prefill_s: float, registered) -> None:
         cfg = self.config
@@ -228,7 +238,7 @@ class Node:
             stage = self._warm  # kept warm for exactly this (hot standby)
         else:
             await ensure_slice(self.host, self.coordinator_id, self.store, r, self.config.weights)  # fetch what is missing
-            stage = await trio.to_thread.run_sync(self._load_stage, r)
+            stage = await trio.to_thread.run_sync(load_stage, self.config, self.store, r)
         if a.role != ROLE_STAGE:
             # Off the ring: refuse every ring frame this epoch, keep the named slice warm.
             self.state, self._warm, self.held = None, stage, a
@@ -239,25 +249,13 @@ class Node:
         self._warm = None
         signer = (make_signer(self.signing_seed, self.store, a, self.frame_log)
                   if self.config.receipts and self.signing_seed is not None else None)
-        worker = StageWorker(stage, WorkerConfig(
-            wire_dtype=a.wire_dtype, aux_dtype=a.aux_dtype, is_tail=a.successor is None,
-            max_context_tokens=self.store.config.max_context_tokens, job_idle_timeout_s=self.config.job_idle_timeout_s,
-            max_kv_bytes=node_kv_bytes(self.config, self.store, r),
-            max_open_jobs=open_jobs_cap(self.config.max_open_jobs, a.max_open_jobs),  # the coordinator's, under ours
-        ), signer=signer, wall_clock=self.wall_clock)
+        worker = StageWorker(stage, worker_config(self.config, self.store, a, r), signer=signer, wall_clock=self.wall_clock)
         self.state = EpochState(a, worker, a.predecessor or self.coordinator_id, a.successor or self.coordinator_id)
         self.held = a
         self._out_streams.clear()
         log.info("epoch %d: serving layers %s as %s (pred %s, succ %s)", a.epoch, r, a.role,
                  a.predecessor or "coordinator", a.successor or "coordinator")
         await self._send_control(Ready(peer_id=self.host.peer_id, epoch=a.epoch))
-
-    def _load_stage(self, r: LayerRange) -> Stage:
-        cfg, dtype = self.store.config, COMPUTE_DTYPES[self.config.dtype]
-        weights = self.store.load_layers(r, dtype, self.config.device)
-        embedding = self.store.load_embedding(dtype, self.config.device) if r.start == 0 else None
-        stage = Stage(cfg, r, weights, dtype=dtype, device=self.config.device, embedding=embedding)
-        return quantise_stage(stage, scheme(self.config.quant))
 
     async def _serve_frame(self, remote: str, body: bytes) -> bool:
         """Decode and handle one frame body (RingInbox.serve_frame); False ends its stream. A frame
@@ -277,7 +275,13 @@ class Node:
             return True
         if isinstance(msg, Forward):
             msg = replace(msg, clock_s=(*msg.clock_s, received_at_s))
-        await self._handle(state, msg, memoryview(body)[:canonical_len])
+        try:
+            await self._handle(state, msg, memoryview(body)[:canonical_len])
+        except ShardError:
+            raise  # the control stream lost (a JobError not sent): the session's, as before
+        except Exception as exc:  # a check we missed: its job's end, never the node's
+            log.exception("a frame of job %s raised", msg.job_id)
+            await self._job_error(JobRef(msg.job_id, msg.epoch, getattr(msg, "round", 0)), "internal_error", repr(exc))
         return True
 
     async def _sweep_idle_jobs(self) -> None:
@@ -325,13 +329,9 @@ class Node:
         first = {w.job_id for w in batch if isinstance(w.msg, EndJob)} - {w.job_id for w in frames}
         for w in (w for w in batch if w.job_id in first):  # ends before others' frames, which may need their K/V room
             self._end_job(state, w, sends)
-        if frames:
-            try:
-                outs = await trio.to_thread.run_sync(state.worker.process_frames, [(w.msg, w.received) for w in frames],
-                                                     [w.piece for w in frames], limiter=self.compute_limiter)
-            except Exception as exc:  # ours (or a check we missed): those jobs' end, never the node's
-                log.exception("a batch of %d frames raised", len(frames))
-                outs = [exc] * len(frames)
+        if frames:  # a bug costs only the frame that raises it (process_frames_alone_on_error)
+            outs = await trio.to_thread.run_sync(state.worker.process_frames_alone_on_error, [
+                (w.msg, w.received) for w in frames], [w.piece for w in frames], limiter=self.compute_limiter)
         for w, out in zip(frames, outs):
             msg = w.msg
             if isinstance(out, ShardError):  # the frame's fault: the stage cannot serve it
@@ -365,10 +365,14 @@ class Node:
                     break
                 try:
                     await self._send_ring(state, body)
-                except TransportError as exc:
+                except Exception as exc:  # noqa: BLE001 (a bug too costs that frame's job alone)
                     self._out_streams.pop(state.successor, None)
+                    code, text = "successor_unreachable", str(exc)
+                    if not isinstance(exc, TransportError):
+                        log.exception("sending a frame to %s raised", state.successor)
+                        code, text = "internal_error", repr(exc)
                     if answers is not None:
-                        await self._job_error(answers, "successor_unreachable", str(exc))
+                        await self._job_error(answers, code, text)
                     else:
                         log.info("could not forward an end of job to %s: %s", state.successor, exc)
 

@@ -1,5 +1,7 @@
-"""What `shard-node join` takes (the CLI is derived from these fields) and the start-up
-self-benchmark a node registers with. It does not know libp2p, the ring or the wire."""
+"""What `shard-node join` takes (the CLI is derived from these fields), the start-up
+self-benchmark a node registers with, and what a stage assignment's slice becomes under
+them (the Stage loaded, its worker's config). It does not know libp2p, the ring or the
+wire beyond an Assignment's fields."""
 
 from __future__ import annotations
 
@@ -9,11 +11,13 @@ from dataclasses import dataclass
 
 import torch
 
+from shard.assignment_rules import open_jobs_cap
 from shard.batch_plan import DEFAULT_PIECE_ROWS, DEFAULT_TOKEN_BUDGET, PREFILL_ORDERS
+from shard.kv_budget import node_kv_bytes
 from shard.layers import LayerRange
 from shard.manifest import layer_file, layer_tensor_shapes
 from shard.options import option
-from shard.quant import NONE, SCHEMES, QuantScheme, quantise_stage
+from shard.quant import NONE, SCHEMES, QuantScheme, quantise_stage, scheme
 from shard.sources import DEFAULT_MODEL
 from shard.stage import Stage
 from shard.stage_scheduler import SchedulerConfig
@@ -21,6 +25,7 @@ from shard.stage_worker import WorkerConfig
 from shard.store import ModelStore
 from shard.weight_plan import WeightsConfig
 from shard.wire.dtypes import COMPUTE_DTYPES
+from shard.wire.messages import Assignment
 
 
 @dataclass(frozen=True)
@@ -78,6 +83,26 @@ class NodeConfig:
 
 # measure_compute's rounds (one prefill, four decodes each) and the pause between them.
 MEASURE_ROUNDS, MEASURE_PAUSE_S = 12, 0.02
+
+
+def load_stage(config: NodeConfig, store: ModelStore, r: LayerRange) -> Stage:
+    """Layers `r` of `store` (and the embedding with layer 0) as a Stage under the node's
+    dtype, device and quantisation. Blocking: run it in a worker thread."""
+    dtype = COMPUTE_DTYPES[config.dtype]
+    weights = store.load_layers(r, dtype, config.device)
+    embedding = store.load_embedding(dtype, config.device) if r.start == 0 else None
+    stage = Stage(store.config, r, weights, dtype=dtype, device=config.device, embedding=embedding)
+    return quantise_stage(stage, scheme(config.quant))
+
+
+def worker_config(config: NodeConfig, store: ModelStore, a: Assignment, r: LayerRange) -> WorkerConfig:
+    """What the worker of stage assignment `a` (layers `r`) runs under: the wire's dtypes,
+    the model's context, the node's K/V budget and the jobs held at once (the coordinator's
+    need under the node's own ceiling, open_jobs_cap)."""
+    return WorkerConfig(wire_dtype=a.wire_dtype, aux_dtype=a.aux_dtype, is_tail=a.successor is None,
+                        max_context_tokens=store.config.max_context_tokens, job_idle_timeout_s=config.job_idle_timeout_s,
+                        max_kv_bytes=node_kv_bytes(config, store, r),
+                        max_open_jobs=open_jobs_cap(config.max_open_jobs, a.max_open_jobs))
 
 
 def measure_compute(store: ModelStore, dtype: torch.dtype, device: str, quant: QuantScheme = NONE) -> tuple[float, float]:

@@ -285,10 +285,21 @@ class StageScheduler:
             self._count_bytes()
             self._notify()
 
+    def clear(self) -> int:
+        """Drop every waiting frame, part done or not, and what the plan keeps of them (the
+        node's session failed: their jobs resume elsewhere); the ends remembered stay.
+        Returns how many frames were dropped."""
+        dropped = len(self.waiting)
+        self.waiting, self.waiting_bytes = [], 0
+        self.done, self.decoding, self.passed, self.bursts = {}, {}, {}, {}
+        self._notify()  # a submit waiting for room gets it
+        return dropped
+
     async def serve(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Run batches until cancelled, each as soon as the previous one is done and a frame
         waits. Error handling: run_batch owns each frame's failure and names the jobs whose
-        frame failed; an exception escaping it is a bug and ends the node's session.
+        frame failed; an exception escaping it (or this loop) is a bug: it ends the node's
+        session, which starts again with the frames waiting here dropped (clear, shard.reconnect).
         Resource handling: none held."""
         task_status.started()
         while True:

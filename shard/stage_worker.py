@@ -16,6 +16,7 @@ It does not know peers, streams or which peer sent the frame (the node checks th
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -30,12 +31,15 @@ from shard.stage import Stage, StageFrame, StageInputError
 from shard.wire.codec import encode_body, encode_trailer
 from shard.wire.messages import Forward, Result
 
+log = logging.getLogger("shard.node")
+
 Piece = tuple[int, int]  # rows [start, stop) of a frame, run in one forward
 
 # Extra slots past the model's context so a full-context job can still hold a draft tree.
 DRAFT_SLACK_SLOTS = 128
-# Job ids whose KV was freed for idleness that this worker remembers, so a late frame of
-# one fails (it would otherwise run on a fresh, empty cache and return wrong states).
+# Job ids whose KV was freed (idle, or dropped with a failed session) that this worker
+# remembers, so a late frame of one fails (it would otherwise run on a fresh, empty cache
+# and return wrong states).
 REMEMBERED_EVICTIONS = 4096
 
 
@@ -99,6 +103,14 @@ def splittable(fwd: Forward) -> bool:
             and torch.equal(fwd.positions, torch.arange(fwd.ctx_len, fwd.ctx_len + t, dtype=fwd.positions.dtype)))
 
 
+def _commit_repeats(fwd: Forward) -> bool:
+    """Whether applying fwd's commit (slots commit_src moved to [commit_dst, ...)) twice
+    leaves what applying it once does: no source slot lies inside the destination range
+    (the first application wrote over it) unless it moves onto itself."""
+    dst, n = fwd.commit_dst, len(fwd.commit_src)
+    return all(s == dst + i or not dst <= s < dst + n for i, s in enumerate(fwd.commit_src))
+
+
 class StageWorker:
     """`clock()`: seconds, monotonic; when each job last ran a frame (for evict_idle)."""
 
@@ -109,7 +121,7 @@ class StageWorker:
         self.cache = KVCache(len(stage.layers), cfg.num_kv_heads, cfg.head_dim, stage.dtype,
                              config.max_kv_bytes, stage.device)
         self.last_used_s: dict[str, float] = {}
-        self.evicted: OrderedDict[str, float] = OrderedDict()  # job id -> seconds it sat idle
+        self.evicted: OrderedDict[str, str] = OrderedDict()  # job id -> why its KV was freed
         self.pieces: dict[str, _Pieces] = {}  # job id -> its part-run frame's outputs so far
         self.bursts = 0  # the last burst id stamped on outputs sent together (shard.wire.trailer)
 
@@ -136,11 +148,24 @@ class StageWorker:
         now = self.clock()
         stale = [job_id for job_id, t in self.last_used_s.items() if now - t > idle_s]
         for job_id in stale:
-            self.evicted[job_id] = now - self.last_used_s[job_id]
-            self.end_job(job_id)
+            self._evict(job_id, f"freed after {now - self.last_used_s[job_id]:.0f} s idle")
+        return stale
+
+    def drop_jobs(self, why: str) -> list[str]:
+        """Free every job's KV (and part-run frame), remembered as evicted for `why`: a later
+        frame of one needing its context fails instead of running on an empty cache."""
+        dropped = list(self.cache.jobs)
+        for job_id in dropped:
+            self._evict(job_id, why)
+        self.pieces.clear()
+        return dropped
+
+    def _evict(self, job_id: str, why: str) -> None:
+        self.evicted[job_id] = why
+        self.evicted.move_to_end(job_id)
+        self.end_job(job_id)
         while len(self.evicted) > REMEMBERED_EVICTIONS:
             self.evicted.popitem(last=False)
-        return stale
 
     def process_frame(self, fwd: Forward, received: bytes | memoryview) -> tuple[Forward | Result, bytes]:
         """Run one frame and encode what to send: (message, wire body), the body carrying
@@ -183,6 +208,43 @@ class StageWorker:
             out = dataclasses.replace(out, clock_s=(*out.clock_s, self.wall_clock()),  # handed on now
                                       burst=burst if i in grouped else ())
             outs[i] = (out, body + encode_trailer(out))
+        return outs
+
+    def process_frames_alone_on_error(self, frames: list[tuple[Forward, bytes | memoryview]],
+                                      pieces: list[Piece | None] | None = None) -> list:
+        """process_frames, where any other exception (a bug, or a check we missed) costs only
+        the frame that raises it: the batch is run again one frame at a time, the pieces'
+        outputs so far as they were before it, and a frame that raises alone gets its
+        exception in its place. A frame whose commit cannot be applied twice (a destination
+        slot it reads overwritten by an earlier slot's move) is not rerun: it gets the
+        batch's exception. A rerun rewrites the K/V slots the batch wrote with the same
+        inputs, and its receipt's log entry is the one an audit reads (the last of a round)."""
+        pieces = pieces or [None] * len(frames)
+        kept = {job: dataclasses.replace(p, hidden=list(p.hidden), captured={k: list(v) for k, v in p.captured.items()})
+                for job, p in self.pieces.items()}
+        try:
+            return self.process_frames(frames, pieces)
+        except Exception as exc:  # noqa: BLE001 (a bug: never the node's end, nor its batch-mates')
+            if len(frames) == 1:
+                log.exception("job %s round %d raised", frames[0][0].job_id, frames[0][0].round)
+                return [exc]
+            log.exception("a batch of %d frames raised; running them one at a time", len(frames))
+            failed = exc
+        self.pieces = kept
+        outs: list = []
+        for frame, piece in zip(frames, pieces):
+            fwd = frame[0]
+            if piece is not None and piece[0] > 0 or _commit_repeats(fwd):
+                try:
+                    outs += self.process_frames([frame], [piece])
+                    continue
+                except Exception as exc:  # noqa: BLE001
+                    log.exception("job %s round %d raised on its own", fwd.job_id, fwd.round)
+                    failed_alone: Exception = exc
+            else:
+                failed_alone = failed
+            outs.append(failed_alone)
+            self.pieces.pop(fwd.job_id, None)
         return outs
 
     def process(self, fwd: Forward) -> Forward | Result:
@@ -232,8 +294,8 @@ class StageWorker:
             self._check_piece(fwd, piece)
         if fwd.job_id not in self.cache.jobs and fwd.job_id in self.evicted:
             if fwd.ctx_len > 0:
-                raise CacheError(f"KV cache of job {fwd.job_id!r} was freed after {self.evicted[fwd.job_id]:.0f} s "
-                                 f"idle; a frame at ctx_len {fwd.ctx_len} needs it (re-prefill from 0)")
+                raise CacheError(f"KV cache of job {fwd.job_id!r} was {self.evicted[fwd.job_id]}; a frame at ctx_len "
+                                 f"{fwd.ctx_len} needs it (re-prefill from 0)")
             del self.evicted[fwd.job_id]
         stage = self.stage
         if stage.is_head:
