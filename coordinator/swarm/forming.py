@@ -43,6 +43,8 @@ async def form(swarm: Swarm, members: frozenset[PeerId]) -> None:
         lambda pool: formation.decide(swarm.snapshot(), pool, swarm.config, swarm.identity), members, swarm.unverifiable)
     if swarm.seated_unverified:
         log.warning("%s", swarm.seated_unverified)
+    if not isinstance(decision, NoRing) and decision.members != members:  # formed without unverifiable newcomers:
+        decision = dataclasses.replace(decision, members=members)  # decided for all, so the loop waits for a change
     if isinstance(decision, NoRing):
         log.warning("cannot form a ring from %d nodes: %s", len(members), decision.reason)
         swarm._formed_for = members

@@ -25,6 +25,7 @@ from coordinator.jobs.engine_config import EngineConfig
 from coordinator.swarm.formation import SwarmConfig
 from coordinator.swarm.speed_probe import ProbeConfig
 from coordinator.trust.audit import AuditConfig
+from coordinator.trust.receipt_check import ReceiptConfig
 from shard.identity import keypair_from_seed, peer_id_of
 from shard.node import Node, NodeConfig
 from shard.wire.messages import VerifyReply
@@ -144,3 +145,40 @@ def test_a_trusted_node_outvotes_two_colluding_newcomers(tiny_llama_store, tmp_p
     assert all(p in out["faulty"] for p in out["pair"]), out["faulty"]
     assert trusted not in out["faulty"] and all(out["clean"].get(p, 0) == 0 for p in out["pair"])
     assert out["seated_unverified"] is None  # the trusted node keeps every slice: they were checkable
+
+
+def test_a_newcomer_nothing_trusted_can_check_is_kept_off_a_ring_that_forms_without_it(tiny_llama_store, tmp_path):
+    # Bug guarded: a newcomer seated though the ring formed as well without it and nothing
+    # trusted could check it (its rounds would go out unverified); or formation, having
+    # left it out, deciding again and again (its eligible members never matching the
+    # ring's). Sound: receipts are off (no verifier node can check a round) and the gateway
+    # holds no layer, so only the trusted node's ring is checkable; every node is a stage
+    # under planner all_nodes, so the newcomer would be seated if nothing preferred otherwise.
+    seed_trusted = os.urandom(32)
+    trusted = peer_id_of(keypair_from_seed(seed_trusted))
+    config = dataclasses.replace(_config(1, (trusted,)), receipts=ReceiptConfig(enabled=False))
+
+    async def main():
+        with trio.fail_after(120):
+            async with open_coordinator(config, layerless_store(tiny_llama_store, tmp_path), _tokenizer(),
+                                        keypair_from_seed(os.urandom(32))) as c:
+                swarm, engine, out = c.swarm, c.engine, {}
+                for seed in (seed_trusted, os.urandom(32)):
+                    host = await c.nursery.start(_serve_host, seed)
+                    await c.nursery.start(Node(NodeConfig(coordinator=c.addr), host, tiny_llama_store,
+                                               signing_seed=seed).serve)
+                    if seed == seed_trusted:
+                        assert await _stages(swarm, 1) == {trusted}
+                        out["epoch"] = swarm.ring.epoch
+                out["newcomer"] = newcomer = host.peer_id
+                while swarm._formed_for != frozenset({trusted, newcomer}):  # decided with the newcomer registered
+                    await trio.sleep(0.2)
+                await trio.sleep(3)  # a formation deciding again and again would move the epoch meanwhile
+                out["stages"], out["epoch_after"] = {p for p, _ in swarm.ring.stages}, swarm.ring.epoch
+                out["answer"], out["info"] = await _generate(engine, 8), engine.info()["probation"]
+                c.nursery.cancel_scope.cancel()
+                return out
+
+    out = trio.run(main)
+    assert out["stages"] == {trusted} and out["epoch_after"] == out["epoch"]
+    assert len(out["answer"]) == 8 and out["info"]["seated_unverified"] is None
