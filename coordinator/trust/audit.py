@@ -15,7 +15,8 @@ them (shard.verifier: all frames, tree and verify frames and commits included, a
 tree-masked forward) and sends back its rows; the auditor compares them with the stage's
 outputs (coordinator.trust.compare). A verifier that disagrees with the stage gets a
 second opinion, and verifiers that disagree with each other a third
-(coordinator.trust.opinions settles who is right). Only when no verifier can answer does
+(coordinator.trust.opinions settles who is right; where a verifier off probation answered,
+newcomers do not outvote it: settle_trusted). Only when no verifier can answer does
 the auditor recompute the slice itself, and only if its own store holds those layers
 (`replay_here`); a gateway with no layers audits through verifiers alone. So a selected
 stage is caught if it cheated on any verified frame of the job, and an audit costs about
@@ -211,7 +212,7 @@ class Auditor:
         exclude verifiers that lied; (judged, the finding against the stage or None).
         (False, None): nobody could recompute the slice."""
         parties: list[PeerId | None] = [plan.peer_id]  # then each recomputation's maker (None: here)
-        ids, findings, recomputed = [0], [None], [None]
+        ids, findings, recomputed, trusted = [0], [None], [None], [False]
         asked: set[PeerId] = {plan.peer_id}
         while opinions.need_another(ids, self.config.max_opinions):
             got = await self._recompute(plan, logged, asked)
@@ -222,10 +223,11 @@ class Auditor:
             opinion = 0 if finding is None else next(
                 (i for i in range(1, len(ids)) if ids[i] == i and agree(plan, logged, recomputed[i], expected)), len(ids))
             parties.append(who), ids.append(opinion), findings.append(finding), recomputed.append(expected)
+            trusted.append(who is None or not self.on_probation(who))  # None: replayed here
         if len(ids) == 1:
             return False, None
         self.stats.second_opinions += len(ids) > 2
-        verdict = opinions.settle(ids)
+        verdict = opinions.settle_trusted(ids, trusted)  # newcomers cannot outvote a trusted recomputation
         if not verdict.settled:
             self.stats.unsettled += 1
             log.warning("audit of %s on job %s: recomputations tie (%s); no verifier accused", plan.peer_id,
