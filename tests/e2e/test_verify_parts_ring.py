@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 
+import torch
 import trio
 
 from coordinator.assembly import open_coordinator
@@ -24,13 +25,34 @@ from coordinator.trust.audit import AuditConfig
 from shard.identity import keypair_from_seed
 from shard.node import Node, NodeConfig
 from tests.e2e.test_audit_members_ring import TurningLiar
-from tests.e2e.test_probation_ring import LyingNode
 from tests.e2e.test_stalling_stage import _serve_host, _stages, _tokenizer
 from tests.e2e.test_verifier_ring import layerless_store
 
 LONG_PROMPT = [1] + [3 + (7 * i) % 256 for i in range(159)]  # 160 tokens: 41 KB of f32 rows per stage
 PART_BYTES = 8192
 CLEAN_ROUNDS = 6
+
+
+class LongPromptLiar(Node):
+    """Honest on every row before position LIE_FROM, noise (half the row's std) on the rest:
+    it lies only where a check needs the frames of a long prompt."""
+
+    LIE_FROM = 100
+
+    async def _assume(self, a):
+        await super()._assume(a)
+        stage = self.state.worker.stage
+        honest = stage.forward_batch
+
+        def lying(frames):
+            outs = honest(frames)
+            for i, (frame, out) in enumerate(zip(frames, outs)):
+                if not isinstance(out, Exception):
+                    late = (frame.positions >= self.LIE_FROM).unsqueeze(-1)  # (T, 1)
+                    outs[i] = (torch.where(late, out[0] + 0.5 * out[0].std() * torch.randn(out[0].shape), out[0]), out[1])
+            return outs
+
+        stage.forward_batch = lying
 
 
 async def generate(engine, tokens: int) -> list[int]:
@@ -50,7 +72,8 @@ def test_a_long_prompt_on_probation_is_verified_in_parts_and_a_liar_caught(tiny_
     # Sound: audits are off (rate 0) and the gateway holds no layer, so only a verifier
     # node's check can have passed the honest stages or excluded the liar; every check
     # carries the whole prompt's frames (past PART_BYTES), so none happened whole (the
-    # nodes' and the gateway's put-together counts); the liar corrupts every output.
+    # nodes' and the gateway's put-together counts); the liar corrupts every row from
+    # position 100 on, which only a check of the long prompt's later frames can see.
     config = CoordConfig(listen=LOOPBACK_ANY_PORT, min_nodes=2,
                          swarm=SwarmConfig(ready_timeout_s=30, planner="all_nodes"),
                          engine=EngineConfig(draft="none", resume_wait_s=10, probation_rounds=CLEAN_ROUNDS),
@@ -62,11 +85,11 @@ def test_a_long_prompt_on_probation_is_verified_in_parts_and_a_liar_caught(tiny_
                                         keypair_from_seed(os.urandom(32))) as c:
                 swarm, engine, nursery = c.swarm, c.engine, c.nursery
                 nodes, out = [], {}
-                for cls in (Node, Node, LyingNode):
+                for cls in (Node, Node, LongPromptLiar):
                     seed = os.urandom(32)
                     host = await nursery.start(_serve_host, seed)
                     node = cls(NodeConfig(coordinator=c.addr), host, tiny_llama_store, signing_seed=seed)
-                    if cls is LyingNode:
+                    if cls is LongPromptLiar:
                         out["honest"] = await _stages(swarm, 2)
                         out["reference"] = await generate(engine, 8)
                         out["checks_before"] = engine.round_verifier.checks
