@@ -67,6 +67,23 @@ def test_parts_put_back_together_are_the_message(nbytes, part_bytes):
     assert back.frame_bytes == req.frame_bytes and torch.equal(back.frames, req.frames)
 
 
+@settings(max_examples=60, deadline=None)
+@given(order=st.lists(st.tuples(st.integers(0, 2), st.integers(0, 7)), max_size=40), cap=st.integers(1, 30_000))
+def test_parts_in_any_order_only_raise_shard_errors_and_hold_at_most_the_cap(order, cap):
+    """Any sequence of parts of three uploads (repeats, gaps, interleaving): each add puts
+    back exactly its upload's bytes or raises ShardError, and what stays open is bounded."""
+    msgs = {rid: parts_of(9_000 + 4_000 * rid, rid) for rid in range(3)}
+    uploads = Uploads(cap, max_open=2)
+    for rid, k in order:
+        part = msgs[rid][k % len(msgs[rid])]
+        try:
+            got = uploads.add("c", part)
+        except ShardError:
+            continue
+        assert got is None or got == encode(request(9_000 + 4_000 * rid, rid))
+        assert uploads.open_bytes <= 2 * cap
+
+
 def parts_of(nbytes: int, request_id: int = 3, part_bytes: int = MIN_PART_BYTES) -> list[VerifyPart]:
     return split(request(nbytes, request_id), part_bytes, whole_limits(LIMITS, upload_cap(LIMITS)))
 
