@@ -103,6 +103,10 @@ class Uploads:
         """Bytes held by unfinished uploads."""
         return sum(len(u.data) for u in self._open.values())
 
+    def drop(self, sender: str, request_id: int) -> None:
+        """Forget `sender`'s upload for `request_id`, if open (its asker gave up on it)."""
+        self._open.pop((sender, request_id), None)
+
     def add(self, sender: str, part: VerifyPart) -> bytes | None:
         """Take `part` from `sender`: the whole message's bytes once its last part is in, else
         None. Raises ShardError (the upload dropped) for a part that breaks a rule."""

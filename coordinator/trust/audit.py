@@ -311,6 +311,7 @@ class Auditor:
             return None
         finally:
             self._waiting.pop(key, None)
+            self.reply_parts.drop(peer, request_id)  # a reply cut short holds nothing after
         reply: VerifyReply = slot[1]
         if reply.error is not None:
             log.info("verifier %s could not recompute layers %s: %s", peer, plan.layers, reply.error)

@@ -121,7 +121,9 @@ def test_an_upload_past_the_cap_the_open_count_or_its_deadline_is_refused():
     uploads.add("c", p[0])
     with pytest.raises(ShardError, match="part 1 of an upload not open"):
         uploads.add("c", parts_of(20_000, 1)[1])
-    assert uploads.open_bytes == len(p[0].data.numpy().tobytes())
+    assert uploads.open_bytes == len(p[0].data.numpy().tobytes())  # "other"'s expired too
+    uploads.drop("c", 3)  # the asker gave up: its bytes are freed at once
+    assert uploads.open_bytes == 0
 
 
 def test_parts_that_lie_about_their_total_or_kind_are_refused():
