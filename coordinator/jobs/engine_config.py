@@ -12,6 +12,21 @@ MAX_EAGLE_TREE = 256  # draft nodes in one verify frame
 MAX_PIPELINE_DEPTH = 8  # rounds in flight for one job
 
 
+def parse_peer_ids(text: str) -> tuple[str, ...]:
+    """'ID,ID' (the --trusted-nodes flag) -> peer ids, each an Ed25519 libp2p peer id (a typo
+    would otherwise trust nobody, silently)."""
+    from shard.assignment_rules import public_key_of_peer
+    from shard.errors import ShardError
+
+    ids = tuple(p.strip() for p in text.split(",") if p.strip())
+    for peer in ids:
+        try:
+            public_key_of_peer(peer)
+        except (ValueError, ShardError):
+            raise ValueError(f"--trusted-nodes takes comma-separated Ed25519 peer ids (12D3KooW...), got {peer!r}") from None
+    return ids
+
+
 def parse_tree(text: str | None) -> tuple[int, int] | None:
     """'NODES,DEPTH' (the --eagle-tree flag) -> (nodes, depth); None stays None."""
     if text is None:
@@ -46,8 +61,7 @@ class EngineConfig:
     trusted_nodes: tuple[str, ...] = option((), "comma-separated peer ids never on probation whose recomputations "
                                                 "earn newcomers their clean rounds (default: none; nodes earn it "
                                                 "through the gateway's or a trusted node's checks)",
-                                            parse=lambda text: tuple(p.strip() for p in text.split(",") if p.strip()),
-                                            show=",".join)
+                                            parse=parse_peer_ids, show=",".join)
     # serve: a layerless gateway with no trusted verifier still answers (newcomers checking
     # each other catch any lone liar; audits follow); refuse: 503 rather than tokens no
     # trusted party checked. The default serves: a gateway holding the layers (the usual

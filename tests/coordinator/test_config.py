@@ -16,6 +16,7 @@ from coordinator.jobs.engine_config import EngineConfig
 from coordinator.swarm.formation import SwarmConfig
 from coordinator.trust.audit import AuditConfig
 from coordinator.trust.receipt_check import ReceiptConfig
+from shard.identity import keypair_from_seed, peer_id_of
 from shard.options import config_from_args
 
 # The flags `shard-coord serve` has always had (README, docs, scripts/demo.sh use them).
@@ -78,6 +79,20 @@ def test_parsed_values_land_in_their_components():
     assert config.api == ApiConfig(max_concurrent_jobs=3)
     assert config.receipts == ReceiptConfig(receipts_dir="/r")
     assert (config.min_nodes, config.model) == (3, "m")
+
+
+def test_trusted_nodes_and_the_unverified_newcomers_policy_parse_or_exit_2(capsys):
+    # Bug guarded: a mistyped trusted key accepted (it would silently trust nobody) or the
+    # policy taking a value the release gate does not know.
+    peer = peer_id_of(keypair_from_seed(bytes(32)))
+    config = _parse("--trusted-nodes", f"{peer}, {peer}", "--unverified-newcomers", "refuse")
+    assert config.engine.trusted_nodes == (peer, peer) and config.engine.unverified_newcomers == "refuse"
+    assert _parse().engine == EngineConfig() and EngineConfig().unverified_newcomers == "serve"
+    assert main(["serve", "--trusted-nodes", f"{peer},12D3KooWtypo"]) == 2
+    assert capsys.readouterr().err == ("shard-coord serve: error: --trusted-nodes takes comma-separated Ed25519 peer ids "
+                                       "(12D3KooW...), got '12D3KooWtypo'\n")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--unverified-newcomers", "maybe"])
 
 
 def test_a_component_field_without_an_option_is_no_flag():
