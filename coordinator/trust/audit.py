@@ -38,6 +38,7 @@ It does not check receipt chains (receipt_check), choose rings, or serve HTTP.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import logging
@@ -96,6 +97,8 @@ class Auditor:
         self._waiting: dict[tuple, list] = {}  # (peer, job, epoch, round, side) or (peer, request id) -> [Event, reply]
         self._request_ids = itertools.count()
         self._reply_parts: Uploads | None = None  # made on first use: `reply_parts`
+        # One request in parts at a time per verifier: a node holds MAX_OPEN_UPLOADS open.
+        self._sending_parts: collections.defaultdict[PeerId, trio.Lock] = collections.defaultdict(trio.Lock)
         self._limiter = trio.CapacityLimiter(1)
         self.slices = ReplaySlices(store, config.max_cached_slices, self._limiter)  # for replays here
         # Whether a member is on probation (the engine's book, set by coordinator.assembly):
@@ -302,8 +305,9 @@ class Auditor:
         key = (peer, request_id)
         slot = self._waiting[key] = [trio.Event(), None]
         try:
-            for part in parts:
-                await self.swarm.send_control(peer, part)
+            async with self._sending_parts[peer]:
+                for part in parts:
+                    await self.swarm.send_control(peer, part)
             with trio.fail_after(self.config.verify_timeout_s):
                 await slot[0].wait()
         except (TransportError, trio.TooSlowError) as exc:
