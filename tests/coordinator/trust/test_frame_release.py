@@ -112,3 +112,35 @@ def test_releases_are_batched_per_stage_a_full_batch_goes_at_once_and_a_gone_sta
     releaser = trio.run(main, clock=trio.testing.MockClock())
     assert sent == [("p", MAX_RELEASE_JOBS), ("p", 5)]
     assert releaser.sent == MAX_RELEASE_JOBS + 5 and releaser.dropped == 1
+
+
+def test_a_job_whose_receipts_failed_goes_to_release_not_to_the_audit_queue(tiny_llama_store):
+    # A job whose receipt chain was rejected gets no bundle and no audit (the chain itself
+    # blamed a stage); its stages' frames would otherwise wait out grace_s. Sound: the
+    # checker is the real one; only the job's failed state is set by hand (reaching it takes
+    # a ring that signs wrong receipts: tests/e2e/test_receipts_ring.py).
+    from coordinator.trust.receipt_check import ReceiptChecker
+
+    unaudited = []
+    finished_in, finished = trio.open_memory_channel(1)
+    checker = ReceiptChecker(tiny_llama_store, bytes(32), finished=finished_in, unaudited=unaudited.append)
+    ran = finished_job(3, {1: [1, 2]}, {1: 1, 2: 1})
+    job = checker.open_job("job", bytes(16), [1, 2, 3])
+    job._order, job._epochs, job.failed = {1: [1, 2]}, dict(ran.epochs), True
+    job.finish([7])
+    assert finished.statistics().current_buffer_used == 0
+    [done] = unaudited
+    assert done.job_id == "job" and done.epochs == ran.epochs
+
+    released: set[tuple[str, int]] = set()
+
+    async def send_control(peer, msg):
+        released.update((peer, e) for e in msg.epochs)
+
+    async def main():
+        releaser = FrameReleaser(send_control)
+        releaser.release_job(done)
+        await releaser.flush()
+
+    trio.run(main)
+    assert released == {(f"peer{i}", 1) for i in range(3)}
