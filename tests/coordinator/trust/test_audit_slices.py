@@ -23,7 +23,12 @@ def test_replay_slices_are_released_after_the_idle_time(tiny_llama_store):
     async def main():
         _, finished = trio.open_memory_channel(1)
         _, replies = trio.open_memory_channel(0)
-        auditor = Auditor(SimpleNamespace(), tiny_llama_store, bytes(32), AuditConfig(slice_idle_s=60.0),
+        sent = []
+
+        async def send_control(peer, msg):  # no job finishes here, so nothing is released
+            sent.append((peer, msg))
+
+        auditor = Auditor(SimpleNamespace(send_control=send_control), tiny_llama_store, bytes(32), AuditConfig(slice_idle_s=60.0),
                           rng=random.Random(0), finished=finished, audit_replies=replies)
         await auditor.slices.get(LayerRange(0, 1))  # what a replay here loads
         held = []
@@ -35,6 +40,6 @@ def test_replay_slices_are_released_after_the_idle_time(tiny_llama_store):
             held.append(auditor.slices_loaded)
             await auditor.wait_idle()
             nursery.cancel_scope.cancel()
-        return held
+        return held, sent
 
-    assert trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0)) == [1, 0]
+    assert trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0)) == ([1, 0], [])
