@@ -293,11 +293,14 @@ class RingRouter:
                 "rings": self.info(), "jobs_moved": self.moves, "kv_refusals": self.kv_refusals}
 
     def info(self) -> list[dict[str, Any]]:
-        """Every ring formed, for /v1/ring: its id, epoch, stages, jobs and timings."""
+        """Every ring formed, for /v1/ring: its id, epoch, stages, jobs, timings and its
+        newcomers nothing trusted can check."""
         out = []
         for rid, ring in sorted(self.swarm.rings.items()):
             round_s, prefill_s = self.timings(ring)
             out.append({"ring_id": rid, "epoch": ring.epoch, "jobs": self.jobs_on(rid),
                         "stages": [{"peer_id": p, "layers": [r.start, r.end]} for p, r in ring.stages],
-                        "round_s": round_s, "prefill_s_per_token": prefill_s, "waiting_for_kv": self.jobs_on(rid, True)})
+                        "round_s": round_s, "prefill_s_per_token": prefill_s, "waiting_for_kv": self.jobs_on(rid, True),
+                        # stages on probation nothing trusted can check now (coordinator.swarm.ring_set.prefer_verifiable)
+                        "seated_unverified": list(self.swarm.unverifiable(ring.stages)) if self.swarm.unverifiable else []})
         return out

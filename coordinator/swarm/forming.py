@@ -35,8 +35,14 @@ async def form(swarm: Swarm, members: frozenset[PeerId]) -> None:
     """Decide, then sign, send, wait for every stage's Ready and commit."""
     if swarm.config.max_rings != 1:
         current = swarm.current_rings()
-        several = ring_set.decide_rings(swarm.snapshot(), members, swarm.config, swarm.identity, current)
+        several, seated = ring_set.prefer_verifiable(lambda pool: ring_set.decide_rings(
+            swarm.snapshot(), pool, swarm.config, swarm.identity, current), members, swarm.unverifiable)
         if not ring_set.single_ring(several, current):
+            swarm.seated_unverified = "; ".join(
+                f"ring {rid}: newcomer(s) {', '.join(p[-6:] for p in peers)} seated though neither the gateway nor a "
+                f"trusted node can recompute their slices: fewer rings form without them" for rid, peers in seated.items()) or None
+            if swarm.seated_unverified:
+                log.warning("%s", swarm.seated_unverified)
             await form_rings(swarm, members, several)
             return
     decision, swarm.seated_unverified = prefer_verifiable(

@@ -27,19 +27,28 @@ ring id order:
 
 While the pool holds one ring's worth (`single_ring`) the swarm forms formation.decide's
 single ring, as with `max_rings` 1: a join may re-select it (after a drain), relays keep
-their role. Knows nothing of streams, keys or jobs: the swarm carries the decision out,
+their role.
+
+Newcomers nothing trusted can check (`prefer_verifiable`, issue 20): a decision that
+seats, in a ring it forms, a stage on probation whose slice neither the gateway nor a
+trusted member keeps is taken only when that newcomer is needed: without them fewer rings
+form (or a ring that forms without them seats other such newcomers). Capacity is what a
+pool of several rings is for, and an unchecked ring still serves (or 503s, per
+`--unverified-newcomers`); a ring it merely joins would have formed anyway. Kept rings
+stay as they are (a join never restarts a running ring). Knows nothing of streams, keys or jobs: the swarm carries the decision out,
 the engine routes requests over rings.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from coordinator.swarm import formation, seeding, topology
 from coordinator.swarm.formation import Formation, ModelIdentity, NoRing, RingState, Snapshot, SwarmConfig
 from ring import Network, PeerId, Plan, Role, RoleKind, assign_roles
+from shard.layers import LayerRange
 from shard.wire.messages import Assignment
 
 
@@ -128,6 +137,31 @@ def decide_rings(snapshot: Snapshot, members: frozenset[PeerId], config: SwarmCo
     plans = tuple((rid, plan if rid == primary else shared_standbys(plan, by_id[rid].plan if rid in by_id else current[rid].plan))
                   for rid in sorted([*kept, *by_id]))
     return RingsDecision(members, tuple(kept), tuple(formed), tuple(dropped), primary, plan, network, roles, epoch, plans)
+
+
+def prefer_verifiable(decide: Callable[[frozenset[PeerId]], RingsDecision | NoRing], members: frozenset[PeerId],
+                      unverifiable: Callable[[tuple[tuple[PeerId, LayerRange], ...]], tuple[PeerId, ...]] | None
+                      ) -> tuple[RingsDecision | NoRing, dict[int, tuple[PeerId, ...]]]:
+    """Pure. `decide`'s rings for `members`, unless a ring it forms seats newcomers nothing
+    trusted could check (`unverifiable`, as forming.prefer_verifiable) and the rings decided
+    without them are as many, none seating such a newcomer: those (decided for all of
+    `members`, so the swarm's loop waits for a change). Also: ring id -> the unverifiable
+    newcomers the rings taken form with (empty when none)."""
+    decision = decide(members)
+    bad = _unverifiable_by_ring(decision, unverifiable)
+    if not bad:
+        return decision, {}
+    alt = decide(members - frozenset(p for peers in bad.values() for p in peers))
+    if not isinstance(alt, NoRing) and len(alt.ring_ids()) >= len(decision.ring_ids()) and not _unverifiable_by_ring(
+            alt, unverifiable):
+        return dataclasses.replace(alt, members=members), {}
+    return decision, bad
+
+
+def _unverifiable_by_ring(decision: RingsDecision | NoRing, unverifiable) -> dict[int, tuple[PeerId, ...]]:
+    if unverifiable is None or isinstance(decision, NoRing):
+        return {}
+    return {rid: bad for rid, f in decision.formed if (bad := unverifiable(f.stages))}
 
 
 def shared_standbys(primary: Plan, other: Plan) -> Plan:
