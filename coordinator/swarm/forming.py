@@ -35,9 +35,10 @@ async def form(swarm: Swarm, members: frozenset[PeerId]) -> None:
     """Decide, then sign, send, wait for every stage's Ready and commit."""
     if swarm.config.max_rings != 1:
         current = swarm.current_rings()
-        several, seated = ring_set.prefer_verifiable(lambda pool: ring_set.decide_rings(
+        several, seated, kept_off = ring_set.prefer_verifiable(lambda pool: ring_set.decide_rings(
             swarm.snapshot(), pool, swarm.config, swarm.identity, current), members, swarm.unverifiable)
         if not ring_set.single_ring(several, current):
+            swarm.trust_matters = bool(seated or kept_off)
             swarm.seated_unverified = "; ".join(
                 f"ring {rid}: newcomer(s) {', '.join(p[-6:] for p in peers)} seated though neither the gateway nor a "
                 f"trusted node can recompute their slices: fewer rings form without them" for rid, peers in seated.items()) or None
@@ -49,6 +50,7 @@ async def form(swarm: Swarm, members: frozenset[PeerId]) -> None:
         lambda pool: formation.decide(swarm.snapshot(), pool, swarm.config, swarm.identity), members, swarm.unverifiable)
     if swarm.seated_unverified:
         log.warning("%s", swarm.seated_unverified)
+    swarm.trust_matters = bool(swarm.seated_unverified) or not isinstance(decision, NoRing) and decision.members != members
     if not isinstance(decision, NoRing) and decision.members != members:  # formed without unverifiable newcomers:
         decision = dataclasses.replace(decision, members=members)  # decided for all, so the loop waits for a change
     if isinstance(decision, NoRing):

@@ -141,21 +141,22 @@ def decide_rings(snapshot: Snapshot, members: frozenset[PeerId], config: SwarmCo
 
 def prefer_verifiable(decide: Callable[[frozenset[PeerId]], RingsDecision | NoRing], members: frozenset[PeerId],
                       unverifiable: Callable[[tuple[tuple[PeerId, LayerRange], ...]], tuple[PeerId, ...]] | None
-                      ) -> tuple[RingsDecision | NoRing, dict[int, tuple[PeerId, ...]]]:
+                      ) -> tuple[RingsDecision | NoRing, dict[int, tuple[PeerId, ...]], frozenset[PeerId]]:
     """Pure. `decide`'s rings for `members`, unless a ring it forms seats newcomers nothing
     trusted could check (`unverifiable`, as forming.prefer_verifiable) and the rings decided
     without them are as many, none seating such a newcomer: those (decided for all of
     `members`, so the swarm's loop waits for a change). Also: ring id -> the unverifiable
-    newcomers the rings taken form with (empty when none)."""
+    newcomers the rings taken form with, and the newcomers kept off (both empty when none)."""
     decision = decide(members)
     bad = _unverifiable_by_ring(decision, unverifiable)
     if not bad:
-        return decision, {}
-    alt = decide(members - frozenset(p for peers in bad.values() for p in peers))
+        return decision, {}, frozenset()
+    off = frozenset(p for peers in bad.values() for p in peers)
+    alt = decide(members - off)
     if not isinstance(alt, NoRing) and len(alt.ring_ids()) >= len(decision.ring_ids()) and not _unverifiable_by_ring(
             alt, unverifiable):
-        return dataclasses.replace(alt, members=members), {}
-    return decision, bad
+        return dataclasses.replace(alt, members=members), {}, off
+    return decision, bad, frozenset()
 
 
 def _unverifiable_by_ring(decision: RingsDecision | NoRing, unverifiable) -> dict[int, tuple[PeerId, ...]]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -50,6 +51,13 @@ log = logging.getLogger("shard.coordinator")
 # reports come a few at a time and their readers only hand them on at once, so a full
 # channel means its reader is gone, not slow.
 REPORT_BUFFER = 64
+
+# Probation credit moves with every verified round and tells the swarm nothing: while the
+# last formation kept off (or seated) a newcomer nothing trusted could check, its loop
+# looks this often whether a member left probation (it may make that newcomer checkable,
+# coordinator.swarm.forming.prefer_verifiable), and forms again if one did. Also the
+# debounce: credits landing within one look re-form once. A set over the members: cheap.
+TRUST_POLL_S = 1.0
 
 
 @dataclass
@@ -113,6 +121,9 @@ class Swarm:
         self.busy: Callable[[int], int] = lambda epoch: 0  # jobs running on ring `epoch` (the engine's router sets it)
         self.drain_until: float | None = None  # a join's re-form waits for running jobs until then (forming.drain)
         self.unverifiable = None  # the engine's: stages on probation nothing trusted could check (forming.prefer_verifiable)
+        self.trusted: Callable[[], frozenset[PeerId]] | None = None  # the engine's: members off probation
+        self._formed_trusted: frozenset[PeerId] = frozenset()  # of the eligible members, those trusted at the last formation
+        self.trust_matters = False  # the last formation kept off or seated a newcomer nothing trusted could check
         self.seated_unverified: str | None = None  # why the ring seats such a newcomer anyway
 
     # -- control streams -------------------------------------------------------------
@@ -264,7 +275,9 @@ class Swarm:
                 for rid, ring in list(self.rings.items()):
                     if not ring_set.peers_of(ring) <= wanted:
                         self._set_ring(None, rid)  # it lost a stage: its jobs move or wait while it re-forms
-                if wanted != self._formed_for and (len(wanted) >= self.config.min_nodes or self.plan is not None):
+                trusted = self.trusted() & wanted if self.trusted is not None else frozenset()
+                if (wanted != self._formed_for or self.trust_matters and trusted != self._formed_trusted) and (
+                        len(wanted) >= self.config.min_nodes or self.plan is not None):
                     if self._awaiting_reports & wanted:
                         await self._wait_for_reports()
                         continue  # membership may have changed meanwhile
@@ -272,9 +285,11 @@ class Swarm:
                         with trio.move_on_at(rejoin_until):
                             await changed.wait()
                         continue
+                    self._formed_trusted = trusted  # a node leaving probation may seat a newcomer kept off
                     await forming.form(self, wanted)
-                with trio.move_on_at(self.unreachable.next_return_s()):
-                    await changed.wait()  # or an excluded node's sit-out ends
+                poll_at = trio.current_time() + TRUST_POLL_S if self.trust_matters else math.inf
+                with trio.move_on_at(min(self.unreachable.next_return_s(), poll_at)):
+                    await changed.wait()  # or an excluded node's sit-out ends, or it is time to look at trust again
 
     def _eligible(self) -> frozenset[PeerId]:
         return formation.eligible(self.members, {**self.faulty, **self.unreachable.sitting_out(), **self.probes.hold_back(self.members)})

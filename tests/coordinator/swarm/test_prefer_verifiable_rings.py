@@ -37,8 +37,9 @@ def test_an_unverifiable_newcomer_is_kept_off_when_both_rings_form_without_it():
     plain = _decider(snap, **config)(frozenset(snap.registrations))
     assert isinstance(plain, RingsDecision) and len(plain.formed) == 2
     x = sorted(_seated(plain))[0]
-    got, seated = ring_set.prefer_verifiable(_decider(snap, **config), frozenset(snap.registrations), _only(x))
+    got, seated, off = ring_set.prefer_verifiable(_decider(snap, **config), frozenset(snap.registrations), _only(x))
     assert isinstance(got, RingsDecision) and len(got.formed) == 2 and x not in _seated(got) and seated == {}
+    assert off == {x}  # said, so the swarm watches for a member able to check it leaving probation
     assert got.members == frozenset(snap.registrations)  # decided for all: the loop waits for a change
     _check(got)
 
@@ -47,10 +48,10 @@ def test_an_unverifiable_newcomer_is_seated_when_a_ring_needs_it_and_named_per_r
     # Bug guarded: a pool that can form two rings only with the newcomer forming one (half
     # its capacity) or seating it silently. Sound: 4 half-model nodes make 2 rings, 3 make 1.
     snap, config = _snapshot([_reg(p) for p in "abcd"]), {"max_rings": 2, "ring_spares": 0}
-    got, seated = ring_set.prefer_verifiable(_decider(snap, **config), frozenset(snap.registrations), _only("d"))
+    got, seated, off = ring_set.prefer_verifiable(_decider(snap, **config), frozenset(snap.registrations), _only("d"))
     assert isinstance(got, RingsDecision) and len(got.formed) == 2 and "d" in _seated(got)
     rid = next(rid for rid, f in got.formed if "d" in {p for p, _ in f.stages})
-    assert seated == {rid: ("d",)}
+    assert seated == {rid: ("d",)} and off == frozenset()
 
 
 def test_nothing_to_prefer_is_the_plain_decision():
@@ -61,10 +62,10 @@ def test_nothing_to_prefer_is_the_plain_decision():
     members = frozenset(snap.registrations)
     plain = _decider(snap, **config)(members)
     for check in (None, _only()):
-        got, seated = ring_set.prefer_verifiable(_decider(snap, **config), members, check)
-        assert got == plain and seated == {}
-    got, seated = ring_set.prefer_verifiable(_decider(snap, **config), members, _only(*"abcde"))
-    assert got == plain and sorted(p for peers in seated.values() for p in peers) == sorted(_seated(plain))
+        got, seated, off = ring_set.prefer_verifiable(_decider(snap, **config), members, check)
+        assert got == plain and seated == {} and off == frozenset()
+    got, seated, off = ring_set.prefer_verifiable(_decider(snap, **config), members, _only(*"abcde"))
+    assert got == plain and off == frozenset() and sorted(p for peers in seated.values() for p in peers) == sorted(_seated(plain))
     assert isinstance(ring_set.prefer_verifiable(_decider(snap, **config), frozenset(), _only("a"))[0], NoRing)
 
 
@@ -76,5 +77,6 @@ def test_a_kept_ring_keeps_its_newcomer():
     current: dict[int, Current] = _formed(first)
     x = sorted(_seated(first))[0]
     bigger = _snapshot([_reg(p) for p in "abcdefg"], epoch=first.epoch)
-    got, seated = ring_set.prefer_verifiable(_decider(bigger, current, **config), frozenset(bigger.registrations), _only(x))
-    assert isinstance(got, RingsDecision) and set(got.kept) == set(current) and seated == {}
+    got, seated, off = ring_set.prefer_verifiable(_decider(bigger, current, **config), frozenset(bigger.registrations),
+                                                  _only(x))
+    assert isinstance(got, RingsDecision) and set(got.kept) == set(current) and seated == {} and off == frozenset()
