@@ -108,18 +108,25 @@ class BatchTally:
     busy_s: float = 0.0
     waits: int = 0  # forwards that waited for a burst's rest, and for how long in all
     waited_s: float = 0.0
+    by_phase: dict[str, int] = dataclasses.field(default_factory=dict)  # rows by the frame's phase (prefill, decode, verify)
 
     def add(self, batch: list[Waiting], busy_s: float) -> None:
         self.by_frames[len(batch)] = self.by_frames.get(len(batch), 0) + 1
-        self.rows += sum(w.rows if w.piece is None else w.piece[1] - w.piece[0] for w in batch)
+        for w in batch:
+            rows = w.rows if w.piece is None else w.piece[1] - w.piece[0]
+            self.rows += rows
+            if rows:
+                phase = getattr(w.msg, "phase", "?")
+                self.by_phase[phase] = self.by_phase.get(phase, 0) + rows
         self.busy_s += busy_s
 
     def summary(self, now: float) -> str:
         forwards = sum(self.by_frames.values())
         frames = sum(n * k for n, k in self.by_frames.items())
         spread = " ".join(f"{n}:{k}" for n, k in sorted(self.by_frames.items()))
+        phases = ", ".join(f"{phase} {n}" for phase, n in sorted(self.by_phase.items())) or "no rows"
         return (f"{forwards} in {now - self.since:.0f} s, busy {self.busy_s:.1f} s; {frames / max(forwards, 1):.1f} "
-                f"frames and {self.rows / max(forwards, 1):.1f} rows each; frames per forward:count {spread}; "
+                f"frames and {self.rows / max(forwards, 1):.1f} rows each ({phases}); frames per forward:count {spread}; "
                 f"waited for bursts {self.waits} times, {1e3 * self.waited_s / max(self.waits, 1):.2f} ms each")
 
 

@@ -26,6 +26,7 @@ import torch
 
 from shard.activations import from_wire, to_wire
 from shard.errors import CacheError, CacheFullError, ShardError
+from shard.forward_cpu import ForwardCpu
 from shard.kvcache import KVCache
 from shard.stage import Stage, StageFrame, StageInputError
 from shard.wire.codec import encode_body, encode_trailer
@@ -123,6 +124,7 @@ class StageWorker:
         self.last_used_s: dict[str, float] = {}
         self.evicted: OrderedDict[str, str] = OrderedDict()  # job id -> why its KV was freed
         self.pieces: dict[str, _Pieces] = {}  # job id -> its part-run frame's outputs so far
+        self.cpu = ForwardCpu()  # the forwards' CPU seconds and rows by phase, logged every 10 s
         self.bursts = 0  # the last burst id stamped on outputs sent together (shard.wire.trailer)
 
     def end_job(self, job_id: str) -> None:
@@ -220,6 +222,13 @@ class StageWorker:
         batch's exception. A rerun rewrites the K/V slots the batch wrote with the same
         inputs, and its receipt's log entry is the one an audit reads (the last of a round)."""
         pieces = pieces or [None] * len(frames)
+        started = time.thread_time()
+        try:
+            return self._alone_on_error(frames, pieces)
+        finally:
+            self.cpu.add(frames, pieces, time.thread_time() - started)
+
+    def _alone_on_error(self, frames: list[tuple[Forward, bytes | memoryview]], pieces: list[Piece | None]) -> list:
         kept = {job: dataclasses.replace(p, hidden=list(p.hidden), captured={k: list(v) for k, v in p.captured.items()})
                 for job, p in self.pieces.items()}
         try:

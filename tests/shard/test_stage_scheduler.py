@@ -10,6 +10,7 @@ looks once every task is blocked, so the batches' contents are determined, not r
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 
 import trio
 import trio.testing
@@ -89,11 +90,17 @@ def test_submit_waits_while_the_bounds_are_reached():
 def test_the_tally_counts_forwards_by_frames_and_rows_with_pieces_as_their_rows():
     # Bug guarded: the logged rows per forward counting a piece as its whole frame or a
     # job's end as rows (issue 21: are batches full at 16 streams?). Sound: hand-made batches.
+    # Rows are also counted by their frame's phase (what a stage's rows went to, issue 21).
     s = object()
+
+    def phased(job: str, rows: int, phase: str) -> Waiting:
+        return dataclasses.replace(frame(s, job, rows), msg=SimpleNamespace(phase=phase))
+
     tally = BatchTally(since=10.0)
-    tally.add([frame(s, "a", 1), frame(s, "b", 5)], 0.02)
-    tally.add([dataclasses.replace(frame(s, "c", 256), piece=(64, 128)), frame(s, "a", 0)], 0.03)
-    tally.add([frame(s, "b", 1)], 0.01)
+    tally.add([phased("a", 1, "decode"), phased("b", 5, "prefill")], 0.02)
+    tally.add([dataclasses.replace(phased("c", 256, "prefill"), piece=(64, 128)), frame(s, "a", 0)], 0.03)
+    tally.add([phased("b", 1, "verify")], 0.01)
     assert tally.by_frames == {2: 2, 1: 1} and tally.rows == 1 + 5 + 64 + 1
-    assert tally.summary(now=20.0) == ("3 in 10 s, busy 0.1 s; 1.7 frames and 23.7 rows each; "
-                                       "frames per forward:count 1:1 2:2; waited for bursts 0 times, 0.00 ms each")
+    assert tally.by_phase == {"decode": 1, "prefill": 5 + 64, "verify": 1}
+    assert tally.summary(now=20.0) == ("3 in 10 s, busy 0.1 s; 1.7 frames and 23.7 rows each (decode 1, prefill 69, "
+                                       "verify 1); frames per forward:count 1:1 2:2; waited for bursts 0 times, 0.00 ms each")
