@@ -110,6 +110,7 @@ class RingEngine:
         self.probation_off: str | None = None  # why newcomers' rounds go out unverified, for /v1/ring
         self.round_verifier = round_verifier  # used once the shadow is off (coordinator.jobs.release_gate)
         swarm.unverifiable = self.unverifiable  # formation seats a newcomer nothing trusted checks only if it must
+        swarm.seat_for_capacity = lambda: self.config.unverified_newcomers != "refuse"  # else its rounds only 503
         swarm.trusted = lambda: frozenset(p for p in swarm.members if not probation.on_probation(self.clean_rounds, p, self.probation))
 
     def make_drafters(self) -> list[Drafter]:

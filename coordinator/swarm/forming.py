@@ -36,7 +36,8 @@ async def form(swarm: Swarm, members: frozenset[PeerId]) -> None:
     if swarm.config.max_rings != 1:
         current = swarm.current_rings()
         several, seated, kept_off = ring_set.prefer_verifiable(lambda pool: ring_set.decide_rings(
-            swarm.snapshot(), pool, swarm.config, swarm.identity, current), members, swarm.unverifiable)
+            swarm.snapshot(), pool, swarm.config, swarm.identity, current), members, swarm.unverifiable,
+            swarm.seat_for_capacity())
         if not ring_set.single_ring(several, current):
             swarm.trust_matters = bool(seated or kept_off)
             swarm.seated_unverified = "; ".join(

@@ -33,9 +33,10 @@ Newcomers nothing trusted can check (`prefer_verifiable`, issue 20): a decision 
 seats, in a ring it forms, a stage on probation whose slice neither the gateway nor a
 trusted member keeps is taken only when that newcomer is needed: without them fewer rings
 form (or a ring that forms without them seats other such newcomers). Capacity is what a
-pool of several rings is for, and an unchecked ring still serves (or 503s, per
-`--unverified-newcomers`); a ring it merely joins would have formed anyway. Kept rings
-stay as they are (a join never restarts a running ring). Knows nothing of streams, keys or jobs: the swarm carries the decision out,
+pool of several rings is for, and an unchecked ring still serves under
+`--unverified-newcomers serve`; under `refuse` it would answer only 503s, so there it is
+needed only when no ring forms without it. Kept rings stay as they are (a join never
+restarts a running ring). Knows nothing of streams, keys or jobs: the swarm carries the decision out,
 the engine routes requests over rings.
 """
 
@@ -140,12 +141,14 @@ def decide_rings(snapshot: Snapshot, members: frozenset[PeerId], config: SwarmCo
 
 
 def prefer_verifiable(decide: Callable[[frozenset[PeerId]], RingsDecision | NoRing], members: frozenset[PeerId],
-                      unverifiable: Callable[[tuple[tuple[PeerId, LayerRange], ...]], tuple[PeerId, ...]] | None
+                      unverifiable: Callable[[tuple[tuple[PeerId, LayerRange], ...]], tuple[PeerId, ...]] | None,
+                      for_capacity: bool = True
                       ) -> tuple[RingsDecision | NoRing, dict[int, tuple[PeerId, ...]], frozenset[PeerId]]:
     """Pure. `decide`'s rings for `members`, unless a ring it forms seats newcomers nothing
     trusted could check (`unverifiable`, as forming.prefer_verifiable) and the rings decided
-    without them are as many, none seating such a newcomer: those (decided for all of
-    `members`, so the swarm's loop waits for a change). Also: ring id -> the unverifiable
+    without them are as many (any number, without `for_capacity`: under
+    `--unverified-newcomers refuse` such a ring would only answer 503), none seating such a
+    newcomer: those (decided for all of `members`, so the swarm's loop waits for a change). Also: ring id -> the unverifiable
     newcomers the rings taken form with, and the newcomers kept off (both empty when none)."""
     decision = decide(members)
     bad = _unverifiable_by_ring(decision, unverifiable)
@@ -153,8 +156,8 @@ def prefer_verifiable(decide: Callable[[frozenset[PeerId]], RingsDecision | NoRi
         return decision, {}, frozenset()
     off = frozenset(p for peers in bad.values() for p in peers)
     alt = decide(members - off)
-    if not isinstance(alt, NoRing) and len(alt.ring_ids()) >= len(decision.ring_ids()) and not _unverifiable_by_ring(
-            alt, unverifiable):
+    if not isinstance(alt, NoRing) and (not for_capacity or len(alt.ring_ids()) >= len(decision.ring_ids())) and not (
+            _unverifiable_by_ring(alt, unverifiable)):
         return dataclasses.replace(alt, members=members), {}, off
     return decision, bad, frozenset()
 

@@ -123,6 +123,7 @@ class Swarm:
         self.unverifiable = None  # the engine's: stages on probation nothing trusted could check (forming.prefer_verifiable)
         self.trusted: Callable[[], frozenset[PeerId]] | None = None  # the engine's: members off probation
         self._formed_trusted: frozenset[PeerId] = frozenset()  # of the eligible members, those trusted at the last formation
+        self.seat_for_capacity: Callable[[], bool] = lambda: True  # the engine's: unchecked rings serve (ring_set)
         self.trust_matters = False  # the last formation kept off or seated a newcomer nothing trusted could check
         self.seated_unverified: str | None = None  # why the ring seats such a newcomer anyway
 

@@ -52,6 +52,11 @@ def test_an_unverifiable_newcomer_is_seated_when_a_ring_needs_it_and_named_per_r
     assert isinstance(got, RingsDecision) and len(got.formed) == 2 and "d" in _seated(got)
     rid = next(rid for rid, f in got.formed if "d" in {p for p, _ in f.stages})
     assert seated == {rid: ("d",)} and off == frozenset()
+    # Under --unverified-newcomers refuse its ring would only answer 503: one ring without it.
+    got, seated, off = ring_set.prefer_verifiable(_decider(snap, **config), frozenset(snap.registrations), _only("d"),
+                                                  for_capacity=False)
+    assert isinstance(got, RingsDecision) and len(got.formed) == 1 and "d" not in _seated(got)
+    assert seated == {} and off == {"d"}
 
 
 def test_nothing_to_prefer_is_the_plain_decision():
