@@ -24,6 +24,7 @@ Run by the auditor on its own slice (coordinator.trust.audit) and by a verifier 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Generator
 from dataclasses import dataclass
 
 import torch
@@ -174,6 +175,21 @@ def replay(stage: Stage, wire_dtype: str, frames: list[Forward], max_rows: int =
     `frame_by_frame`: one forward per frame, as the stage ran them, for stages whose maths
     is not stable under re-summation (a quantised stage rounds activations to bf16 in every
     matmul, so the tree forward's last-bit differences grow layer by layer into bf16 steps)."""
+    steps = replay_steps(stage, wire_dtype, frames, max_rows, stats, aux_dtype=aux_dtype, frame_by_frame=frame_by_frame)
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+
+
+def replay_steps(stage: Stage, wire_dtype: str, frames: list[Forward], max_rows: int = 1024,
+                 stats: ReplayStats | None = None, *, aux_dtype: str | None = None,
+                 frame_by_frame: bool = False) -> Generator[None, None, list[Replayed | None]]:
+    """`replay`, one forward (a segment of at most max_rows rows, or one frame) per step:
+    the generator yields after each and returns replay's list. A caller that shares its
+    CPU with other work (a ring stage answering an audit: shard.verifier) runs the steps
+    one at a time and lets that work in between. Advance it from one thread at a time."""
     segments = None if frame_by_frame else plan_replay(frames, max_rows)
     if segments is None:  # one forward per frame, exactly as the stage ran them
         segments = [Segment((i,), (tuple(range(f.positions.shape[0])),), (), ()) for i, f in enumerate(frames)]
@@ -205,5 +221,6 @@ def replay(stage: Stage, wire_dtype: str, frames: list[Forward], max_rows: int =
         if stats is not None:
             stats.forwards += 1
             stats.rows += start
+        yield
     worker.end_job(REPLAY_JOB_ID)
     return out

@@ -20,8 +20,10 @@ the size the coordinator accepts) is that request's one-line error reply.
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Generator
+from typing import TypeVar
 
 import torch
 import trio
@@ -29,7 +31,7 @@ import trio
 from shard.errors import ShardError
 from shard.layers import LayerRange
 from shard.quant import quantise_stage, scheme
-from shard.replay import Replayed, replay
+from shard.replay import Replayed, replay_steps
 from shard.stage import Stage
 from shard.store import ModelStore
 from shard.verify_parts import Uploads, assemble, split, upload_cap, whole_limits
@@ -39,6 +41,13 @@ from shard.wire.messages import Forward, Message
 from shard.wire.verify import TIMING_ERROR, VerifyPart, VerifyReply, VerifyRequest, is_timing
 
 log = logging.getLogger("shard.node")
+T = TypeVar("T")
+# Rows per replay forward on a node that also serves a ring stage: the replay holds the
+# compute limiter one forward at a time, so the stage's own frames run between. A whole
+# audited job in one forward (1931 rows of a 10-layer SmolLM2 slice: 3.3 CPU-s, ~10 s at
+# load 4) stalled every job on the ring behind it (issue 21: ITL p95 12 s at 16 streams);
+# 256 rows is the largest prefill chunk a job sends (engine_config), so no frame splits.
+STEP_ROWS = 256
 WARN_EVERY_S = 60.0  # refusals logged at WARNING at most this often (the rest at INFO)
 
 
@@ -73,20 +82,40 @@ def reply_of(request_id: int, replayed: list[Replayed | None]) -> VerifyReply:
                        hidden=torch.cat(hiddens).to(torch.float32).contiguous(), aux=aux)
 
 
+def _step(steps: Generator[None, None, list[Replayed | None]]) -> list[Replayed | None] | None:
+    """One forward of a replay; its result once it is done (None: more steps)."""
+    try:
+        next(steps)
+    except StopIteration as done:
+        return done.value
+    return None
+
+
+def thread_cpu(fn: Callable[[], T]) -> tuple[T, float]:
+    """fn's result and the CPU seconds the calling thread spent in it (torch runs one
+    thread per node: a forward's CPU is its thread's)."""
+    started = time.thread_time()
+    return fn(), time.thread_time() - started
+
+
 class Verifier:
     """Answers VerifyRequests for one node. `max_cached_slices` loaded slices are kept."""
 
     def __init__(self, store: ModelStore, device: str, limiter: trio.CapacityLimiter,
-                 fetch: Callable[[LayerRange], Awaitable[object]] | None = None, max_cached_slices: int = 1) -> None:
+                 fetch: Callable[[LayerRange], Awaitable[object]] | None = None, max_cached_slices: int = 1,
+                 step_rows: int = STEP_ROWS) -> None:
         """`fetch(r)`: make the files of layers `r` present in `store` (raising ShardError when
-        it cannot); None: the store has what it has."""
-        self.store, self.device, self.limiter, self.fetch = store, device, limiter, fetch
+        it cannot); None: the store has what it has. `step_rows`: most rows a replay forward
+        holds the node's compute limiter for (the request's max_replay_rows if fewer)."""
+        self.store, self.device, self.limiter, self.fetch, self.step_rows = store, device, limiter, fetch, step_rows
         self.max_cached_slices = max_cached_slices
         self._slices: OrderedDict[tuple[LayerRange, str], Stage] = OrderedDict()
         self.answered = 0  # requests answered with rows (not errors)
         self.refused = 0  # requests answered with an error (timing requests aside)
         self._warned_s = -WARN_EVERY_S  # when a refusal was last logged at WARNING (trio's clock)
         self.uploads: Uploads | None = None  # requests arriving in parts (made on the first part)
+        self.replayed_rows, self.replay_cpu_s = 0, 0.0  # rows recomputed, and the CPU (thread) seconds it took
+        self.loads, self.load_cpu_s, self.load_cpu_s_last = 0, 0.0, 0.0  # slices loaded for requests, their CPU-s
 
     def receive(self, msg: VerifyRequest | VerifyPart, limits: Limits, warm: tuple[Stage, str] | None,
                 nursery: trio.Nursery, send: Callable[[Message], Awaitable[None]]) -> None:
@@ -129,11 +158,20 @@ class Verifier:
             return VerifyReply(request_id=req.request_id, error=TIMING_ERROR)
         try:
             frames = request_frames(req, limits)
+            loads = self.loads
             stage = await self._stage(LayerRange(req.layer_start, req.layer_end), req.quant, warm)
-            replayed = await trio.to_thread.run_sync(
-                lambda: replay(stage, req.wire_dtype, frames, req.max_replay_rows, aux_dtype=req.aux_dtype,
-                               frame_by_frame=scheme(req.quant).quantised), limiter=self.limiter)
+            steps = replay_steps(stage, req.wire_dtype, frames, min(req.max_replay_rows, self.step_rows),
+                                 aux_dtype=req.aux_dtype, frame_by_frame=scheme(req.quant).quantised)
+            replayed, cpu_s = None, 0.0
+            while replayed is None:  # one forward per hold of the limiter: the node's own frames run between
+                replayed, step_s = await trio.to_thread.run_sync(lambda: thread_cpu(lambda: _step(steps)),
+                                                                 limiter=self.limiter)
+                cpu_s += step_s
             reply = reply_of(req.request_id, replayed)
+            self.replayed_rows, self.replay_cpu_s = self.replayed_rows + sum(reply.frame_rows), self.replay_cpu_s + cpu_s
+            log.info("verify request %d: %d rows of %d frames replayed on layers [%d, %d) in %.2f CPU-s%s", req.request_id,
+                     sum(reply.frame_rows), len(frames), req.layer_start, req.layer_end, cpu_s,
+                     f", after loading the slice ({self.load_cpu_s_last:.2f} CPU-s)" if self.loads > loads else "")
             size = len(encode(reply, whole_limits(limits, 1 << 32)))
         except ShardError as exc:
             return self._refuse(req.request_id, str(exc), req)
@@ -171,7 +209,9 @@ class Verifier:
                 return quantise_stage(Stage(self.store.config, r, weights, dtype=torch.float32, device=self.device,
                                             embedding=emb), scheme(quant))
 
-            stage = self._slices[key] = await trio.to_thread.run_sync(load, limiter=self.limiter)
+            stage, self.load_cpu_s_last = await trio.to_thread.run_sync(lambda: thread_cpu(load), limiter=self.limiter)
+            self._slices[key] = stage
+            self.loads, self.load_cpu_s = self.loads + 1, self.load_cpu_s + self.load_cpu_s_last
             while len(self._slices) > self.max_cached_slices:
                 self._slices.popitem(last=False)
         self._slices.move_to_end(key)

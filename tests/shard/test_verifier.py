@@ -233,3 +233,66 @@ def test_a_verifier_fetches_the_files_of_a_slice_its_store_lacks_before_loading_
         request_for(plan, logged), limits))
     assert asked == [stage.layers] and reply.error is None
     assert compare(plan, logged, split_reply(reply, logged)) is None
+
+
+class LoggedLimiter:
+    """A CapacityLimiter that notes, in `log`, each hold a worker thread takes of it."""
+
+    def __init__(self, log: list[str]) -> None:
+        self.inner, self.log = trio.CapacityLimiter(1), log
+
+    async def acquire_on_behalf_of(self, borrower) -> None:
+        await self.inner.acquire_on_behalf_of(borrower)
+        self.log.append("replay")
+
+    def release_on_behalf_of(self, borrower) -> None:
+        self.inner.release_on_behalf_of(borrower)
+
+    async def __aenter__(self):
+        await self.inner.acquire()
+
+    async def __aexit__(self, *exc):
+        self.inner.release()
+
+
+def test_a_replay_lets_the_nodes_own_forwards_in_between_its_steps(middle):
+    # Bug guarded: a verifier on a ring stage holding the node's compute limiter for a whole
+    # audited job (1931 rows: ~10 s at load 4), so every job on the ring stalled behind the
+    # audit (issue 21: ITL p95 12 s at 16 streams). Now it holds it one replay forward (at
+    # most step_rows rows) at a time, and the rows are the one-forward replay's. Sound: the
+    # stage's forwards stand in as a task that takes the same limiter in a loop, and the
+    # limiter logs who held it in turn (trio's limiter is first come, first served).
+    store, stage = middle
+    plan, records = logged_job(stage)
+    limits = Limits.for_model(store.config, max_tokens_per_frame=2048)
+    logged = logged_frames(plan, records, limits)
+    whole = answer(store, request_for(plan, logged), warm=(stage, plan.quant))
+    log: list[str] = []
+
+    async def main():
+        limiter, done = LoggedLimiter(log), trio.Event()
+        verifier = Verifier(store, "cpu", limiter, step_rows=4)  # type: ignore[arg-type]
+
+        async def ask():
+            replies.append(await verifier.answer(request_for(plan, logged), limits, (stage, plan.quant)))
+            done.set()
+
+        async def stage_forwards():
+            while not done.is_set():
+                async with limiter:
+                    log.append("stage")
+                await trio.sleep(0.001)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(ask)
+            nursery.start_soon(stage_forwards)
+
+    replies: list[VerifyReply] = []
+    trio.run(main)
+    got = replies[0]
+    assert got.error is None and whole.error is None and got.frame_rows == whole.frame_rows
+    assert torch.allclose(got.hidden, whole.hidden, rtol=1e-5, atol=1e-5)
+    steps = log.count("replay")
+    assert steps >= 4  # the engine-like job's 20 rows, at most 4 (whole frames) a forward
+    first, last = log.index("replay"), len(log) - 1 - log[::-1].index("replay")
+    assert log[first:last + 1].count("stage") >= steps - 1  # a stage forward between every two steps
