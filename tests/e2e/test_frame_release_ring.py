@@ -32,21 +32,10 @@ from shard.node import CONTROL_PROTOCOL, RING_PROTOCOL, Node, NodeConfig
 from shard.transport import open_host
 from shard.wire.codec import encode
 from shard.wire.release_frames import ReleaseFrames
+from tests.e2e.test_stalling_stage import _serve_host, _tokenizer
 
 PROMPT = [1, 3 + ord("h"), 3 + ord("i"), 3 + ord("!"), 5, 9, 17]
 TOKENS = 8
-
-
-def _tokenizer():
-    from tests.conftest import make_tiny_tokenizer
-
-    return make_tiny_tokenizer()
-
-
-async def _serve_host(seed, task_status=trio.TASK_STATUS_IGNORED):
-    async with open_host(keypair_from_seed(seed), "/ip4/127.0.0.1/tcp/0") as host:
-        task_status.started(host)
-        await trio.sleep_forever()
 
 
 async def _run(store, rate: float, body):

@@ -19,13 +19,13 @@ import trio
 from coordinator.assembly import open_coordinator
 from coordinator.config import LOOPBACK_ANY_PORT, CoordConfig
 from coordinator.jobs.engine_config import EngineConfig
-from coordinator.spec.sampling import SamplingParams
 from coordinator.swarm.formation import SwarmConfig
 from coordinator.trust.audit import AuditConfig
 from shard.identity import keypair_from_seed
 from shard.node import Node, NodeConfig
 from tests.e2e.test_audit_members_ring import TurningLiar
 from tests.e2e.test_stalling_stage import _serve_host, _stages, _tokenizer
+from tests.e2e.ringkit import generate_greedy
 from tests.e2e.test_verifier_ring import layerless_store
 
 LONG_PROMPT = [1] + [3 + (7 * i) % 256 for i in range(159)]  # 160 tokens: 41 KB of f32 rows per stage
@@ -56,16 +56,7 @@ class LongPromptLiar(Node):
 
 
 async def generate(engine, tokens: int) -> list[int]:
-    job = await engine.open_job(LONG_PROMPT, SamplingParams(temperature=0.0))
-    got: list[int] = []
-    try:
-        async for block in job.next_tokens():
-            got += block
-            if len(got) >= tokens:
-                break
-    finally:
-        await job.aclose()
-    return got[:tokens]
+    return await generate_greedy(engine, LONG_PROMPT, tokens)
 
 
 def test_a_long_prompt_on_probation_is_verified_in_parts_and_a_liar_caught(tiny_llama_store, tmp_path):
