@@ -17,12 +17,20 @@ It does not know the routes: a route that never reads its body is never limited 
 from __future__ import annotations
 
 import json
+import logging
 
 import trio
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from coordinator.errors import RequestError
+
+log = logging.getLogger(__name__)
+
+# What hypercorn's trio server raises from `send` once the client's connection is going
+# down under it: closed, reset, or (a client that closes while still sending its body)
+# hypercorn's own task closing the socket while the refusal is being written.
+CONNECTION_GOING = (trio.BusyResourceError, trio.BrokenResourceError, trio.ClosedResourceError)
 
 
 def body_too_large(limit_bytes: int) -> RequestError:
@@ -88,9 +96,15 @@ class BodyLimit:
 
 async def send_error(send: Send, err: RequestError) -> None:
     """The refusal as a whole response; the client's unread body makes hypercorn close the
-    connection after it."""
+    connection after it. A connection already going down gets nothing more, and one log
+    line instead of an unhandled error's traceback (a hostile client could otherwise make
+    the gateway log one per connection: seen in bench_hostile_ring's 100 MB bodies)."""
     body = json.dumps(err.body()).encode()
-    await send({"type": "http.response.start", "status": err.status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                            (b"connection", b"close")]})
-    await send({"type": "http.response.body", "body": body})
+    try:
+        await send({"type": "http.response.start", "status": err.status,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                                (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": body})
+    except CONNECTION_GOING as exc:
+        log.info("a %d refusal (%s) was not sent: the client's connection was going down (%s)",
+                 err.status, err.code, type(exc).__name__)
