@@ -47,7 +47,7 @@ from shard.transport import FramedStream, Host, TransportError
 from shard.verifier import Verifier
 from shard.weight_fetch import ensure_slice
 from shard.weight_server import WEIGHTS_PROTOCOL, WeightServer
-from shard.wire.codec import decode, decode_frame, encode
+from shard.wire.codec import decode, decode_frame, encode, frame_job
 from shard.wire.dtypes import COMPUTE_DTYPES
 from shard.wire.limits import Limits
 from shard.wire.verify import VerifyPart, VerifyRequest, control_limits
@@ -258,8 +258,8 @@ class Node:
         await self._send_control(Ready(peer_id=self.host.peer_id, epoch=a.epoch))
 
     async def _serve_frame(self, remote: str, body: bytes) -> bool:
-        """Decode and handle one frame body (RingInbox.serve_frame); False ends its stream. A frame
-        that does not decode costs that frame, and its job when it names one, never the node."""
+        """Decode and handle one frame body (RingInbox.serve_frame; False ends its stream): one that
+        fails (malformed, or a bug of ours) costs that frame and the job it names, never the stream."""
         state = self.state
         if state is None or remote != state.predecessor:
             log.warning("refused a frame from %s: not the predecessor of epoch %s",
@@ -268,17 +268,18 @@ class Node:
         received_at_s = self.wall_clock()  # wall clock: where the hop from the predecessor ends (Forward.clock_s)
         try:
             msg, canonical_len = decode_frame(body, self.limits)
-        except WireError as exc:
-            log.warning("dropped a malformed frame from %s: %s", remote, exc)
-            if exc.job is not None:
-                await self._job_error(exc.job, "malformed_frame", str(exc))
+        except Exception as exc:  # noqa: BLE001 (the peer's WireError, or a bug of ours: the frame's cost alone)
+            job, what, code = ((exc.job, str(exc), "malformed_frame") if isinstance(exc, WireError)
+                               else (frame_job(body, self.limits), f"{type(exc).__name__}: {exc}", "internal_error"))
+            log.warning("dropped a frame from %s that did not decode: %s", remote, what)
+            if job is not None:
+                await self._job_error(job, code, what)
             return True
-        if isinstance(msg, Forward):
-            msg = replace(msg, clock_s=(*msg.clock_s, received_at_s))
+        msg = replace(msg, clock_s=(*msg.clock_s, received_at_s)) if isinstance(msg, Forward) else msg
         try:
             await self._handle(state, msg, memoryview(body)[:canonical_len])
         except ShardError:
-            raise  # the control stream lost (a JobError not sent): the session's, as before
+            raise  # the control stream lost (no JobError can go): RingInbox logs it; the session ends on its own
         except Exception as exc:  # a check we missed: its job's end, never the node's
             log.exception("a frame of job %s raised", msg.job_id)
             await self._job_error(JobRef(msg.job_id, msg.epoch, getattr(msg, "round", 0)), "internal_error", repr(exc))

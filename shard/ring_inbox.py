@@ -8,7 +8,9 @@ peer holds at most `max_streams_per_peer` ring streams: a newer one closes its o
 predecessor moves to a new stream each epoch; one that opens streams in a loop only churns
 its own). Frames read are handed, in order, to `serve_frame` (the node decodes them and
 queues them for its scheduler, which batches the frames of every stream), at most
-INBOX_FRAMES ahead. Does not decode frames, know jobs or compute anything.
+INBOX_FRAMES ahead; an exception out of `serve_frame` costs that frame alone (logged), never
+the stream and the other jobs' frames behind it. Does not decode frames, know jobs or
+compute anything.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from dataclasses import dataclass, field
 
 import trio
 
-from shard.errors import TransportError, WireError
+from shard.errors import ShardError, TransportError, WireError
 from shard.transport import BodyDeadline, FramedStream
 
 log = logging.getLogger("shard.node")
@@ -43,7 +45,7 @@ class InboxConfig:
 @dataclass
 class RingInbox:
     """`accepts(peer_id)`: whether that peer is this epoch's predecessor now.
-    `serve_frame(peer_id, body)`: handle one frame body; False ends the stream.
+    `serve_frame(peer_id, body)`: handle one frame body; False ends the stream (raising does not).
     `max_frame_bytes()`: the current bound on a frame's length."""
 
     accepts: Callable[[str], bool]
@@ -88,10 +90,22 @@ class RingInbox:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._read, stream, remote, inbox_send, ended)
             async for body in inbox:
-                if not await self.serve_frame(remote, body):
+                if not await self._serve_one(remote, body):
                     nursery.cancel_scope.cancel()
                     return False
         return ended[0]
+
+    async def _serve_one(self, remote: str, body: bytes) -> bool:
+        """serve_frame(remote, body); what it raises (a bug, or the node's control stream lost
+        mid-answer) is logged and drops that frame only: the frames behind it on this stream
+        are other jobs', and resetting the stream would cost them too."""
+        try:
+            return await self.serve_frame(remote, body)
+        except ShardError as exc:
+            log.warning("dropped a frame from %s: serving it failed: %s", remote, exc)
+        except Exception as exc:  # noqa: BLE001 (a bug: its traceback follows)
+            log.exception("dropped a frame from %s: serving it raised %s: %s", remote, type(exc).__name__, exc)
+        return True
 
     async def _read(self, stream: FramedStream, remote: str, inbox: trio.MemorySendChannel, ended: list[bool]) -> None:
         """Read frames into `inbox` while `remote` is the predecessor, until the stream ends

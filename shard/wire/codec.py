@@ -32,7 +32,7 @@ from shard.wire.fields import Tensor, kind_of
 from shard.wire.limits import FRAME_PREFIX, MAX_RANK, Limits
 from shard.wire.messages import PROTOCOL_VERSION, REGISTRY, RESERVED_KEYS, Message
 
-__all__ = ["FRAME_PREFIX", "HEADER_PREFIX", "Limits", "encode", "encode_body", "encode_trailer", "decode", "decode_frame"]
+__all__ = ["FRAME_PREFIX", "HEADER_PREFIX", "Limits", "encode", "encode_body", "encode_trailer", "decode", "decode_frame", "frame_job"]
 
 # Inside a body: the length of the msgpack header, u32 big-endian.
 HEADER_PREFIX = struct.Struct(">I")
@@ -159,6 +159,21 @@ def decode_frame(body: bytes | bytearray | memoryview, limits: Limits, *, canoni
         raise
     except _PARSE_ERRORS as e:  # a check we missed must still be a protocol error on this edge
         raise WireError("malformed frame", None, f"{type(e).__name__}: {_clip(str(e), 200)}") from e
+
+
+def frame_job(body: bytes | bytearray | memoryview, limits: Limits) -> JobRef | None:
+    """The (job_id, epoch, round) a frame's header names, each checked as decode() checks it,
+    the rest of the frame unread; None when the header does not parse or names no valid job.
+    Never raises: it names the job to answer when decoding failed for a reason of our own."""
+    try:
+        mv = memoryview(body).cast("B")  # (n,) bytes
+        (head_len,) = HEADER_PREFIX.unpack_from(mv, 0)
+        if head_len > limits.max_header_bytes or HEADER_PREFIX.size + head_len > mv.nbytes:
+            return None
+        header = _parse_header(mv[HEADER_PREFIX.size : HEADER_PREFIX.size + head_len], limits)
+        return _job_ref(_message_class(header), header, limits)
+    except Exception:  # noqa: BLE001 (what failed the decode may fail here too: then no job can be named)
+        return None
 
 
 def _decode(body: Any, limits: Limits, canonical: bool) -> tuple[Message, int]:

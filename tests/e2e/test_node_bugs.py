@@ -20,6 +20,7 @@ import os
 import pytest
 import trio
 
+import shard.node as shard_node
 from shard.errors import sole_error
 from shard.node import RING_PROTOCOL, Node
 from shard.reconnect import CrashLoopError, CrashPolicy, ReconnectPolicy
@@ -120,3 +121,53 @@ def test_a_bug_every_session_meets_ends_the_node_after_the_bound(tiny_llama_stor
     assert isinstance(err, CrashLoopError) and len(sessions) == 3
     assert str(err) == ("the node's session failed 3 times within 60 s, last with RuntimeError: the sweep's bug; "
                         "giving up (the tracebacks are logged above)")
+
+
+NO_JOB = b"\x00\x00\x00\x02\x81\xa1"  # a header that names no job
+
+
+def test_a_decoding_bug_costs_its_frame_and_job_and_the_stream_serves_on(tiny_llama_store, monkeypatch, caplog):
+    # Bug guarded: an exception other than WireError out of decoding a frame (a check the
+    # codec missed) reset the predecessor's ring stream without a JobError: that job waited
+    # for its deadline and the other jobs' frames behind it on the stream were lost.
+    # Sound: the fault is injected into the real node's decode (shard.node.decode_frame)
+    # for job "bad"'s frame and for a frame naming no job, both between other jobs' frames
+    # on one stream; "bad" must get a JobError naming the fault, the no-job frame nothing
+    # (the next answer is another job's), and every other frame, the one sent last on the
+    # same stream included, its output bit for bit as the local forward's.
+    store = tiny_llama_store
+    caplog.set_level(logging.WARNING, logger="shard.node")
+    honest = shard_node.decode_frame
+
+    def buggy(body, limits):
+        if bytes(body) == NO_JOB:
+            raise KeyError("a bug before the header")
+        msg, n = honest(body, limits)
+        if msg.job_id == "bad":
+            raise ValueError("a check the codec missed")
+        return msg, n
+
+    monkeypatch.setattr(shard_node, "decode_frame", buggy)
+
+    async def script(ctx):
+        node = ctx["node"]
+        stream = await ctx["coord"].open_stream(node.host.peer_id, RING_PROTOCOL)
+        for frame in (encode(fwd("a", 1, [5, 9, 77])), NO_JOB, encode(fwd("bad", 1, [3, 4])), encode(fwd("b", 1, [7, 7, 8]))):
+            await stream.send_frame(frame)
+        got = await receive(ctx, 3)
+        assert isinstance(got[("bad", 1)], JobError) and got[("bad", 1)].code == "internal_error"
+        assert got[("bad", 1)].message == "ValueError: a check the codec missed"
+        await stream.send_frame(encode(fwd("c", 1, [42, 5])))
+        got.update(await receive(ctx, 1))
+        for job, ids in (("a", [5, 9, 77]), ("b", [7, 7, 8]), ("c", [42, 5])):
+            out = got[(job, 1)]
+            assert isinstance(out, Result) and out.hidden.equal(reference_hidden(store, ids)[-1:]), job
+        assert set(got) == {("a", 1), ("bad", 1), ("b", 1), ("c", 1)}  # nothing answered the no-job frame
+        coords.append(ctx["coord"].peer_id)
+
+    coords: list[str] = []
+    trio.run(run_scenario, store, os.urandom(32), script)
+    dropped = [r.getMessage() for r in caplog.records if "did not decode" in r.getMessage()]
+    [coord] = coords
+    assert dropped == [f"dropped a frame from {coord} that did not decode: KeyError: 'a bug before the header'",
+                       f"dropped a frame from {coord} that did not decode: ValueError: a check the codec missed"]

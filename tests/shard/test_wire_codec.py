@@ -528,6 +528,21 @@ def test_a_refused_frame_names_its_job_when_it_can():
     assert _refuse(b"\x00" * 40).job is None
 
 
+
+def test_frame_job_names_the_job_a_failed_decode_should_answer():
+    # A node whose decode fails for a reason of its own (a bug, not the frame) still answers
+    # the job the header names (shard.node): frame_job must name it exactly when decode()
+    # would have (every one of job_id, epoch, round valid), and never raise on any bytes.
+    limits = _model_limits()
+    ok = encode(dataclasses.replace(_forward(2), want_aux_layers=(0, 1)))
+    assert codec.frame_job(ok, limits) == ("job-1", 3, 7)
+    header_end = codec.HEADER_PREFIX.size + codec.HEADER_PREFIX.unpack_from(ok)[0]
+    assert header_end < len(ok) and codec.frame_job(ok[:header_end], limits) == ("job-1", 3, 7)  # tensors unread
+    assert codec.frame_job(_header_case(lambda h: h.update(job_id="a b"), ok), limits) is None
+    assert codec.frame_job(_header_case(lambda h: h.update(round=-1), ok), limits) is None
+    for junk in (b"", b"\x00" * 3, b"\xff" * 40, ok[:6], encode(Ready(peer_id="p", epoch=1))):
+        assert codec.frame_job(junk, limits) is None
+
 def test_limits_for_model_admit_the_largest_legal_forward():
     cfg = ModelConfig(model_type="llama", num_layers=2, hidden_size=16, intermediate_size=32, num_heads=2, num_kv_heads=1,
                       head_dim=8, vocab_size=64, rms_norm_eps=1e-6, rope_theta=1e4, max_position_embeddings=128,
