@@ -104,10 +104,18 @@ class RingRouter:
         pin.ring_id = int(chosen) if chosen is not None else min(rings)
         return rings[pin.ring_id]
 
+    def draining(self, ring_id: int) -> str | None:
+        """Why ring `ring_id` drains (coordinator.swarm.ring_drain), None if it does not."""
+        d, ring = self.swarm.draining.get(ring_id), self.swarm.rings.get(ring_id)
+        return d.reason if d is not None and ring is not None and ring.epoch == d.epoch else None
+
     def routable(self, ring_id: int) -> bool:
-        """Whether new jobs may go to ring `ring_id`: yes unless it has stages on probation
-        and another such ring (the one with jobs, else the lowest id) has the shadow."""
+        """Whether new jobs may go to ring `ring_id`: not while it drains and another ring
+        does not; else yes unless it has stages on probation and another such ring (the one
+        with jobs, else the lowest id) has the shadow."""
         rings = self.swarm.rings
+        if self.draining(ring_id) and any(not self.draining(rid) for rid in rings):
+            return False
         probing = [rid for rid in sorted(rings) if self.probation(rings[rid])]
         if ring_id not in probing:
             return True
@@ -162,7 +170,7 @@ class RingRouter:
             while True:
                 rings = self.swarm.rings
                 first = self._room_queue[0] is pin  # a job waiting longer goes first
-                if first and pin.ring_id in rings and self.fits(pin.ring_id, pin):
+                if first and pin.ring_id in rings and not self.draining(pin.ring_id) and self.fits(pin.ring_id, pin):
                     return True
                 need = self.slots(pin)
                 if rings and not any(self.room(rid).could_ever_fit(need) for rid in rings):
@@ -293,14 +301,15 @@ class RingRouter:
                 "rings": self.info(), "jobs_moved": self.moves, "kv_refusals": self.kv_refusals}
 
     def info(self) -> list[dict[str, Any]]:
-        """Every ring formed, for /v1/ring: its id, epoch, stages, jobs, timings and its
-        newcomers nothing trusted can check."""
+        """Every ring formed, for /v1/ring: its id, epoch, stages, jobs, timings, its
+        newcomers nothing trusted can check and why it drains (None: it does not)."""
         out = []
         for rid, ring in sorted(self.swarm.rings.items()):
             round_s, prefill_s = self.timings(ring)
             out.append({"ring_id": rid, "epoch": ring.epoch, "jobs": self.jobs_on(rid),
                         "stages": [{"peer_id": p, "layers": [r.start, r.end]} for p, r in ring.stages],
                         "round_s": round_s, "prefill_s_per_token": prefill_s, "waiting_for_kv": self.jobs_on(rid, True),
+                        "draining": self.draining(rid),  # why it takes no new jobs (coordinator.swarm.ring_drain)
                         # stages on probation nothing trusted can check now (coordinator.swarm.ring_set.prefer_verifiable)
                         "seated_unverified": list(self.swarm.unverifiable(ring.stages)) if self.swarm.unverifiable else []})
         return out

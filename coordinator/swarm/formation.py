@@ -66,7 +66,8 @@ class SwarmConfig:
     # gateway's concurrency at assembly (coordinator.assembly.open_jobs_per_stage); 0 names none.
     max_open_jobs: int = 0
     drain_s: float = option(60.0, "with one ring, a re-form that a join asks for waits at most this long for the "
-                                  "ring's running jobs to finish (they would re-prefill on the new ring)")
+                                  "ring's running jobs to finish (they would re-prefill on the new ring); so does a "
+                                  "replica ring draining a newcomer no longer needed")
 
     def __post_init__(self) -> None:
         if self.planner not in ("select_ring", "all_nodes"):

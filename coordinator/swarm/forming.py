@@ -18,7 +18,7 @@ from typing import Any
 
 import trio
 
-from coordinator.swarm import formation, ring_set
+from coordinator.swarm import formation, ring_drain, ring_set
 from coordinator.swarm.formation import Formation, NoRing, RingState
 from shard.transport import TransportError
 from shard.wire.codec import encode
@@ -46,7 +46,15 @@ async def form(swarm: Swarm, members: frozenset[PeerId]) -> None:
             if swarm.seated_unverified:
                 log.warning("%s", swarm.seated_unverified)
             await form_rings(swarm, members, several)
+            reasons = {}
+            if swarm._formed_for == members and not isinstance(several, NoRing):  # every ring formed: any unneeded?
+                reasons = ring_drain.to_drain(lambda pool, rings: ring_set.decide_rings(
+                    swarm.snapshot(), pool, swarm.config, swarm.identity, rings), members, swarm.current_rings(),
+                    len(several.ring_ids()), swarm.unverifiable, swarm.seat_for_capacity())
+            swarm.trust_matters |= bool(reasons)  # a member leaving probation may end the drain
+            await drain_rings(swarm, members, reasons)
             return
+    swarm.draining = {}
     decision, swarm.seated_unverified = prefer_verifiable(
         lambda pool: formation.decide(swarm.snapshot(), pool, swarm.config, swarm.identity), members, swarm.unverifiable)
     if swarm.seated_unverified:
@@ -129,6 +137,42 @@ async def drain(swarm: Swarm, members: frozenset[PeerId]) -> bool:
         with trio.move_on_after(0.2):
             await swarm._changed.wait()
     return True
+
+
+async def drain_rings(swarm: Swarm, members: frozenset[PeerId], reasons: dict[int, str]) -> None:
+    """Replica rings that seat newcomers no longer needed (`reasons`, coordinator.swarm.
+    ring_drain) drain: they take no new jobs (`swarm.draining`, read by the router) and their
+    running jobs finish there; once a ring holds none, or `drain_s` after its drain began
+    (its jobs then resume on the other rings), it breaks and the formation loop re-forms it
+    without them. A ring whose newcomers became checkable meanwhile stops draining. Returns
+    when none drains, or when the eligible membership changed (the loop decides again; a
+    drain it confirms keeps its deadline)."""
+    now = trio.current_time()
+    draining = {}
+    for rid, reason in reasons.items():
+        ring, was = swarm.rings[rid], swarm.draining.get(rid)
+        draining[rid] = was if was is not None and was.epoch == ring.epoch else ring_drain.Drain(
+            ring.epoch, reason, now + swarm.config.drain_s)
+        if draining[rid] is not was:
+            log.info("ring %d epoch %d drains (%d running jobs, at most %.0f s): %s", rid, ring.epoch,
+                     swarm.busy(ring.epoch), swarm.config.drain_s, reason)
+    swarm.draining = draining
+    while swarm.draining:
+        for rid, d in list(swarm.draining.items()):
+            ring = swarm.rings.get(rid)
+            if ring is None or ring.epoch != d.epoch or swarm.unverifiable is None or not swarm.unverifiable(ring.stages):
+                del swarm.draining[rid]  # broke meanwhile, or its newcomers can be checked now
+            elif not swarm.busy(d.epoch) or trio.current_time() >= d.until_s:
+                log.info("ring %d epoch %d drained (%d jobs left to resume elsewhere): it re-forms", rid, d.epoch,
+                         swarm.busy(d.epoch))
+                del swarm.draining[rid]
+                swarm._set_ring(None, rid)
+                swarm._formed_for = None  # the loop decides again: the ring re-forms, its newcomers left out
+        if swarm._eligible() != members:
+            return
+        if swarm.draining:
+            with trio.move_on_after(0.2):  # jobs closing notify nobody: look again
+                await swarm._changed.wait()
 
 
 async def form_rings(swarm: Swarm, members: frozenset[PeerId], decision: ring_set.RingsDecision | NoRing) -> None:

@@ -36,8 +36,9 @@ form (or a ring that forms without them seats other such newcomers). Capacity is
 pool of several rings is for, and an unchecked ring still serves under
 `--unverified-newcomers serve`; under `refuse` it would answer only 503s, so there it is
 needed only when no ring forms without it. Kept rings stay as they are (a join never
-restarts a running ring). Knows nothing of streams, keys or jobs: the swarm carries the decision out,
-the engine routes requests over rings.
+restarts a running ring); one seating such a newcomer that a join made unneeded drains and
+then re-forms without it (coordinator.swarm.ring_drain). Knows nothing of streams, keys or
+jobs: the swarm carries the decision out, the engine routes requests over rings.
 """
 
 from __future__ import annotations

@@ -26,8 +26,8 @@ import trio
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
-from coordinator.swarm import (admission, clock_offset, formation, forming, ring_set, seeding, speed_probe, status,
-                               topology, unreachable)
+from coordinator.swarm import (admission, clock_offset, formation, forming, ring_drain, ring_set, seeding, speed_probe,
+                               status, topology, unreachable)
 from coordinator.swarm.formation import ModelIdentity, RingState, Snapshot, SwarmConfig
 from coordinator.swarm.topology import Traversal, TraversalLog
 from ring import Network, PeerId, Plan, RingError
@@ -120,6 +120,7 @@ class Swarm:
         self._formed_for: frozenset[PeerId] | None = None  # eligible members at the last formation
         self.busy: Callable[[int], int] = lambda epoch: 0  # jobs running on ring `epoch` (the engine's router sets it)
         self.drain_until: float | None = None  # a join's re-form waits for running jobs until then (forming.drain)
+        self.draining: dict[int, ring_drain.Drain] = {}  # replica rings taking no new jobs (forming.drain_rings)
         self.unverifiable = None  # the engine's: stages on probation nothing trusted could check (forming.prefer_verifiable)
         self.trusted: Callable[[], frozenset[PeerId]] | None = None  # the engine's: members off probation
         self._formed_trusted: frozenset[PeerId] = frozenset()  # of the eligible members, those trusted at the last formation

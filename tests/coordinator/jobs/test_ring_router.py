@@ -12,6 +12,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from coordinator.jobs.ring_router import RingRouter
+from coordinator.swarm.ring_drain import Drain
 from coordinator.swarm.formation import RingState, SwarmConfig
 from coordinator.swarm.topology import Predicted, Traversal, TraversalLog
 from ring import LatencyMatrix, ModelSpec, Network, NodeInfo, PeerId, Stage, evaluate
@@ -39,6 +40,8 @@ class Rings:
     members: dict = field(default_factory=dict)  # none registered: no K/V bound known (test_kv_room has them)
     store: Any = field(default_factory=lambda: SimpleNamespace(config=SimpleNamespace(max_context_tokens=8192)))
     model: ModelSpec = MODEL
+    draining: dict = field(default_factory=dict)  # ring id -> ring_drain.Drain
+    unverifiable: Any = None  # no engine's trust check: /v1/ring names no unchecked newcomer
 
     def add(self, rid: int, epoch: int, peers: tuple[str, str]) -> None:
         self.rings[rid] = RingState(epoch, tuple((PeerId(p), LayerRange(0, 2)) for p in peers), (), rid)
@@ -148,3 +151,23 @@ def test_a_prompt_still_to_prefill_counts_as_work_ahead_on_its_ring():
     router.attach("long", SimpleNamespace(committed=[1] * 1901, ring_ctx=1900, prompt_ids=[1] * 1900))
     assert router.load(0).owed_prefill_tokens == 0
     assert router.route("next", 10, 64).ring_id == 0
+
+
+def test_a_draining_ring_takes_no_new_job_but_keeps_its_running_ones():
+    # Bug guarded (issue 20): a ring draining an unneeded newcomer still taking new jobs, so
+    # it never empties and users' answers keep crossing the unchecked stage; or its running
+    # jobs moved off it (a resume the drain exists to avoid). Sound: the two rings are equal,
+    # so without the drain half the new jobs would go to ring 1 (the first test).
+    swarm = Rings()
+    swarm.add(0, 3, ("a", "b"))
+    swarm.add(1, 4, ("c", "d"))
+    router = RingRouter(swarm)
+    assert [router.route(f"j{i}", 10, 64).ring_id for i in range(2)] == [0, 1]
+    swarm.draining[1] = Drain(4, "seats newcomer(s) d", until_s=1e9)
+    assert [router.route(f"k{i}", 10, 64).ring_id for i in range(4)] == [0, 0, 0, 0]
+    assert router.ring_for("j1").ring_id == 1 and not router.routable(1) and router.routable(0)
+    assert [r["draining"] for r in router.info()] == [None, "seats newcomer(s) d"]
+    swarm.add(1, 5, ("c", "e"))  # re-formed (a new epoch): the drain was the old ring's
+    assert router.draining(1) is None and router.routable(1)
+    swarm.draining = {0: Drain(3, "x", 1e9), 1: Drain(5, "y", 1e9)}  # every ring draining: they still serve
+    assert router.routable(0) and router.routable(1) and router.route("z", 10, 64) is not None
