@@ -5,7 +5,8 @@ One `Uplink` per node: the ring successor edge, the control stream and probe ech
 queue on it, as they would on a real upload. The coordinator is probed with sized Pings
 on the control stream (round trip, then a payload each way); peers the coordinator names
 are probed with echoes on their own stream (`shard.linkprobe`). Probes cross the same
-emulation as ring frames, so they measure the links frames will see.
+emulation as ring frames, so they measure the links frames will see. A probe that fails,
+whatever the reason, costs its own entry of the report, never the others or the session.
 This module does not know about stages, frames' contents, assignments or the ring.
 """
 
@@ -17,6 +18,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import trio
 
@@ -31,6 +33,8 @@ log = logging.getLogger("shard.node")
 # Anyone may probe a node. A prober uses one stream at a time (shard.node_links.rtt_to_peer);
 # two cover a retry overlapping a stream not yet closed.
 MAX_PROBE_STREAMS_PER_PEER = 2
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -114,21 +118,26 @@ class NodeLinks:
         return rtt_s, nbytes / max(up_s - rtt_s, 1e-4), nbytes / max(down_s - rtt_s, 1e-4)
 
     async def report(self, req: ProbePeers, coordinator_id: str) -> None:
-        """Measure what the coordinator asked for and send a LinkReport (never raises)."""
+        """Measure what the coordinator asked for and send a LinkReport. Never raises (but
+        Cancelled): each entry is probed on its own, and one that fails for any reason (a
+        malformed address, an unreachable peer, a bug in its probe) is left out of the
+        report as unreachable, with a log line, costing neither the other entries nor the
+        node's session, which runs this as one of its tasks."""
         rtt_ms: dict[str, float] = {}
         upload = download = None
+        for peer, addrs in sorted(req.peers.items()):
+            rtt_s = await _or_none(self.rtt_to_peer(peer, addrs), f"no round trip to {peer}")
+            if rtt_s is not None:
+                rtt_ms[peer] = rtt_s * 1e3
+        if req.bandwidth_bytes:
+            probed = await _or_none(self.probe_coordinator(req.bandwidth_bytes), "no bandwidth probe to the coordinator")
+            if probed is not None:
+                rtt_ms[coordinator_id], upload, download = probed[0] * 1e3, probed[1], probed[2]
         try:
-            for peer, addrs in sorted(req.peers.items()):
-                rtt_s = await self.rtt_to_peer(peer, addrs)
-                if rtt_s is not None:
-                    rtt_ms[peer] = rtt_s * 1e3
-            if req.bandwidth_bytes:
-                rtt_s, upload, download = await self.probe_coordinator(req.bandwidth_bytes)
-                rtt_ms[coordinator_id] = rtt_s * 1e3
             await self.send_control(LinkReport(peer_id=self.host.peer_id, rtt_ms=rtt_ms, upload_bytes_per_s=upload,
                                                download_bytes_per_s=download))
-        except (TransportError, WireError, trio.TooSlowError) as exc:
-            log.warning("link report failed: %s", exc)
+        except Exception as exc:  # noqa: BLE001 (a lost control stream is the session's to notice, on its reads)
+            log.warning("link report failed: %s: %s", type(exc).__name__, exc)
 
     async def rtt_to_peer(self, peer: str, addrs: tuple[str, ...]) -> float | None:
         """Quickest of three echoes over our emulated uplink and the peer's; None if unreachable."""
@@ -168,3 +177,16 @@ class NodeLinks:
             self._probing[peer] -= 1
             if not self._probing[peer]:
                 del self._probing[peer]
+
+
+async def _or_none(probe: Awaitable[T], what: str) -> T | None:
+    """`probe`'s result, or None when it raises, logged in one line as `what` and the fault:
+    a transport failure or timeout is the link's; anything else (a malformed entry, a bug)
+    that one probe's, so it fails alone."""
+    try:
+        return await probe
+    except (TransportError, WireError, trio.TooSlowError) as exc:
+        log.info("%s: %s", what, exc)
+    except Exception as exc:  # noqa: BLE001 (see above: never the other probes' or the session's)
+        log.warning("%s: %s: %s", what, type(exc).__name__, exc)
+    return None

@@ -23,9 +23,10 @@ import trio
 import shard.node as shard_node
 from shard.errors import sole_error
 from shard.node import RING_PROTOCOL, Node
+from shard.node_links import NodeLinks
 from shard.reconnect import CrashLoopError, CrashPolicy, ReconnectPolicy
 from shard.wire.codec import encode
-from shard.wire.messages import JobError, Result
+from shard.wire.messages import JobError, LinkReport, ProbePeers, Result
 from test_node_batching import fwd, receive, until
 from test_node_edges import reference_hidden, run_scenario
 
@@ -171,3 +172,32 @@ def test_a_decoding_bug_costs_its_frame_and_job_and_the_stream_serves_on(tiny_ll
     [coord] = coords
     assert dropped == [f"dropped a frame from {coord} that did not decode: KeyError: 'a bug before the header'",
                        f"dropped a frame from {coord} that did not decode: ValueError: a check the codec missed"]
+
+
+def test_a_probe_that_raises_costs_its_entry_not_the_session(tiny_llama_store, monkeypatch):
+    # Bug guarded: a non-transport exception out of a link probe the coordinator asked for
+    # (ProbePeers) escaped NodeLinks.report into the node's session, which restarted: its
+    # jobs' K/V dropped, a re-registration, and no LinkReport. Sound: the real node gets a
+    # ProbePeers on its control stream with one peer whose probe raises; the LinkReport
+    # must come back without that peer on the same control stream, and a job's K/V from
+    # before must still serve its next frame (a restarted session would have dropped it).
+    store = tiny_llama_store
+
+    async def raising(self, peer, addrs):
+        raise RuntimeError("a bug in the probe")
+
+    monkeypatch.setattr(NodeLinks, "rtt_to_peer", raising)
+
+    async def script(ctx):
+        node, control = ctx["node"], ctx["control"]
+        stream = await ctx["coord"].open_stream(node.host.peer_id, RING_PROTOCOL)
+        await stream.send_frame(encode(fwd("a", 1, [5, 9])))
+        assert isinstance((await receive(ctx, 1))[("a", 1)], Result)
+        await control.send_frame(encode(ProbePeers(peers={ctx["coord"].peer_id: (ctx["coord"].addrs[0],)})))
+        report = await ctx["results"].receive()
+        assert isinstance(report, LinkReport) and report.rtt_ms == {} and ctx["control"] is control
+        await stream.send_frame(encode(fwd("a", 2, [77], ctx=2)))
+        out = (await receive(ctx, 1))[("a", 2)]
+        assert isinstance(out, Result) and out.hidden.equal(reference_hidden(store, [5, 9, 77])[-1:])
+
+    trio.run(run_scenario, store, os.urandom(32), script)
