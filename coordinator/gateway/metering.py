@@ -4,10 +4,11 @@ committed blocks and tells its watchers (metrics, the status page's window) what
 A job is watched from `open_job` to `aclose`: time to first token (from open_job, so it
 includes the prefill traversal), the gap before each later block split over the tokens it
 brought (inter-token latency; a speculative block brings several at once), committed
-tokens, the job's own stats at the end (traversals and tokens per drafter), and the error
-that ended it, if any. Tokens are charged to the request's API key as they come
-(coordinator.gateway.auth.token_charger). The engine's behaviour is unchanged: every call
-and attribute forwards. Does not know HTTP, Prometheus or how tokens are made.
+tokens (each block's as it is delivered, the first's included), the job's own stats at the
+end (traversals and tokens per drafter), and the error that ended it, if any. Tokens are
+charged to the request's API key as they come (coordinator.gateway.auth.token_charger).
+The engine's behaviour is unchanged: every call and attribute forwards. Does not know
+HTTP, Prometheus or how tokens are made.
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ class JobRecord:
 class JobWatcher(Protocol):
     def job_opened(self) -> None: ...
 
-    def first_token(self, ttft_s: float) -> None: ...
+    def first_token(self, ttft_s: float, tokens: int) -> None:
+        """The job's first block, of `tokens`, came `ttft_s` after open_job."""
 
     def block(self, tokens: int, gap_s: float) -> None:
         """A later block of `tokens` came `gap_s` after the previous one."""
@@ -90,7 +92,7 @@ class MeteredJob:
                     if self.ttft_s is None:
                         self.ttft_s = now - self.opened_s
                         for w in self._watchers:
-                            w.first_token(self.ttft_s)
+                            w.first_token(self.ttft_s, len(block))
                     else:
                         for w in self._watchers:
                             w.block(len(block), now - self._last_s)

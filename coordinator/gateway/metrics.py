@@ -61,8 +61,9 @@ class GatewayMetrics(RingObserver):
         self.key_refusals = Counter("shard_api_key_refusals", "requests refused by API keys and their limits",
                                     ["reason"], registry=r)
         self.prompt_tokens = Counter("shard_prompt_tokens", "prompt tokens of the jobs opened", registry=r)
-        self.generated_tokens = Counter("shard_generated_tokens", "tokens the engine committed (a block that "
-                                        "crosses a stop string counts whole)", registry=r)
+        self.generated_tokens = Counter("shard_generated_tokens", "tokens the engine committed, counted as each "
+                                        "block is delivered (a block that crosses a stop string counts whole)",
+                                        registry=r)
         self.jobs = Counter("shard_jobs", "jobs ended, by outcome", ["outcome"], registry=r)
         self.ttft = Histogram("shard_time_to_first_token_seconds", "job opened to its first committed token "
                               "(prefill traversal included)", buckets=TTFT_BUCKETS_S, registry=r)
@@ -120,19 +121,20 @@ class GatewayMetrics(RingObserver):
     def job_opened(self) -> None:
         self.waiting.inc()
 
-    def first_token(self, ttft_s: float) -> None:
+    def first_token(self, ttft_s: float, tokens: int) -> None:
         self.ttft.observe(ttft_s)
         self.waiting.dec()
         self.running.inc()
+        self.generated_tokens.inc(tokens)
 
     def block(self, tokens: int, gap_s: float) -> None:
         for _ in range(tokens):
             self.inter_token.observe(gap_s / tokens)
+        self.generated_tokens.inc(tokens)
 
-    def job_ended(self, record: JobRecord) -> None:
+    def job_ended(self, record: JobRecord) -> None:  # its tokens were counted as they came (first_token, block)
         (self.running if record.ttft_s is not None else self.waiting).dec()
         self.prompt_tokens.inc(record.prompt_tokens)
-        self.generated_tokens.inc(record.tokens)
         self.jobs.labels("error" if record.error else "ok").inc()
         for family, (rounds, tokens, seconds) in record.drafted.items():
             self.traversals.labels(family).inc(rounds)

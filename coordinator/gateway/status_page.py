@@ -104,7 +104,7 @@ class RecentRequests:
     def job_opened(self) -> None:
         self.waiting += 1
 
-    def first_token(self, ttft_s: float) -> None:
+    def first_token(self, ttft_s: float, tokens: int) -> None:
         self.waiting -= 1
         self.running += 1
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 
 import httpx
@@ -138,6 +139,31 @@ def test_queued_requests_and_slots_in_use_are_exported(scripted):
     assert during["shard_job_slots_in_use"] == 1 and during["shard_jobs_queued"] == 1
     assert after["shard_job_slots_in_use"] == 0 and after["shard_jobs_queued"] == 0
 
+
+def test_generated_tokens_count_as_delivered_and_once_for_a_failed_job(scripted):
+    # Bug guarded: shard_generated_tokens_total counted a job's tokens only when it ended,
+    # so a scrape during a long generation read 0 for it; counting them as they come must
+    # not count them again at the end, and a job that fails after some blocks counts what
+    # it delivered. Sound: the scripted engine's gate holds the job after its first block
+    # while the scrape is taken (its one block delivered, the job running); the job then
+    # fails at its third block, so exactly two blocks' tokens were delivered.
+    engine = scripted([" one", " two", " three"], fail_after=2)
+    engine.gate = trio.Event()
+    app = create_gateway(engine, ApiConfig(), metrics=GatewayMetrics())
+    body = {"model": "scripted", "prompt": "hi", "max_tokens": 40, "stream": True}
+
+    async def fn(client):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(functools.partial(client.post, "/v1/completions", json=body))
+            await trio.testing.wait_all_tasks_blocked()
+            during = scrape_text(await client.get("/metrics"))
+            engine.gate.set()
+        return during, scrape_text(await client.get("/metrics"))
+
+    during, after = asgi_calls(app, fn)
+    assert during["shard_jobs_running"] == 1 and during["shard_generated_tokens_total"] == len(engine.ids(" one"))
+    assert after['shard_jobs_total{outcome="error"}'] == 1
+    assert after["shard_generated_tokens_total"] == len(engine.ids(" one")) + len(engine.ids(" two"))
 
 def test_two_gateways_keep_their_own_registries(scripted):
     # Bug guarded: metrics on the global registry, where a second app in one process (tests,
