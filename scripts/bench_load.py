@@ -4,8 +4,9 @@ What a user runs: `shard-coord serve --local-nodes 3` (three `shard-node join` p
 one stage each, receipts checked, no drafter) on the default model (SmolLM2-135M-Instruct,
 f32), spoken to over HTTP by C closed-loop clients (C = 1, 4, 16, 32 by default), each
 sending its next streamed /v1/completions request as soon as the last one ends: per C a
-ramp (--ramp-s, every client's first request at once: reported, not measured) and then
-the measured window. Requests cycle through a fixed mix: greedy and seeded sampled, 64-256
+ramp (--ramp-s, every client's first request at once: reported, not measured; with
+--ramp-until-first also until every client's first request has ended) and then the
+measured window. Requests cycle through a fixed mix: greedy and seeded sampled, 64-256
 new tokens, short prompts and ~2k-token ones. Rings: loopback, and the emulated WAN (25 ms
 one way, 50 Mbit/s uplinks on every edge); on each, node batching on (the default token
 budget) and off (--node-batch-token-budget 1), side by side in one run.
@@ -32,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import re
 import signal
@@ -48,6 +48,7 @@ import trio
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from scripts.bench_ringkit import git_revision  # noqa: E402
+from scripts.load_clients import alone, closed_loop  # noqa: E402
 from coordinator.jobs.engine import encode_chat  # noqa: E402
 from scripts import spec_prompts  # noqa: E402
 from shard.store import ModelStore, default_store_dir, prepare  # noqa: E402
@@ -162,104 +163,6 @@ def cpu_spent(before: dict, after: dict) -> dict:
             "nodes": [d(a, b) for a, b in zip(before["nodes_s"], after["nodes_s"])]}
 
 
-async def stream_one(client: httpx.AsyncClient, body: dict, on_chunk) -> str:
-    """The text of one streamed completion; `on_chunk(ttft_s, gap_s)` at each content chunk
-    (ttft_s on the first, gap_s on the others, the other None). Raises on any failure."""
-    t0 = time.monotonic()
-    last, text = None, []
-    async with client.stream("POST", "/v1/completions", json={"model": "smollm2-135m", "stream": True, **body}) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:200]!r}")
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            if "error" in event:
-                raise RuntimeError(f"stream error: {event['error']}")
-            piece = event["choices"][0]["text"] if event.get("choices") else ""
-            if not piece:
-                continue
-            now = time.monotonic()
-            on_chunk(now - t0 if last is None else None, None if last is None else now - last)
-            last = now
-            text.append(piece)
-    return "".join(text)
-
-
-def pct(xs: list[float], q: float) -> float | None:
-    if not xs:
-        return None
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, max(0, math.ceil(q * len(xs)) - 1))]
-
-
-async def closed_loop(base: str, mix: list[dict], clients: int, window_s: float, refs: list[str] | None,
-                      ramp_s: float = 0.0, at_ramp_end=None) -> dict:
-    """C clients, each sending its next request when the last ends, for ramp_s + window_s
-    seconds; what is measured (tokens, TTFT and ITL of chunks received, requests started)
-    is the window after the ramp: the clients all start at once, so the ramp holds every
-    client's first prompt at the same time, which a steady load does not. The ramp's own
-    tokens are reported beside it (`ramp_tok_per_s`). `at_ramp_end()` runs when the
-    window opens (the CPU reading). Requests still running at the end are cut off (their
-    tokens so far count, their TTFT and ITL too; they are not `requests_done` and not
-    compared, and every request that finished, ramp or window, is compared)."""
-    chunks, ttfts, gaps, errors, done, mismatches, started = [0], [], [], [], [0], [], [0]
-    ramp_chunks = [0]
-    opens = time.monotonic() + ramp_s
-    deadline = opens + window_s
-
-    def on_chunk(ttft, gap):
-        now = time.monotonic()
-        if now < opens:
-            ramp_chunks[0] += 1
-            return
-        if now < deadline:
-            chunks[0] += 1
-        if ttft is not None:
-            ttfts.append(ttft)
-        if gap is not None:
-            gaps.append(gap)
-
-    async def client_loop(i: int, client: httpx.AsyncClient):
-        k = 0
-        while time.monotonic() < deadline:
-            kind = (i + k * clients) % len(mix)
-            k += 1
-            started[0] += time.monotonic() >= opens
-            try:
-                text = await stream_one(client, mix[kind], on_chunk)
-            except Exception as exc:  # noqa: BLE001 - every failure is a counted error
-                errors.append(f"{type(exc).__name__}: {exc}"[:300])
-                continue
-            done[0] += 1
-            if refs is not None and text != refs[kind]:
-                mismatches.append(kind)
-
-    limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=clients + 4)
-    async with httpx.AsyncClient(base_url=base, timeout=600, limits=limits) as client:
-        t0 = time.monotonic()
-        with trio.move_on_at(trio.current_time() + ramp_s + window_s):  # requests in flight then are cut off
-            async with trio.open_nursery() as nursery:
-                for i in range(clients):
-                    nursery.start_soon(client_loop, i, client)
-                if at_ramp_end is not None:
-                    await trio.sleep(ramp_s)
-                    at_ramp_end()
-        elapsed = time.monotonic() - t0
-    return {"clients": clients, "ramp_s": ramp_s, "window_s": window_s, "wall_s": elapsed, "tokens": chunks[0],
-            "tok_per_s": chunks[0] / window_s, "ramp_tok_per_s": ramp_chunks[0] / ramp_s if ramp_s else None,
-            "requests_started": started[0], "requests_done": done[0],
-            "ttfts_measured": len(ttfts), "errors": len(errors),
-            "error_samples": errors[:3], "outputs_equal_alone": None if refs is None else not mismatches,
-            "mismatched_kinds": sorted(set(mismatches)), "ttft_p50_s": pct(ttfts, 0.5), "ttft_p95_s": pct(ttfts, 0.95),
-            "itl_p50_s": pct(gaps, 0.5), "itl_p95_s": pct(gaps, 0.95), "load_average": list(os.getloadavg())}
-
-
-async def alone(base: str, mix: list[dict]) -> list[str]:
-    async with httpx.AsyncClient(base_url=base, timeout=600) as client:
-        return [await stream_one(client, body, lambda ttft, gap: None) for body in mix]
-
-
 def rss_growth(samples: list[dict], warmup_s: float) -> dict:
     """RSS growth over a sustained run after its warm-up: the first sample at or past
     `warmup_s` against the last one taken while the clients ran, per process (percent)."""
@@ -311,6 +214,9 @@ def main(argv=None) -> int:
     ap.add_argument("--window-s", type=float, default=30.0, help="closed-loop window per concurrency")
     ap.add_argument("--ramp-s", type=float, default=30.0,
                     help="each level's clients run this long before its window opens (not measured, reported)")
+    ap.add_argument("--ramp-until-first", action="store_true",
+                    help="the ramp also lasts until every client's first request has ended (steady mix in the window)")
+    ap.add_argument("--ramp-max-s", type=float, default=600.0, help="the longest a --ramp-until-first ramp may last")
     ap.add_argument("--warmup-s", type=float, default=60.0, help="RSS growth of the sustained run is counted from here")
     ap.add_argument("--sustain-s", type=float, default=300.0, help="sustained run at the highest concurrency (0: none)")
     ap.add_argument("--links", default="loopback,wan")
@@ -333,7 +239,8 @@ def main(argv=None) -> int:
         "(one stage per node, 10 layers each), receipts on, --draft none, f32 wire, 1 torch thread per node",
         "requests": [{"prompt_tokens": len(b["prompt"]), "max_tokens": b["max_tokens"],
                       "temperature": b["temperature"]} for b in mix],
-        "window_s": args.window_s, "ramp_s": args.ramp_s, "sustain_s": args.sustain_s, "cpus": os.cpu_count(),
+        "window_s": args.window_s, "ramp_s": args.ramp_s, "ramp_until_first": args.ramp_until_first,
+        "sustain_s": args.sustain_s, "cpus": os.cpu_count(),
         "tokens": "content chunks of the stream received within the window (no drafter: one token a round)",
         "git_revision": git_revision(), "started_load_average": list(os.getloadavg())}, "runs": []}
     home = Path(tempfile.mkdtemp(prefix="bench_load_"))
@@ -353,7 +260,8 @@ def main(argv=None) -> int:
                               else [int(x) for x in args.wan_concurrency.split(",")]):
                         opened = {}
                         row = trio.run(closed_loop, ring.base, mix, c, args.window_s, refs, args.ramp_s,
-                                       lambda: opened.update(cpu=ring.cpu(), heads=head_counts(ring.base)))
+                                       lambda: opened.update(cpu=ring.cpu(), heads=head_counts(ring.base)),
+                                       args.ramp_until_first, args.ramp_max_s)
                         before, heads = opened["cpu"], opened["heads"]
                         row["cpu_s"] = cpu_spent(before, ring.cpu())
                         spent = row["cpu_s"]["coordinator"] + sum(row["cpu_s"]["nodes"])
@@ -368,7 +276,9 @@ def main(argv=None) -> int:
                               f"equal alone {row['outputs_equal_alone']}  CPU s coordinator/nodes {row['cpu_s']['coordinator']:.1f}/"
                               f"{'/'.join(f'{x:.1f}' for x in row['cpu_s']['nodes'])}  rounds per head product "
                               f"{row['head_rounds_per_product'] or 0:.2f}  CPU ms/token {row['cpu_ms_per_token']}  "
-                              f"(ramp {row['ramp_tok_per_s'] or 0:.1f} tok/s)  load {row['load_average'][0]:.1f}",
+                              f"prompt tokens started per token {row['prompt_tokens_started'] / max(row['tokens'], 1):.1f}  "
+                              f"(ramp {row['ramp_s_taken']:.0f} s, {row['ramp_tok_per_s'] or 0:.1f} tok/s)  "
+                              f"load {row['load_average'][0]:.1f}",
                               flush=True)
                         run["levels"].append(row)
                     run["rss_end"] = ring.rss()

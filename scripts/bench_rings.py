@@ -50,7 +50,8 @@ import trio
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from scripts.bench_ringkit import git_revision  # noqa: E402
-from scripts.bench_load import alone, closed_loop, cpu_s, rss_mb  # noqa: E402
+from scripts.bench_load import cpu_s, rss_mb  # noqa: E402
+from scripts.load_clients import alone, closed_loop  # noqa: E402
 from scripts.cpu_quota import CpuQuotas, QuotaError, describe, throttling  # noqa: E402
 from coordinator.jobs.engine import encode_chat  # noqa: E402
 from coordinator.swarm.topology import TopologyConfig, model_spec  # noqa: E402
