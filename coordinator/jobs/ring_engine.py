@@ -175,9 +175,10 @@ class RingEngine:
         """/v1/ring: the first ring's fields as ever, and every ring (coordinator.jobs.ring_router)."""
         verified = "off" if self.probation.clean_rounds == 0 else "no" if self.probation_off else "before release"
         by = None if verified != "before release" else "gateway" if self.shadow is not None else "verifier nodes"
+        disputes = self.round_verifier.open_disputes() if self.round_verifier is not None else []
         return {**self.router.status(self.model_id, len(self._jobs)),
-                "probation": {"clean_rounds": self.probation.clean_rounds, "rounds_verified": verified,
-                              "verified_by": by, "why_not": self.probation_off, "policy": self.config.unverified_newcomers,
+                "probation": {"clean_rounds": self.probation.clean_rounds, "rounds_verified": verified, "verified_by": by,
+                              "why_not": self.probation_off, "policy": self.config.unverified_newcomers, "disputes": disputes,
                               "seated_unverified": self.swarm.seated_unverified, **self.probation_counts}}
 
     def clock_offsets_s(self, epoch: int) -> tuple[float, ...] | None:

@@ -20,7 +20,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import trio
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -230,6 +230,11 @@ class Swarm:
         """`peer` could not be reached by its ring predecessor (or `kind` "stalled"): it sits out, the ring re-forms."""
         if self.unreachable.strike(peer, reason, kind):
             self._notify()
+
+    def readmit(self, peers: Iterable[PeerId], kind: str) -> None:
+        """`peers`, sitting out as `kind` ("disputed": their partner was found the liar), may join rings again."""
+        self.unreachable.readmit(peers, kind)
+        self._notify()
 
     def _on_ready(self, peer: PeerId, msg: Ready) -> None:
         member = self.members.get(peer)

@@ -79,12 +79,13 @@ def strike(table: Table, peer: PeerId, now_s: float, reason: str, policy: Backof
     return {**table, peer: Strike(strikes, now_s + policy.sit_out_s(strikes), reason, kind)}
 
 
-def readmit(table: Table, peers: Iterable[PeerId], now_s: float) -> dict[PeerId, Strike]:
+def readmit(table: Table, peers: Iterable[PeerId], now_s: float, kind: str = "unreachable") -> dict[PeerId, Strike]:
     """`peers` were reached (a measured round trip): each may join rings from `now_s`,
-    unless it sits out for stalling (reachable is what it already was)."""
+    unless it sits out for stalling (reachable is what it already was). `kind`
+    "disputed": a dispute settled against their partner (coordinator.trust.disputes)."""
     out = dict(table)
     for peer in peers:
-        if peer in out and out[peer].until_s > now_s and out[peer].kind == "unreachable":
+        if peer in out and out[peer].until_s > now_s and out[peer].kind == kind:
             out[peer] = dataclasses.replace(out[peer], until_s=now_s)
     return out
 
@@ -140,8 +141,8 @@ class Exclusions:
                     s.until_s - now_s, s.strikes)
         return True
 
-    def readmit(self, peers: Iterable[PeerId]) -> None:
-        self.table = readmit(self.table, peers, trio.current_time())
+    def readmit(self, peers: Iterable[PeerId], kind: str = "unreachable") -> None:
+        self.table = readmit(self.table, peers, trio.current_time(), kind)
 
     def sitting_out(self) -> dict[PeerId, str]:
         return sitting_out(self.table, trio.current_time())

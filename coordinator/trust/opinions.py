@@ -11,7 +11,8 @@ it, up to `max_opinions` verifiers.
 
 Settling (`settle`): the opinion held by the most parties wins, ties broken by the most
 verifiers in it (so one verifier against the stage, with nobody else to ask, wins: its
-word counts as the auditor's own replay used to). Everyone outside a sole winner is
+word counts as the auditor's own replay used to; probation's checks among newcomers alone
+do not take that word, they record a dispute instead: coordinator.trust.disputes). Everyone outside a sole winner is
 wrong: the stage is faulty, a verifier lied. If opinions still tie, the stage is faulty
 unless it holds one of them, and no verifier is accused (nothing says which one lied).
 Why this catches a lying verifier: it disagrees with an honest stage, the second

@@ -23,6 +23,13 @@ its store): those off probation first, then those holding exactly the slice load
 the one that verified this slice last, then those verifying no other slice (a node keeps
 one verify slice loaded: asked for two in turn, it reloads one per round), then by peer id.
 
+Disputes (coordinator.trust.disputes): where no trusted verifier took part and no two
+parties agree against one (one newcomer verifier against a newcomer stage, or every party
+on its own), nobody is marked faulty on that word: the round is held back as for a catch,
+the disagreeing parties sit out of rings for a while ("disputed with <peer>"), nobody
+earns credit, and the dispute is kept; a node in dispute with two distinct partners who
+disputed with nobody else is marked faulty (and its partners may join rings again).
+
 A catch is signed evidence against the stage's own receipt for the round (kept with the
 gateway's probation catches, ReceiptChecker.keep_catch) and marks the stage faulty; an
 outvoted verifier is marked faulty too. Costs: the verifier replays every row the stage
@@ -43,7 +50,7 @@ import trio
 
 from coordinator.swarm.formation import RingState
 from coordinator.swarm.swarm import Swarm
-from coordinator.trust import opinions
+from coordinator.trust import disputes, opinions
 from coordinator.trust.audit import Auditor
 from coordinator.trust.audit_plan import AuditPlan
 from coordinator.trust.opinions import candidates
@@ -100,6 +107,7 @@ class RoundVerifier:
         self._verifying: dict[PeerId, LayerRange] = {}  # verifier -> the slice it last recomputed
         self.checks = 0  # stage rounds checked by a verifier node
         self.catches = 0
+        self.disputes: disputes.Book = ()
 
     def forget(self, job_id: str) -> None:
         """Drop what was fetched for `job_id` (it finished)."""
@@ -158,6 +166,9 @@ class RoundVerifier:
             return Outcome(None, 0, f"no verifier node could recompute layers [{plan.layers.start}, {plan.layers.end}) "
                                     f"of stage {peer[-6:]} on probation")
         self.checks += 1
+        if disputes.lone_word(ids, trust):
+            what = f"layers [{plan.layers.start}, {plan.layers.end}) of round {upto_round} of job {job.job_id}"
+            return self._disputed(parties, ids, what)
         verdict = opinions.settle_trusted(ids, trust)
         for i in verdict.lying:
             self.swarm.mark_faulty(parties[i], f"verifier outvoted: its recomputation of layers {plan.layers} on "
@@ -171,6 +182,36 @@ class RoundVerifier:
             return Outcome(True, len(fresh), "")
         found = next(i for i, f in enumerate(findings) if f is not None and i not in verdict.lying)
         return self._caught(plan, findings[found], f"verifier node {parties[found][-6:]}")  # type: ignore[arg-type]
+
+    def _disputed(self, parties: list[PeerId], ids: list[int], what: str) -> Outcome:
+        """Newcomers disagree and nothing settles it: each pair that disagrees is in dispute
+        and sits out; a node the book then names the liar is marked faulty, its partners
+        readmitted. The round is held back (passed False) and earns nothing, unless every
+        verifier that disagreed with the stage was just found the liar: then the stage was
+        checked by newcomers alone (passed, not vouched), as when they agree."""
+        now_s, found = trio.current_time(), set()
+        for i, j in disputes.disputing(ids):
+            self.disputes = disputes.record(self.disputes, parties[i], parties[j], now_s, what)
+            for p, q in ((parties[i], parties[j]), (parties[j], parties[i])):
+                self.swarm.report_unreachable(p, f"disputed with {q[-6:]} over {what}", "disputed")
+        for liar in disputes.liars(self.disputes):
+            cleared = disputes.partners(self.disputes, liar)
+            self.disputes = disputes.settled(self.disputes, liar)
+            self.swarm.mark_faulty(liar, f"in dispute with {', '.join(sorted(q[-6:] for q in cleared))}, who "
+                                         f"disputed with nobody else (the last over {what})")
+            self.swarm.readmit(cleared, "disputed")
+            found.add(liar)
+        dissent = {parties[i] for i in range(1, len(ids)) if ids[i] != ids[0]}
+        if parties[0] not in found and dissent <= found:
+            return Outcome(True, 0, f"stage {parties[0][-6:]} on probation was checked only by nodes on probation: its "
+                                    f"dissenter(s) {', '.join(sorted(p[-6:] for p in dissent))} found lying by their "
+                                    f"disputes", vouched=False)
+        names = ", ".join(p[-6:] for p in parties)
+        return Outcome(False, 0, f"nodes on probation {names} disagree over {what} and no trusted node or majority "
+                                 f"settles it: they sit out, disputed")
+
+    def open_disputes(self) -> list[dict]:
+        return disputes.open_disputes(self.disputes, trio.current_time())
 
     def _caught(self, plan: AuditPlan, finding: Finding, by: str) -> Outcome:
         """Sign evidence against the stage's receipt for the round and mark it faulty."""

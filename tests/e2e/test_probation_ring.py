@@ -77,7 +77,7 @@ def test_a_lying_newcomer_delivers_no_wrong_token_and_is_excluded(tiny_llama_sto
                 report = trust_report(c.receipts, c.auditor)["audits"]
                 assert engine.info()["probation"] == {"clean_rounds": 64, "rounds_verified": "before release",
                                                       "verified_by": "gateway", "why_not": None, "policy": "serve",
-                                                      "seated_unverified": None}
+                                                      "seated_unverified": None, "disputes": []}
                 return honest, reference, answers, liar, swarm, clean, c.receipts.evidence, c.host.peer_id, report
 
     honest, reference, answers, liar, swarm, clean, evidence, coordinator, report = trio.run(main)

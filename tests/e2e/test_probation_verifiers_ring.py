@@ -89,7 +89,7 @@ def test_a_layerless_gateway_verifies_newcomers_by_verifier_nodes(tiny_llama_sto
     assert out["clean_before"][newcomer] >= CLEAN_ROUNDS and out["checks_before"] >= 1
     assert out["info_before"] == {"clean_rounds": CLEAN_ROUNDS, "rounds_verified": "before release",
                                   "verified_by": "verifier nodes", "why_not": None, "policy": "serve",
-                                  "seated_unverified": None}
+                                  "seated_unverified": None, "disputes": []}
     assert len(out["reference"]) == 8 and out["answers"] == [out["reference"]] * 4  # 0 wrong tokens delivered
     assert liar in swarm.faulty and "recomputation of verifier node" in swarm.faulty[liar]
     assert all(p not in swarm.faulty and swarm.unreachable.table.get(p) is None for p in honest)
