@@ -6,7 +6,9 @@ as a verifier is 5% off form a two-stage ring; each can be checked only by the o
 word against H1 (one against one) must mark nobody faulty: both sit out as disputed, the
 round is held back, and the job resumes on a ring without the pair. H1 then leaves and an
 honest H2 joins; the job resumes on H2 alone, checked only by L: L's second dispute, with
-a partner who disputed with nobody else, marks L faulty, and H2 serves the answer.
+a partner who disputed with nobody else, marks L faulty, and H2 serves the answer (under
+the default `--unverified-newcomers serve`: nothing trusted checked H2; under `refuse` the
+request would end 503, as for any round only newcomers checked).
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from coordinator.swarm.speed_probe import ProbeConfig
 from coordinator.trust.audit import AuditConfig
 from shard.identity import keypair_from_seed
 from shard.node import Node, NodeConfig
-from tests.e2e.test_stalling_stage import _generate, _serve_host, _stages, _tokenizer
+from tests.e2e.ringkit import generate_greedy_with_stats
+from tests.e2e.test_stalling_stage import PROMPT, _generate, _serve_host, _stages, _tokenizer
 from tests.e2e.test_verifier_ring import LyingNode as LyingVerifier
 from tests.e2e.test_verifier_ring import layerless_store
 
@@ -68,7 +71,7 @@ def test_a_lying_newcomer_verifier_frames_nobody_and_is_found_by_its_second_disp
                 assert await _stages(swarm, 2) == {h1, liar}
 
                 async def ask():
-                    out["answer"] = await _generate(engine, 8)
+                    out["answer"], out["stats"] = await generate_greedy_with_stats(engine, PROMPT, 8)
 
                 c.nursery.start_soon(ask)
                 # Both checks of the round answered (H1's of L too: H1 must not leave mid-check).
@@ -98,3 +101,7 @@ def test_a_lying_newcomer_verifier_frames_nobody_and_is_found_by_its_second_disp
     assert all(n == 0 for n in out["clean"].values())  # nothing trusted checked anyone: no credit
     assert out["info"]["rounds_unverified"] >= 1  # served (policy serve) as checked by no trusted party
     assert len(out["reference"]) == 8 and out["answer"] == out["reference"]
+    # H2's round passed once its only dissenter was found lying, rather than held back with
+    # H2 readmitted on the same ring: the job would then wait resume_wait_s (20 s) for a
+    # ring change that never comes before its first token.
+    assert out["stats"]["ttft_s"] < 10, out["stats"]
