@@ -64,7 +64,7 @@ async def closed_loop(base: str, mix: list[dict], clients: int, window_s: float,
     chunks, ttfts, gaps, errors, done, mismatches, started = [0], [], [], [], [0], [], [0]
     ramp_chunks, prompt_started, firsts_done = [0], [0], [0]
     t0 = time.monotonic()
-    opens, deadline = [math.inf], [math.inf]
+    opens, deadline, opened_at = [math.inf], [math.inf], [None]
 
     def on_chunk(ttft, gap):
         now = time.monotonic()
@@ -105,6 +105,7 @@ async def closed_loop(base: str, mix: list[dict], clients: int, window_s: float,
                 break
             await trio.sleep(0.05)
         opens[0], deadline[0] = now, now + window_s
+        opened_at[0] = time.time()
         scope.deadline = trio.current_time() + window_s  # requests in flight then are cut off
         if at_ramp_end is not None:
             at_ramp_end()
@@ -119,7 +120,7 @@ async def closed_loop(base: str, mix: list[dict], clients: int, window_s: float,
         elapsed = time.monotonic() - t0
     ramp_taken = opens[0] - t0
     return {"clients": clients, "ramp_s": ramp_s, "ramp_until_first": ramp_until_first,
-            "ramp_s_taken": round(ramp_taken, 1),
+            "ramp_s_taken": round(ramp_taken, 1), "window_opened_unix_s": opened_at[0],
             "window_s": window_s, "wall_s": elapsed, "tokens": chunks[0],
             "tok_per_s": chunks[0] / window_s, "ramp_tok_per_s": ramp_chunks[0] / ramp_taken if ramp_taken else None,
             "requests_started": started[0], "prompt_tokens_started": prompt_started[0], "requests_done": done[0],
