@@ -64,6 +64,12 @@ def rss_mb(pid: int) -> float:
     raise RuntimeError(f"no VmRSS for pid {pid}")
 
 
+# Streams one stranger (a key, a connection) opens before a fresh one takes over: py-libp2p's
+# client wedged past ~16k streams on one connection (no CPU, deaf to cancellation) while the
+# node stayed up (a fresh peer's probe answered in 0.8 ms); real strangers are many keys anyway.
+STREAMS_PER_STRANGER = 1000
+
+
 def forward(job_id: str, ids: list[int], round_: int = 1, ctx: int = 0, epoch: int = 1) -> Forward:
     return Forward(job_id=job_id, epoch=epoch, round=round_, nonce=os.urandom(16), phase="prefill", ctx_len=ctx,
                    positions=torch.arange(ctx, ctx + len(ids)), tokens=torch.tensor(ids))
@@ -230,9 +236,14 @@ async def run(args) -> dict:
                     hidden, late = await coord.good_frame(ring, f"good-{name}")
                     facts["late_answers_before_good_frame"] = len(late)
                     facts["good_frame_identical"] = bool(torch.equal(hidden, reference))
+                settled = rss_mb(proc.pid) if proc.poll() is None else None
+                # Jobs the attack opened (valid frames from the predecessor) hold K/V until the
+                # node's idle sweep frees them: RSS once it has run is the "back to baseline" figure.
+                await trio.sleep(args.idle_timeout_s + min(args.idle_timeout_s / 4, 10) + 1)
                 facts.update(node_alive=proc.poll() is None, seconds=round(elapsed, 1), rss_mb_before=round(before, 1),
-                             rss_mb_right_after=round(peak, 1), rss_mb_settled=round(rss_mb(proc.pid), 1)
-                             if proc.poll() is None else None, settle_s=settle_s)
+                             rss_mb_right_after=round(peak, 1), rss_mb_settled=round(settled, 1) if settled else None,
+                             settle_s=settle_s, rss_mb_after_idle_sweep=round(rss_mb(proc.pid), 1)
+                             if proc.poll() is None else None)
                 out["attacks"][name] = facts
                 print(name, json.dumps(facts), flush=True)
 
@@ -257,25 +268,29 @@ async def run(args) -> dict:
                         "over_long_prefix_streams_reset": over_long}
 
             async def stranger_frames() -> dict:
-                refused = 0
-                n = max(args.frames // 5, 1)
-                async with open_host(keypair_from_seed(os.urandom(32))) as stranger:
-                    await stranger.connect(coord.node_addr)
-                    body = encode(forward("stranger", GOOD_IDS))
-                    for _ in range(n):
-                        refused += await expect_refused(lambda: stranger.open_stream(coord.node_id, RING_PROTOCOL), body)
-                    big = bytes(16 << 20)
-                    big_refused = 0
-                    for _ in range(8):
-                        big_refused += await expect_refused(lambda: stranger.open_stream(coord.node_id, RING_PROTOCOL), big)
+                refused, strangers = 0, 0
+                n = args.stranger_frames if args.stranger_frames is not None else max(args.frames // 5, 1)
+                body = encode(forward("stranger", GOOD_IDS))
+                big, big_refused = bytes(16 << 20), 0
+                for first in range(0, n, STREAMS_PER_STRANGER):
+                    async with open_host(keypair_from_seed(os.urandom(32))) as stranger:
+                        strangers += 1
+                        await stranger.connect(coord.node_addr)
+                        for _ in range(min(STREAMS_PER_STRANGER, n - first)):
+                            refused += await expect_refused(lambda: stranger.open_stream(coord.node_id, RING_PROTOCOL),
+                                                            body)
+                        if first + STREAMS_PER_STRANGER >= n:
+                            for _ in range(8):
+                                big_refused += await expect_refused(
+                                    lambda: stranger.open_stream(coord.node_id, RING_PROTOCOL), big)
                 leaked = []
                 while True:
                     try:
                         leaked.append(coord.inbox.receive_nowait())
                     except trio.WouldBlock:
                         break
-                return {"stranger_frames": n, "refused": refused, "big_16mib_frames": 8, "big_refused": big_refused,
-                        "answers_leaked_to_coordinator": len(leaked)}
+                return {"stranger_frames": n, "strangers": strangers, "refused": refused, "big_16mib_frames": 8,
+                        "big_refused": big_refused, "answers_leaked_to_coordinator": len(leaked)}
 
             async def connection_flood() -> dict:
                 ok = 0
@@ -364,6 +379,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", required=True, help="write the results here")
     p.add_argument("--frames", type=int, default=5000, help="hostile frames from the predecessor (strangers: a fifth)")
+    p.add_argument("--stranger-frames", type=int, default=None, help="frames from strangers (default: a fifth of --frames)")
     p.add_argument("--connections", type=int, default=300, help="connections in the flood (past 250 slots)")
     p.add_argument("--jobs", type=int, default=30, help="never-ended jobs")
     p.add_argument("--idle-timeout-s", type=float, default=5.0, help="the node's --job-idle-timeout-s")
