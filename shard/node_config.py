@@ -90,7 +90,12 @@ def load_stage(config: NodeConfig, store: ModelStore, r: LayerRange) -> Stage:
     dtype, device and quantisation. Blocking: run it in a worker thread."""
     dtype = COMPUTE_DTYPES[config.dtype]
     weights = store.load_layers(r, dtype, config.device)
-    embedding = store.load_embedding(dtype, config.device) if r.start == 0 else None
+    # The head stage's embedding is copied out of its file mapping: looked up row by row,
+    # mapped pages became resident as token ids were first seen, so RSS grew with the
+    # variety of tokens (+110 MB of SmolLM2's after a flood of random ids, bench_hostile,
+    # issue 20) and the first use of a token paid a page fault. Like every layer's weights
+    # (packed at load), it is resident from the start now: RSS is what the node will hold.
+    embedding = store.load_embedding(dtype, config.device).clone() if r.start == 0 else None
     stage = Stage(store.config, r, weights, dtype=dtype, device=config.device, embedding=embedding)
     return quantise_stage(stage, scheme(config.quant))
 
