@@ -17,8 +17,7 @@ served before any attack:
 Per attack: whether the node process is alive, its RSS before, right after and once the
 attack's resources are due back, what was answered, and the good frame's check.
 
-    python scripts/bench_hostile.py --json OUT [--frames 5000] [--connections 300]
-    (--frames 100000 is the issue's count: about 20x the default's time)
+    python scripts/bench_hostile.py --json OUT [--frames 5000] [--connections 300]  (issue: 100000, 1000)
 """
 
 from __future__ import annotations
@@ -56,12 +55,13 @@ MODEL = "smollm2-135m"
 GOOD_IDS = [1, 504, 2632, 314, 253, 5248, 30, 198]
 
 
-def rss_mb(pid: int) -> float:
+def rss_mb(pid: int, field: str = "VmRSS") -> float:
+    """/proc/PID/status's VmRSS, or RssAnon / RssFile (file pages: mapped weights touched)."""
     with open(f"/proc/{pid}/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
+            if line.startswith(f"{field}:"):
                 return int(line.split()[1]) / 1024
-    raise RuntimeError(f"no VmRSS for pid {pid}")
+    raise RuntimeError(f"no {field} for pid {pid}")
 
 
 # Streams one stranger (a key, a connection) opens before a fresh one takes over: py-libp2p's
@@ -225,7 +225,8 @@ async def run(args) -> dict:
 
             async def attack(name: str, body, settle_s: float = 2.0) -> None:
                 nonlocal ring
-                before = rss_mb(proc.pid)
+                split = lambda: {f: round(rss_mb(proc.pid, f), 1) for f in ("RssAnon", "RssFile")}  # noqa: E731
+                before, split_before = rss_mb(proc.pid), split()
                 t0 = time.perf_counter()
                 facts = await body()
                 elapsed = time.perf_counter() - t0
@@ -237,13 +238,12 @@ async def run(args) -> dict:
                     facts["late_answers_before_good_frame"] = len(late)
                     facts["good_frame_identical"] = bool(torch.equal(hidden, reference))
                 settled = rss_mb(proc.pid) if proc.poll() is None else None
-                # Jobs the attack opened (valid frames from the predecessor) hold K/V until the
-                # node's idle sweep frees them: RSS once it has run is the "back to baseline" figure.
-                await trio.sleep(args.idle_timeout_s + min(args.idle_timeout_s / 4, 10) + 1)
-                facts.update(node_alive=proc.poll() is None, seconds=round(elapsed, 1), rss_mb_before=round(before, 1),
+                await trio.sleep(args.idle_timeout_s + min(args.idle_timeout_s / 4, 10) + 1)  # K/V freed by the sweep
+                alive = proc.poll() is None
+                facts.update(node_alive=alive, seconds=round(elapsed, 1), rss_mb_before=round(before, 1),
                              rss_mb_right_after=round(peak, 1), rss_mb_settled=round(settled, 1) if settled else None,
-                             settle_s=settle_s, rss_mb_after_idle_sweep=round(rss_mb(proc.pid), 1)
-                             if proc.poll() is None else None)
+                             settle_s=settle_s, rss_mb_after_idle_sweep=round(rss_mb(proc.pid), 1) if alive else None,
+                             rss_split_mb_before=split_before, rss_split_mb_after_idle_sweep=split() if alive else None)
                 out["attacks"][name] = facts
                 print(name, json.dumps(facts), flush=True)
 
