@@ -44,6 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from scripts.bench_hostile import rss_mb  # noqa: E402
 from scripts.bench_ringkit import base_conditions, cpu_s_over, rss_by_mapping_mb  # noqa: E402
+from scripts.hostile_ring_attacks import coordinator_flood  # noqa: E402
 
 MODEL = "smollm2-135m"
 PROMPT = [{"role": "user", "content": "Name three colours of the rainbow."}]
@@ -347,7 +348,8 @@ async def serve_and_attack(args, config, store, tokenizer, api, out: dict, nodes
 
             attacks = {"probation_side_by_side": (probation_side_by_side, 2.0), "http": (http_attacks, args.header_timeout_s),
                        "stalling_stage": (stalling_stage, 2.0), "lying_newcomer": (lying_newcomer, 2.0),
-                       "frames_warmup": (frames_warmup, 2.0), "frames": (frames, 2.0), "new_node_joins_afterwards": (newcomer_joins, 2.0)}
+                       "frames_warmup": (frames_warmup, 2.0), "frames": (frames, 2.0), "new_node_joins_afterwards": (newcomer_joins, 2.0),
+                       "coordinator_flood": (lambda: coordinator_flood(c.addr, args.connections), 2.0)}
             for name in args.attacks.split(","):
                 await attack(name, *attacks[name])
         out["process_deaths"] = nodes.deaths()
@@ -372,8 +374,9 @@ def main() -> None:
     p.add_argument("--idle-timeout-s", type=float, default=30.0, help="the honest nodes' --job-idle-timeout-s")
     p.add_argument("--node-env", action="append", default=[], metavar="KEY=VALUE",
                    help="set in every node's environment (repeatable), e.g. MALLOC_ARENA_MAX=1")
+    p.add_argument("--connections", type=int, default=1000, help="connections in the coordinator_flood attack")
     p.add_argument("--attacks", default="probation_side_by_side,http,stalling_stage,lying_newcomer,frames_warmup,frames,"
-                                        "new_node_joins_afterwards", help="which to run, in order (comma-separated)")
+                                        "coordinator_flood,new_node_joins_afterwards", help="which to run, in order")
     args = p.parse_args()
     if unknown := set(args.attacks.split(",")) - set(p.get_default("attacks").split(",")):
         p.error(f"--attacks: unknown {sorted(unknown)}; known: {p.get_default('attacks')}")
