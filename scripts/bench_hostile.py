@@ -36,11 +36,11 @@ import msgpack
 import torch
 import trio
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from libp2p.peer.id import ID
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from scripts.bench_ringkit import base_conditions  # noqa: E402
+from scripts.hostile_ring_attacks import flood  # noqa: E402
 from shard.errors import TransportError  # noqa: E402
 from shard.identity import keypair_from_seed  # noqa: E402
 from shard.linkprobe import PROBE_PROTOCOL, measure_rtt  # noqa: E402
@@ -293,16 +293,7 @@ async def run(args) -> dict:
                         "big_refused": big_refused, "answers_leaked_to_coordinator": len(leaked)}
 
             async def connection_flood() -> dict:
-                ok = 0
-                async with open_host(keypair_from_seed(os.urandom(32))) as flooder:
-                    node_id = ID.from_base58(coord.node_id)
-                    for _ in range(args.connections):
-                        try:
-                            await flooder.connect(coord.node_addr)
-                            ok += 1
-                        except TransportError:
-                            pass
-                        await flooder._host.disconnect(node_id)
+                ok, _ = await flood(coord.node_addr, coord.node_id, args.connections)
                 async with open_host(keypair_from_seed(os.urandom(32))) as newcomer:
                     await newcomer.connect(coord.node_addr)
                     probe = await newcomer.open_stream(coord.node_id, PROBE_PROTOCOL)

@@ -21,10 +21,10 @@ from shard.identity import keypair_from_seed
 from shard.transport import open_host
 
 
-async def coordinator_flood(addr: str, connections: int) -> dict:
-    """Open and close `connections` connections to the coordinator at `addr` one at a time."""
+async def flood(addr: str, peer: str, connections: int) -> tuple[int, float]:
+    """Open and close `connections` connections to `peer` at `addr` one at a time, from one
+    fresh identity: (connections accepted, seconds). Also bench_hostile's node flood."""
     accepted, t0 = 0, time.perf_counter()
-    peer = addr.rsplit("/p2p/", 1)[1]
     async with open_host(keypair_from_seed(os.urandom(32))) as flooder:
         for _ in range(connections):
             try:
@@ -34,7 +34,12 @@ async def coordinator_flood(addr: str, connections: int) -> dict:
             except (TransportError, trio.TooSlowError):
                 pass
             await flooder._host.disconnect(ID.from_base58(peer))
-    flood_s = time.perf_counter() - t0
+    return accepted, time.perf_counter() - t0
+
+
+async def coordinator_flood(addr: str, connections: int) -> dict:
+    """The flood against the coordinator at `addr` (…/p2p/<id>), then a fresh identity connects."""
+    accepted, flood_s = await flood(addr, addr.rsplit("/p2p/", 1)[1], connections)
     async with open_host(keypair_from_seed(os.urandom(32))) as newcomer:
         t1 = time.perf_counter()
         with trio.fail_after(30):
