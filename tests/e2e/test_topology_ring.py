@@ -23,6 +23,7 @@ from coordinator.config import LOOPBACK_ANY_PORT, CoordConfig
 from coordinator.jobs.engine_config import EngineConfig
 from coordinator.jobs.ring_engine import RingEngine
 from coordinator.swarm.formation import SwarmConfig
+from coordinator.swarm.speed_probe import ProbeConfig
 from coordinator.swarm.topology import TopologyConfig
 from coordinator.trust.receipt_check import ReceiptConfig
 from ring import ChurnPolicy
@@ -49,7 +50,14 @@ async def open_topology_ring(store, node_configs: list[dict], min_nodes: int
     # The tiny model's layers (150 kB) move faster than loopback latency noise (a few ms per
     # hop, times every decode traversal); charge moves as a real model's layers would cost.
     churn = ChurnPolicy(amortise_over_requests=0.01)
-    config = CoordConfig(listen=LOOPBACK_ANY_PORT, min_nodes=min_nodes, swarm=SwarmConfig(probe_wait_s=20.0, topology=topo, churn=churn),
+    # Seated on the speeds each node measured alone: the coordinator's speed probe times a
+    # node from this one shared event loop, and in a loaded suite it read an honest node's
+    # decode 30x its claim (11.6 ms per tiny layer) on every confirming round, so the
+    # selector rightly traded that node for the slow uplink. The probe has its own tests
+    # (tests/coordinator/swarm/test_speed_probe*.py); this one is about measured uplinks.
+    probe = ProbeConfig(enabled=False)
+    config = CoordConfig(listen=LOOPBACK_ANY_PORT, min_nodes=min_nodes,
+                         swarm=SwarmConfig(probe_wait_s=20.0, topology=topo, churn=churn, speed_probe=probe),
                          engine=EngineConfig(draft="none", prefill_chunk_tokens=64, link_latency_ms=LATENCY_MS),
                          receipts=ReceiptConfig(enabled=False))
     async with open_coordinator(config, store, tokenizer, keypair_from_seed(os.urandom(32))) as coordinator:
