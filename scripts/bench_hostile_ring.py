@@ -17,7 +17,10 @@ rate, no drafter) with its HTTP gateway, and three honest `shard-node join` proc
    from strangers, each on its own stream, all sent by scripts/bench_hostile_frames.py in a
    process of its own; every node's RSS before, right after, and once its idle-job sweep
    has run (`--idle-timeout-s`);
-6. a new honest node joins afterwards and is seated.
+6. window_abuse: strangers write far past the middle stage's yamux windows on ring, probe
+   and weights streams; replayed_assignment: stages get their old, signed assignments
+   (after a node joined and left: a newer epoch) and each other's (scripts/hostile_ring_attacks.py);
+7. a new honest node joins afterwards and is seated.
 Every answer is compared with the honest ring's answer to the same greedy request. Per
 attack: the coordinator's RSS before, right after and settled, and whether every node
 process is alive. The hostile nodes run as this script's own subprocesses (`node`).
@@ -44,7 +47,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from scripts.bench_hostile import rss_mb  # noqa: E402
 from scripts.bench_ringkit import base_conditions, cpu_s_over, rss_by_mapping_mb  # noqa: E402
-from scripts.hostile_ring_attacks import coordinator_flood  # noqa: E402
+from scripts.hostile_ring_attacks import (coordinator_flood, http, middle_stage_window_abuse, post_head,  # noqa: E402
+                                          replayed_assignment)
 
 MODEL = "smollm2-135m"
 PROMPT = [{"role": "user", "content": "Name three colours of the rainbow."}]
@@ -76,34 +80,6 @@ def node_main(kind: str, coordinator: str, key_path: str) -> None:
 
     shard.join.Node = {"stall": Stalling, "lie": Lying}[kind]
     trio.run(shard.join.run_node, NodeConfig(coordinator=coordinator, model=MODEL, key_path=key_path, torch_threads=1))
-
-
-async def http(port: int, raw: bytes, *, read: bool = True, timeout_s: float = 60.0) -> tuple[int | None, float]:
-    """Send `raw` on a fresh connection; (the response's status or None if the server
-    closed it first, seconds until then)."""
-    t0 = time.perf_counter()
-    stream = await trio.open_tcp_stream("127.0.0.1", port)
-    data = b""
-    with trio.move_on_after(timeout_s):
-        try:
-            await stream.send_all(raw)
-            while read and b"\r\n" not in data:
-                chunk = await stream.receive_some(65536)
-                if not chunk:
-                    break
-                data += chunk
-        except trio.BrokenResourceError:
-            pass
-    await stream.aclose()
-    status = int(data.split()[1]) if data.startswith(b"HTTP/1.1 ") else None
-    return status, time.perf_counter() - t0
-
-
-def post_head(length: int | None = None, chunked: bool = False) -> bytes:
-    lines = ["POST /v1/chat/completions HTTP/1.1", "Host: bench", "Content-Type: application/json"]
-    lines += [f"Content-Length: {length}"] if length is not None else []
-    lines += ["Transfer-Encoding: chunked"] if chunked else []
-    return ("\r\n".join(lines) + "\r\n\r\n").encode()
 
 
 async def ask(client, tokens: int) -> tuple[str, float]:
@@ -168,6 +144,11 @@ class Nodes:
             self.procs[name] = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT,
                                                 env={**os.environ, "OMP_NUM_THREADS": "1", **self.env})
 
+    def named(self) -> dict[str, str]:
+        """peer id -> name, of every node started."""
+        from shard.identity import load_or_create_identity, peer_id_of
+        return {peer_id_of(load_or_create_identity(os.path.join(self.tmp, f"{n}.key"))): n for n in self.procs}
+
     def stop(self, name: str) -> None:
         self.procs[name].terminate()
         self.stopped.add(name)
@@ -191,11 +172,9 @@ async def hostile_frames(args, swarm, nodes: Nodes, frames: int, seed: int) -> d
     identity, then `args.stranger_frames` valid ones from strangers, sent by
     scripts/bench_hostile_frames.py in a process of its own (what the attackers allocate is
     not the coordinator's RSS); every node's RSS before, right after and after its idle sweep."""
-    from shard.identity import load_or_create_identity, peer_id_of
-
     ring = swarm.ring
     (pred, _), (target, _) = ring.stages[0], ring.stages[1]
-    key_of = {peer_id_of(load_or_create_identity(os.path.join(nodes.tmp, f"{n}.key"))): n for n in nodes.procs}
+    key_of = nodes.named()
     pids = {n: p.pid for n, p in nodes.procs.items() if p.poll() is None}
     rss = lambda: {n: round(rss_mb(pid), 1) for n, pid in pids.items()}  # noqa: E731
     before, before_by_mapping = rss(), {n: rss_by_mapping_mb(pid) for n, pid in pids.items()}
@@ -340,6 +319,12 @@ async def serve_and_attack(args, config, store, tokenizer, api, out: dict, nodes
                 new = set(swarm.members) - before
                 return {"new_node_registered": bool(new), "new_node_seated": bool(new & seated)}
 
+            async def bump_epoch() -> None:  # a node joins and leaves: the same stages at a newer epoch
+                nodes.spawn("epoch_bump")
+                await ring_of(4)
+                nodes.stop("epoch_bump")
+                await ring_of(3)
+
             async def frames() -> dict:
                 return await hostile_frames(args, swarm, nodes, args.frames, args.seed)
 
@@ -349,7 +334,9 @@ async def serve_and_attack(args, config, store, tokenizer, api, out: dict, nodes
             attacks = {"probation_side_by_side": (probation_side_by_side, 2.0), "http": (http_attacks, args.header_timeout_s),
                        "stalling_stage": (stalling_stage, 2.0), "lying_newcomer": (lying_newcomer, 2.0),
                        "frames_warmup": (frames_warmup, 2.0), "frames": (frames, 2.0), "new_node_joins_afterwards": (newcomer_joins, 2.0),
-                       "coordinator_flood": (lambda: coordinator_flood(c.addr, args.connections), 2.0)}
+                       "coordinator_flood": (lambda: coordinator_flood(c.addr, args.connections), 2.0),
+                       "window_abuse": (lambda: middle_stage_window_abuse(swarm, nodes, args.abuse_streams, args.abuse_mib << 20), 2.0),
+                       "replayed_assignment": (lambda: replayed_assignment(swarm, bump_epoch), 2.0)}
             for name in args.attacks.split(","):
                 await attack(name, *attacks[name])
         out["process_deaths"] = nodes.deaths()
@@ -357,10 +344,7 @@ async def serve_and_attack(args, config, store, tokenizer, api, out: dict, nodes
     return out
 
 
-def main() -> None:
-    if sys.argv[1:2] == ["node"]:
-        node_main(*sys.argv[2:5])
-        return
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", required=True, help="write the results here")
     p.add_argument("--requests", type=int, default=100, help="greedy requests while the liar is a newcomer")
@@ -375,11 +359,22 @@ def main() -> None:
     p.add_argument("--node-env", action="append", default=[], metavar="KEY=VALUE",
                    help="set in every node's environment (repeatable), e.g. MALLOC_ARENA_MAX=1")
     p.add_argument("--connections", type=int, default=1000, help="connections in the coordinator_flood attack")
+    p.add_argument("--abuse-streams", type=int, default=4, help="window_abuse: streams per protocol, a fresh identity each")
+    p.add_argument("--abuse-mib", type=int, default=64, help="window_abuse: MiB written past the window per stream")
     p.add_argument("--attacks", default="probation_side_by_side,http,stalling_stage,lying_newcomer,frames_warmup,frames,"
-                                        "coordinator_flood,new_node_joins_afterwards", help="which to run, in order")
-    args = p.parse_args()
+                                        "coordinator_flood,window_abuse,replayed_assignment,new_node_joins_afterwards",
+                   help="which to run, in order")
+    args = p.parse_args(argv)
     if unknown := set(args.attacks.split(",")) - set(p.get_default("attacks").split(",")):
         p.error(f"--attacks: unknown {sorted(unknown)}; known: {p.get_default('attacks')}")
+    return args
+
+
+def main() -> None:
+    if sys.argv[1:2] == ["node"]:
+        node_main(*sys.argv[2:5])
+        return
+    args = parse_args()
     out = trio.run(run, args)  # its node processes are ended on the way out, whatever happens
     with open(args.json, "w") as f:
         json.dump(out, f, indent=1)
