@@ -23,8 +23,11 @@ def held_bytes_per_layer(model_config: Any, quant: str, dtype: str) -> int:
 
 def stage_weight_bytes(store: Any, r: Any, bytes_per_layer: int) -> int:
     """Layers `r` of `store` (a ModelStore) as a node holds them: `bytes_per_layer` each
-    (held_bytes_per_layer, what it registers), else as stored."""
-    return len(r) * bytes_per_layer or store.layer_bytes(r)
+    (held_bytes_per_layer, what it registers), else as stored; a head stage (r.start == 0)
+    also holds the token embedding, resident (shard.node_config.load_stage), counted as
+    stored (SmolLM2: 113 MB in f32, a third of the stage's layers)."""
+    layers = len(r) * bytes_per_layer or store.layer_bytes(r)
+    return layers + (store.embedding_bytes() if r.start == 0 else 0)
 
 
 def stage_kv_bytes(memory_bytes: int, weight_bytes: int) -> int:

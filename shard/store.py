@@ -146,6 +146,10 @@ class ModelStore:
         self._check_range(r)
         return sum(self.manifest.layer_bytes[i] for i in r)
 
+    def embedding_bytes(self) -> int:
+        """Bytes on disk of the token embedding, which a head stage (layer 0) holds too."""
+        return self.manifest.files[EMBED_FILE].bytes
+
     def load_layers(self, r: LayerRange, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                     ) -> dict[int, dict[str, torch.Tensor]]:
         """layer -> {short name ("self_attn.q_proj.weight") -> tensor} for layers in `r`: float

@@ -161,3 +161,23 @@ def test_jobs_waiting_for_room_go_first_come_first_served():
             router.forget("j2")
     trio.run(main)
     assert order == ["w1", "w2", "w3"]
+
+
+def test_a_head_stage_counts_its_resident_embedding_on_the_node_and_at_the_gateway(tiny_llama_store):
+    # Bug guarded: the head stage copies its embedding into its own memory (load_stage), but
+    # its K/V bytes were its memory less its layers only, so both the node's cache and the
+    # gateway's prediction of its room overstated it by the embedding's bytes.
+    from shard.kv_budget import node_kv_bytes, stage_weight_bytes
+    from shard.layers import LayerRange
+    from shard.node import NodeConfig
+    store, memory = tiny_llama_store, 64 << 20
+    embedding = store.embedding_bytes()
+    head, middle = LayerRange(0, 2), LayerRange(2, 4)
+    tensor = store.load_embedding().numel() * 4  # f32: what the node holds
+    assert tensor <= embedding <= tensor + 4096  # as stored: the tensor and its file's header
+    assert stage_weight_bytes(store, head, 0) == store.layer_bytes(head) + embedding
+    assert stage_weight_bytes(store, middle, 0) == store.layer_bytes(middle)
+    assert stage_weight_bytes(store, head, 1000) == 2000 + embedding  # held bytes of quantised layers
+    config = NodeConfig(coordinator="/ip4/127.0.0.1/tcp/1", model=store.manifest.name, max_memory_bytes=MIN_KV_BYTES + memory)
+    assert node_kv_bytes(config, store, head) == stage_kv_bytes(config.max_memory_bytes, store.layer_bytes(head) + embedding)
+    assert node_kv_bytes(config, store, head) == node_kv_bytes(config, store, LayerRange(2, 4)) - embedding

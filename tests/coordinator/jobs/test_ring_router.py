@@ -38,7 +38,8 @@ class Rings:
     traversals: TraversalLog = field(default_factory=TraversalLog)
     config: SwarmConfig = SwarmConfig()
     members: dict = field(default_factory=dict)  # none registered: no K/V bound known (test_kv_room has them)
-    store: Any = field(default_factory=lambda: SimpleNamespace(config=SimpleNamespace(max_context_tokens=8192)))
+    store: Any = field(default_factory=lambda: SimpleNamespace(config=SimpleNamespace(max_context_tokens=8192),
+                                                                embedding_bytes=lambda: 0))
     model: ModelSpec = MODEL
     draining: dict = field(default_factory=dict)  # ring id -> ring_drain.Drain
     unverifiable: Any = None  # no engine's trust check: /v1/ring names no unchecked newcomer
