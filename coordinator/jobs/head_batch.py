@@ -15,9 +15,13 @@ kernel differs; tests/coordinator/jobs/test_head_batch.py checks SmolLM2 bitwise
 product that raises (one job's rows of a wrong width) is run again ask by ask, so only
 the ask at fault gets the error.
 
-`accept_batched` runs a round's acceptance (coordinator.spec.target.accept_round) in a
-worker thread on logits from the batcher: all rows at once when there are few (a decode
-round's one row, a small tree), else asked lazily row by row as the walk needs them.
+An ask may carry `then`, a function of its logits that the product's worker thread runs
+right after the product (the ask gets its result): a sampled round's acceptance rides
+the product's one thread hop instead of taking a hop of its own per job.
+`accept_batched` runs a round's acceptance (coordinator.spec.target.accept_round) on
+logits from the batcher: all rows at once, acceptance in the product's thread, when
+there are few (a decode round's one row, a small tree), else asked lazily row by row
+from a worker thread as the walk needs them.
 Bursts (shard.wire.trailer): a job's task notes the burst of the Result it took
 (`note_arrived`); a product about to start while an ask's burst has not all asked yet waits
 for the rest up to `burst_wait_s` after its first ask (a lone ask never waits), and each
@@ -73,12 +77,13 @@ class Head(Protocol):
 @dataclass(eq=False)
 class _Ask:
     hidden: torch.Tensor  # (T, H)
+    then: Callable[[torch.Tensor], object] | None = None  # run on its logits in the product's thread
     burst: tuple[int, ...] = ()  # the burst of the Result its rows came in
     sent_with: tuple[int, ...] = ()  # the product's burst, for the job's next frame
     woken: trio.Event = field(default_factory=trio.Event)  # its product ran, or it must run the next
     done: bool = False
     runs_next: bool = False  # handed the turn to run the next product
-    out: torch.Tensor | None = None
+    out: object = None  # its logits (T, V), then what `then` made of them
     error: BaseException | None = None
 
 
@@ -99,7 +104,12 @@ class HeadBatcher:
     async def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden (T, H) -> logits (T, V), equal to `head.logits(hidden)` alone. Raises what
         the head raises for these rows alone."""
-        ask = _Ask(hidden, _ARRIVED.get())
+        return await self.logits_then(hidden, None)
+
+    async def logits_then(self, hidden: torch.Tensor, then: Callable[[torch.Tensor], T] | None) -> T:
+        """`then(logits)` (the logits themselves if None), `then` run in the product's worker
+        thread. Raises what the head raises for these rows alone, or what `then` raises."""
+        ask = _Ask(hidden, then, _ARRIVED.get())
         _ARRIVED.set(())
         self._waiting.append(ask)
         self._note(ask.burst)
@@ -134,7 +144,6 @@ class HeadBatcher:
                 self._hand_over()
         if ask.error is not None:
             raise ask.error
-        assert ask.out is not None
         _NEXT.set(ask.sent_with)
         return ask.out
 
@@ -198,8 +207,18 @@ class HeadBatcher:
             self._waiting[0].woken.set()
 
     def _run(self, batch: list[_Ask]) -> None:
-        """Worker thread: one product for the batch, split back per ask; if it raises, each
-        ask alone, so an error stays with the ask that caused it."""
+        """Worker thread: one product for the batch, split back per ask, then each ask's
+        `then`; if the product raises, each ask alone, so an error stays with the ask that
+        caused it."""
+        self._product(batch)
+        for a in batch:
+            if a.then is not None and a.error is None:
+                try:
+                    a.out = a.then(a.out)
+                except Exception as exc:  # noqa: BLE001 - handed to the ask's own job
+                    a.error = exc
+
+    def _product(self, batch: list[_Ask]) -> None:
         self.products += 1
         self.rows += sum(a.hidden.shape[0] for a in batch)
         if len(batch) > 1:
@@ -222,14 +241,15 @@ class HeadBatcher:
 
 async def accept_batched(head: HeadBatcher, rows: torch.Tensor,
                          accept: Callable[[Callable[[list[int]], torch.Tensor]], T], *, cheap: bool = False) -> T:
-    """`accept(logits_of)` in a worker thread, where `logits_of(indices)` gives the logits
-    of those of `rows` (M+1, H) from `head`: all of them computed first when there are at
-    most EAGER_ROWS, else each call asks the batcher from the worker thread. `cheap`: the
-    acceptance is a few argmaxes (greedy, no grammar): with its logits computed it runs
-    here, saving the thread hop (two wake-ups of the event loop per job and round)."""
+    """`accept(logits_of)`, where `logits_of(indices)` gives the logits of those of `rows`
+    (M+1, H) from `head`: all of them computed first when there are at most EAGER_ROWS
+    (the acceptance then runs in the product's worker thread), else each call asks the
+    batcher from a worker thread of its own. `cheap`: the acceptance is a few argmaxes
+    (greedy, no grammar): it runs here once the logits are in, sparing the product's
+    thread (and the asks of other jobs waiting on it) its time."""
     if rows.shape[0] <= EAGER_ROWS:
-        logits = await head.logits(rows)
         if cheap:
+            logits = await head.logits(rows)
             return accept(lambda r: logits[r])
-        return await trio.to_thread.run_sync(lambda: accept(lambda r: logits[r]))
+        return await head.logits_then(rows, lambda logits: accept(lambda r: logits[r]))
     return await trio.to_thread.run_sync(lambda: accept(lambda r: trio.from_thread.run(head.logits, rows[r])))

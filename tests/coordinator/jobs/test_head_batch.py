@@ -177,3 +177,43 @@ def test_accept_batched_accepts_as_the_head_alone(tiny_llama_store, nodes, tempe
     got = trio.run(partial(accept_batched, cheap=temperature == 0.0), batcher, rows, accept)  # greedy: no thread hop
     assert got[0] == want[0]
     assert batcher.rows <= nodes + 1
+
+
+def test_then_runs_in_the_products_thread_and_its_error_stays_with_its_ask(tiny_llama_store):
+    """A sampled round's acceptance rides its product's worker thread (one hop a product,
+    not one more per job); a `then` that raises fails its own ask, not its batch-mates."""
+    head = head_of(tiny_llama_store)
+    gate = GatedHead(head)
+    batcher = HeadBatcher(gate)
+    h = tiny_llama_store.config.hidden_size
+    asks = [torch.randn(1, h) for _ in range(4)]
+    threads: list[int] = []
+
+    def then(i: int, logits: torch.Tensor):
+        threads.append(threading.get_ident())
+        if i == 2:
+            raise ValueError("bad round")
+        return i, logits
+
+    async def main():
+        out: list = [None] * len(asks)
+
+        async def one(i: int) -> None:
+            try:
+                out[i] = await batcher.logits_then(asks[i], partial(then, i))
+            except ValueError as exc:
+                out[i] = exc
+
+        async with trio.open_nursery() as nursery:
+            for i in range(len(asks)):  # the first alone, the rest in one product behind it
+                nursery.start_soon(one, i)
+                await trio.testing.wait_all_tasks_blocked()
+            gate.release.set()
+        return out
+
+    got = trio.run(main)
+    assert gate.products == [1, 3]
+    assert isinstance(got[2], ValueError) and str(got[2]) == "bad round"
+    for i in (0, 1, 3):
+        assert got[i][0] == i and torch.allclose(got[i][1], head.logits(asks[i]), rtol=0, atol=1e-5)
+    assert threading.get_ident() not in threads and len(set(threads[1:])) == 1  # the second product's thread ran its 3
