@@ -28,7 +28,11 @@ A mismatch, a missing record, a record that does not hash to the receipt, or no 
 all from a stage that is still connected (so going silent is no way out of an audit)
 yields an EvidenceRecord signed by the coordinator and marks the stage faulty in the
 swarm, which excludes it from the next ring formation. A verifier outvoted by the other
-opinions is marked faulty too (no evidence record: it signed nothing). A stage that left
+opinions is marked faulty too (no evidence record: it signed nothing). Where the verdict
+would rest on a newcomer verifier's word alone (no verifier off probation took part, no two
+parties agree against one: coordinator.trust.disputes.lone_word), nobody is accused: the
+parties are in dispute (coordinator.trust.dispute_desk, the book probation's checks keep
+too), they sit out for a while, and the one the book names the liar is marked faulty. A stage that left
 the swarm before answering is not accused (its records left with it; see docs/receipts.md).
 Once a job's audits are drawn, every stage not drawn is told to drop its frames of the job,
 and a drawn one once its audit is over (coordinator.trust.frame_release).
@@ -51,9 +55,10 @@ import torch
 import trio
 
 from coordinator.swarm.swarm import Swarm
-from coordinator.trust import opinions
+from coordinator.trust import disputes, opinions
 from coordinator.trust.audit_config import AuditConfig, AuditStats
 from coordinator.trust.audit_plan import AuditPlan, plan_audits
+from coordinator.trust.dispute_desk import DisputeDesk
 from coordinator.trust.compare import (Finding, Logged, agree, compare, failed_spot, logged_frames, replay_here,
                                        split_reply)
 from coordinator.trust.frame_release import FrameReleaser
@@ -69,7 +74,6 @@ from shard.replay import Replayed
 from shard.store import ModelStore
 from shard.transport import TransportError
 from shard.wire.messages import AuditReply, AuditRequest
-from shard.wire.roles import ROLE_SPOT_CHECK_VERIFIER
 from shard.verify_parts import Uploads, assemble, split, upload_cap, whole_limits
 from shard.wire.verify import MAX_VERIFY_REPLAY_ROWS, VerifyPart, VerifyReply, VerifyRequest
 
@@ -94,6 +98,7 @@ class Auditor:
         self.rng = rng or random.SystemRandom()
         self.evidence: list = []  # EvidenceRecord, newest last
         self.stats = AuditStats()
+        self.disputes = DisputeDesk(swarm)  # newcomers' lone words, with probation's checks
         self._waiting: dict[tuple, list] = {}  # (peer, job, epoch, round, side) or (peer, request id) -> [Event, reply]
         self._request_ids = itertools.count()
         self._reply_parts: Uploads | None = None  # made on first use: `reply_parts`
@@ -230,6 +235,10 @@ class Auditor:
         if len(ids) == 1:
             return False, None
         self.stats.second_opinions += len(ids) > 2
+        if disputes.lone_word(ids, trusted):  # a newcomer's word against the stage's: nobody judged
+            self.stats.disputed += 1
+            self.disputes.dispute(parties, ids, f"layers {plan.layers} of job {plan.job_id} (audit)")  # type: ignore[arg-type]
+            return True, None
         verdict = opinions.settle_trusted(ids, trusted)  # newcomers cannot outvote a trusted recomputation
         if not verdict.settled:
             self.stats.unsettled += 1
@@ -248,7 +257,7 @@ class Auditor:
         """One more recomputation of the logged frames: by a verifier not asked yet (one
         that fails to answer is passed over), else by another member keeping the slice,
         else here if allowed and held, else None. `asked` holds the audited stage."""
-        verifiers = self._verifiers()
+        verifiers = opinions.verifier_slices(self.swarm.members)
         registers = {p: m.register for p, m in self.swarm.members.items()}
         for peer in opinions.audit_order(verifiers, registers, plan.layers, asked | set(self.swarm.faulty),
                                          self.on_probation, self.rng):
@@ -272,16 +281,6 @@ class Auditor:
     def holds(self, layers: LayerRange) -> bool:
         """Whether this gateway's store has the layer files of `layers` (it can recompute them)."""
         return all((self.store.root / layer_file(i)).exists() for i in layers)
-
-    def _verifiers(self) -> dict[PeerId, LayerRange | None]:
-        """Members whose latest role is spot-check verifier -> the slice each keeps warm (one
-        still loading it answers all the same: it recomputes from its store)."""
-        out = {}
-        for peer, m in self.swarm.members.items():
-            a = m.assignment
-            if a is not None and a.role == ROLE_SPOT_CHECK_VERIFIER:
-                out[peer] = LayerRange(a.layer_start, a.layer_end) if a.layer_end > a.layer_start else None
-        return out
 
     async def ask_verifier(self, peer: PeerId, plan: AuditPlan, logged: Logged) -> list[Replayed | None] | None:
         """`peer`'s recomputation of the logged frames; None if it could not give one (past

@@ -63,3 +63,4 @@ class AuditStats:
     second_opinions: int = 0  # audits that asked more than one verifier
     unsettled: int = 0  # audits whose opinions tied (the stage judged, no verifier accused)
     lying_verifiers: int = 0  # verifiers outvoted and excluded
+    disputed: int = 0  # audits left to the dispute book: a newcomer verifier's word alone against the stage

@@ -41,11 +41,13 @@ import random
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from coordinator.swarm.speed_probe import keeps
 from ring import PeerId
 from shard.layers import LayerRange
 from shard.wire.messages import Register
+from shard.wire.roles import ROLE_SPOT_CHECK_VERIFIER
 
 
 @dataclass(frozen=True)
@@ -97,6 +99,17 @@ def vouched(opinions: Sequence[int], trusted: Sequence[bool]) -> bool:
     """Whether a trusted verifier (i >= 1) holds the stage's opinion: only then does a
     passed check earn the stage credit."""
     return any(trusted[i] and opinions[i] == opinions[0] for i in range(1, len(opinions)))
+
+
+def verifier_slices(members: Mapping[PeerId, Any]) -> dict[PeerId, LayerRange | None]:
+    """Members (the swarm's) whose latest role is spot-check verifier -> the slice each keeps
+    warm (one still loading it answers all the same: it recomputes from its store)."""
+    out = {}
+    for peer, m in members.items():
+        a = m.assignment
+        if a is not None and a.role == ROLE_SPOT_CHECK_VERIFIER:
+            out[peer] = LayerRange(a.layer_start, a.layer_end) if a.layer_end > a.layer_start else None
+    return out
 
 
 def pick(verifiers: Mapping[PeerId, LayerRange | None], layers: LayerRange, excluded: set[PeerId],

@@ -45,7 +45,8 @@ def trust_report(checker: ReceiptChecker | None, auditor: Auditor | None) -> dic
     audits = {"rate": auditor.config.rate, "recomputed_by": recomputed_by(auditor), "audits": s.audits,
               "frames_compared": s.frames_compared, "replay_s": s.replay_s, "by_verifiers": s.by_verifiers,
               "by_members": s.by_members, "by_coordinator": s.by_coordinator, "second_opinions": s.second_opinions,
-              "unsettled": s.unsettled, "lying_verifiers": s.lying_verifiers, "skipped_stale": s.skipped_stale,
+              "unsettled": s.unsettled, "lying_verifiers": s.lying_verifiers, "disputed": s.disputed,
+              "skipped_stale": s.skipped_stale,
               "skipped_gone": s.skipped_gone, "skipped_no_verifier": s.skipped_no_verifier,
               "evidence": sum(map(len, caught.values())), "recent_evidence": evidence}
     return {"receipts": receipts, "audits": audits, "faulty": dict(auditor.swarm.faulty)}

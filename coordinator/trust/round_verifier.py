@@ -28,7 +28,8 @@ parties agree against one (one newcomer verifier against a newcomer stage, or ev
 on its own), nobody is marked faulty on that word: the round is held back as for a catch,
 the disagreeing parties sit out of rings for a while ("disputed with <peer>"), nobody
 earns credit, and the dispute is kept; a node in dispute with two distinct partners who
-disputed with nobody else is marked faulty (and its partners may join rings again).
+disputed with nobody else is marked faulty (and its partners may join rings again). The book
+is the auditor's (coordinator.trust.dispute_desk), shared with audits after a job.
 
 A catch is signed evidence against the stage's own receipt for the round (kept with the
 gateway's probation catches, ReceiptChecker.keep_catch) and marks the stage faulty; an
@@ -107,7 +108,6 @@ class RoundVerifier:
         self._verifying: dict[PeerId, LayerRange] = {}  # verifier -> the slice it last recomputed
         self.checks = 0  # stage rounds checked by a verifier node
         self.catches = 0
-        self.disputes: disputes.Book = ()
 
     def forget(self, job_id: str) -> None:
         """Drop what was fetched for `job_id` (it finished)."""
@@ -184,23 +184,12 @@ class RoundVerifier:
         return self._caught(plan, findings[found], f"verifier node {parties[found][-6:]}")  # type: ignore[arg-type]
 
     def _disputed(self, parties: list[PeerId], ids: list[int], what: str) -> Outcome:
-        """Newcomers disagree and nothing settles it: each pair that disagrees is in dispute
-        and sits out; a node the book then names the liar is marked faulty, its partners
-        readmitted. The round is held back (passed False) and earns nothing, unless every
-        verifier that disagreed with the stage was just found the liar: then the stage was
-        checked by newcomers alone (passed, not vouched), as when they agree."""
-        now_s, found = trio.current_time(), set()
-        for i, j in disputes.disputing(ids):
-            self.disputes = disputes.record(self.disputes, parties[i], parties[j], now_s, what)
-            for p, q in ((parties[i], parties[j]), (parties[j], parties[i])):
-                self.swarm.report_unreachable(p, f"disputed with {q[-6:]} over {what}", "disputed")
-        for liar in disputes.liars(self.disputes):
-            cleared = disputes.partners(self.disputes, liar)
-            self.disputes = disputes.settled(self.disputes, liar)
-            self.swarm.mark_faulty(liar, f"in dispute with {', '.join(sorted(q[-6:] for q in cleared))}, who "
-                                         f"disputed with nobody else (the last over {what})")
-            self.swarm.readmit(cleared, "disputed")
-            found.add(liar)
+        """Newcomers disagree and nothing settles it: the auditor's dispute desk records it
+        (they sit out; a liar it names is marked faulty). The round is held back (passed
+        False) and earns nothing, unless every verifier that disagreed with the stage was
+        just found the liar: then the stage was checked by newcomers alone (passed, not
+        vouched), as when they agree."""
+        found = self.auditor.disputes.dispute(parties, ids, what)
         dissent = {parties[i] for i in range(1, len(ids)) if ids[i] != ids[0]}
         if parties[0] not in found and dissent <= found:
             return Outcome(True, 0, f"stage {parties[0][-6:]} on probation was checked only by nodes on probation: its "
@@ -211,7 +200,7 @@ class RoundVerifier:
                                  f"settles it: they sit out, disputed")
 
     def open_disputes(self) -> list[dict]:
-        return disputes.open_disputes(self.disputes, trio.current_time())
+        return self.auditor.disputes.open()
 
     def _caught(self, plan: AuditPlan, finding: Finding, by: str) -> Outcome:
         """Sign evidence against the stage's receipt for the round and mark it faulty."""
