@@ -39,6 +39,16 @@ async def stream_one(client: httpx.AsyncClient, body: dict, on_chunk) -> str:
     return "".join(text)
 
 
+def kind_of(client: int, k: int, kinds: int) -> int:
+    """The mix's kind a client sends as its k-th request: each client walks the whole mix
+    in order from its own offset, so at any concurrency every kind is asked equally often,
+    as by one client. (Before: `(client + k * clients) % kinds` pinned each client to one
+    kind when the concurrency was a multiple of the mix's size: at 16 streams over 8 kinds,
+    the two clients of each 1.9k-token prompt sent nothing else, and quick kinds came round
+    more often than at one stream.)"""
+    return (client + k) % kinds
+
+
 def pct(xs: list[float], q: float) -> float | None:
     if not xs:
         return None
@@ -81,7 +91,7 @@ async def closed_loop(base: str, mix: list[dict], clients: int, window_s: float,
     async def client_loop(i: int, client: httpx.AsyncClient):
         k = 0
         while time.monotonic() < deadline[0]:
-            kind = (i + k * clients) % len(mix)
+            kind = kind_of(i, k, len(mix))
             k += 1
             if time.monotonic() >= opens[0]:
                 started[0] += 1
