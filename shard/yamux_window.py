@@ -1,12 +1,16 @@
 """Yamux with a bound on what one stream may buffer unread: py-libp2p 0.8.1's receiver only
 logs a peer that sends past a stream's receive window, and keeps buffering what it sends.
 
-A peer that honours the protocol never has more unread bytes on a stream than the window
-it was granted, at most MAX_WINDOW_SIZE (16 MiB); a swarm's connections refuse data past twice
-that (`bound_stream_buffers`): the frame is dropped, py-libp2p marks the stream's receive side closed (its reader
-sees the end of the stream), and the bytes already buffered are all the stream can hold.
-Per stream, so one peer's open streams times this bound is what it can make us buffer
-(the issue's probe stream held 600 MB).
+A peer that honours the protocol never sends a stream more than the window it was granted
+(the stream's `recv_window`, which py-libp2p raises before it sends each grant, so it is
+never less than what the peer was told); a swarm's connections refuse a DATA frame past it
+(`bound_stream_buffers`), and past MAX_STREAM_BUFFER_BYTES unread whatever the window: the
+frame is dropped, py-libp2p marks the stream's receive side closed (its reader sees the
+end of the stream), and the bytes already buffered are all the stream can hold. A stream
+nobody reads granted only its initial window (256 KiB); one being read, at most what its
+reads grew it to (MAX_WINDOW_SIZE, 16 MiB). The issue's probe stream held 600 MB; a
+bound of 32 MiB per stream whatever the window still let four strangers' probe streams
+hold +133 MB in a stage (bench_hostile_ring's window_abuse).
 
 `batch_window_updates`: py-libp2p 0.8.1 also answers (nearly) every read of a stream with
 its own WINDOW_UPDATE frame (its "partial slack" grant fires whenever less than half the
@@ -31,7 +35,17 @@ class WindowExceeded(Exception):
 
 
 class _BoundedBuffer(bytearray):
+    """One stream's unread bytes. `granted()`: what its peer may still send (None: no
+    stream to ask, as before the muxer registered it)."""
+
+    def granted(self) -> int | None:
+        return None
+
     def extend(self, data) -> None:  # the muxer's only way to append a stream's data
+        granted = self.granted()
+        if granted is not None and len(data) > granted:
+            raise WindowExceeded(f"stream data past its receive window ({len(data)} bytes, {granted} granted): "
+                                 "peer ignores its window")
         if len(self) + len(data) > MAX_STREAM_BUFFER_BYTES:
             raise WindowExceeded(f"stream buffer past {MAX_STREAM_BUFFER_BYTES} bytes unread "
                                  f"(had {len(self)}, got {len(data)} more): peer ignores its window")
@@ -39,15 +53,27 @@ class _BoundedBuffer(bytearray):
 
 
 class _BoundedBuffers(dict):
-    """stream id -> _BoundedBuffer, whatever buffer the muxer puts in."""
+    """stream id -> _BoundedBuffer, whatever buffer the muxer puts in; `conn`: the muxer,
+    whose streams hold each one's window."""
+
+    def __init__(self, buffers: dict, conn: Any) -> None:
+        super().__init__(buffers)
+        self._conn = conn
 
     def __setitem__(self, stream_id, buffer) -> None:
-        super().__setitem__(stream_id, buffer if isinstance(buffer, _BoundedBuffer) else _BoundedBuffer(buffer))
+        bounded = buffer if isinstance(buffer, _BoundedBuffer) else _BoundedBuffer(buffer)
+        bounded.granted = functools.partial(_window_left, self._conn, stream_id)
+        super().__setitem__(stream_id, bounded)
+
+
+def _window_left(conn: Any, stream_id: int) -> int | None:
+    stream = conn.streams.get(stream_id)
+    return None if stream is None else stream.recv_window
 
 
 def bound_stream_buffers(swarm: Any) -> None:
     """Give every connection `swarm` adds from now on per-stream buffers that refuse data
-    past MAX_STREAM_BUFFER_BYTES unread. (py-libp2p 0.8.1 builds its Yamux itself, whatever
+    past the stream's receive window, and past MAX_STREAM_BUFFER_BYTES unread. (py-libp2p 0.8.1 builds its Yamux itself, whatever
     muxer class the host was given, so the buffers are swapped as the swarm adds the
     connection, before it has any stream.)"""
     add_conn = swarm.add_conn
@@ -55,7 +81,7 @@ def bound_stream_buffers(swarm: Any) -> None:
     @functools.wraps(add_conn)
     async def add_bounded_conn(muxed_conn: Any, *args: Any, **kwargs: Any) -> Any:
         if isinstance(getattr(muxed_conn, "stream_buffers", None), dict):
-            muxed_conn.stream_buffers = _BoundedBuffers(muxed_conn.stream_buffers)
+            muxed_conn.stream_buffers = _BoundedBuffers(muxed_conn.stream_buffers, muxed_conn)
         return await add_conn(muxed_conn, *args, **kwargs)
 
     swarm.add_conn = add_bounded_conn

@@ -15,10 +15,10 @@ import pytest
 import trio
 
 from scripts.bench_hostile_ring import parse_args
-from scripts.hostile_ring_attacks import CHUNK_BYTES, PING_FRAME_BYTES, abuse_chunk, window_abuse
+from scripts.hostile_ring_attacks import CHUNK_BYTES, abuse_chunk, window_abuse
 from shard.identity import keypair_from_seed
 from shard.transport import open_host
-from shard.yamux_window import MAX_STREAM_BUFFER_BYTES
+from libp2p.stream_muxer.yamux.yamux import DEFAULT_WINDOW_SIZE
 
 NEW = "frames_warmup,window_abuse,replayed_assignment,new_node_joins_afterwards"
 
@@ -31,17 +31,17 @@ def test_the_bench_accepts_the_new_attacks_and_refuses_unknown_ones(capsys):
     assert "--attacks: unknown ['replay']" in capsys.readouterr().err
 
 
-def test_an_abuse_chunk_is_one_data_frame_of_probe_pings():
+def test_an_abuse_chunk_is_one_data_frame_holding_one_probe_ping():
     chunk = abuse_chunk(7)
     assert struct.unpack("!BBHII", chunk[:12]) == (0, 0, 0, 7, CHUNK_BYTES) and len(chunk) == 12 + CHUNK_BYTES
-    frames = [chunk[12 + i:12 + i + PING_FRAME_BYTES] for i in range(0, CHUNK_BYTES, PING_FRAME_BYTES)]
-    assert all(f[:5] == struct.pack(">I", PING_FRAME_BYTES - 4) + b"P" for f in frames)
+    assert chunk[12:17] == struct.pack(">I", CHUNK_BYTES - 4) + b"P" and not any(chunk[17:])
+    assert DEFAULT_WINDOW_SIZE % CHUNK_BYTES == 0  # whole chunks fill a fresh window
 
 
 def test_the_attacker_writes_past_the_window_and_sees_a_reset_as_one():
     # Sound: a handler that never reads holds the stream, so every byte asked for is written
-    # (48 MiB, three times the 16 MiB window) and the server's buffer for it stays within
-    # MAX_STREAM_BUFFER_BYTES, measured while the attacker still holds the connection; a
+    # (48 MiB, three times the largest window) and the server's buffer for it stays within
+    # the window it granted, measured while the attacker still holds the connection; a
     # handler that resets at once costs the attacker its stream before its first MiB is
     # through, and is reported as a reset.
     async def main():
@@ -66,5 +66,5 @@ def test_the_attacker_writes_past_the_window_and_sees_a_reset_as_one():
     sink, refused = facts["/sink/1"], facts["/refuse/1"]
     assert [s["written_bytes"] for s in sink["streams"]] == [48 << 20] * 2
     assert all(s["how"] == "held open" and s["cut_after_s"] is None for s in sink["streams"])
-    assert 0 < sink["node_rss_mb_while_held"] <= MAX_STREAM_BUFFER_BYTES / 2**20
+    assert 0 < sink["node_rss_mb_while_held"] <= DEFAULT_WINDOW_SIZE / 2**20
     assert all(s["how"] in ("reset", "reset while opening") and s["written_bytes"] < 48 << 20 for s in refused["streams"])

@@ -14,6 +14,7 @@ import struct
 
 import trio
 import trio.testing
+from libp2p.stream_muxer.yamux.yamux import DEFAULT_WINDOW_SIZE
 
 from shard.identity import keypair_from_seed
 from shard.transport import open_host
@@ -51,3 +52,43 @@ def test_a_stream_past_its_window_is_cut_not_buffered():
             return buffered
 
     assert trio.run(main) > 0  # the sink's buffer did fill: the bound, not a dead stream, held it
+
+
+def test_an_unread_stream_buffers_no_more_than_the_window_it_granted():
+    # Bug guarded (issue 20, bench_hostile_ring's window_abuse): the bound was 32 MiB per
+    # stream whatever the window granted, so four strangers' probe streams, each pushed
+    # past its window while the probe server waited on its echoes, held +133 MB in a stage
+    # (one identity per stream: the per-peer stream caps do not add up to a bound).
+    # Sound: a stream nobody reads granted only its initial window (DEFAULT_WINDOW_SIZE),
+    # so the attacker's 64 KiB frames fill it (buffered within one frame of it) and every
+    # frame past it is dropped; a peer that honours its window still moves a 40 MiB frame
+    # each way on the same connection (windows grown by reads are granted, not refused).
+    async def main():
+        async with open_host(keypair_from_seed(os.urandom(32))) as server, \
+                open_host(keypair_from_seed(os.urandom(32))) as client:
+            server.set_handler("/sink/1", lambda stream: trio.sleep_forever())
+
+            async def echo(stream):
+                await stream.send_frame(await stream.recv_frame(64 << 20))
+
+            server.set_handler("/echo/1", echo)
+            with trio.fail_after(60):
+                await client.connect(server.addrs[0])
+                sink = await client.open_stream(server.peer_id, "/sink/1")
+                muxed = sink._stream.muxed_conn
+                stream_id = sink._stream.muxed_stream.stream_id
+                frame = 1 << 16
+                for _ in range(768):  # 48 MiB
+                    async with muxed._write_lock:
+                        await muxed.secured_conn.write(DATA_HEADER.pack(0, 0, 0, stream_id, frame) + bytes(frame))
+                await trio.testing.wait_all_tasks_blocked(cushion=0.2)
+                [conn] = server._host.get_network().connections[client._host.get_id()]
+                buffered = max(len(b) for b in conn.muxed_conn.stream_buffers.values())
+                big = os.urandom(40 << 20)
+                other = await client.open_stream(server.peer_id, "/echo/1")
+                await other.send_frame(big)
+                assert await other.recv_frame(64 << 20) == big
+            return buffered, frame
+
+    buffered, frame = trio.run(main)
+    assert DEFAULT_WINDOW_SIZE - frame <= buffered <= DEFAULT_WINDOW_SIZE
