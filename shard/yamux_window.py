@@ -35,18 +35,27 @@ class WindowExceeded(Exception):
 
 
 class _BoundedBuffer(bytearray):
-    """One stream's unread bytes. `granted()`: what its peer may still send (None: no
-    stream to ask, as before the muxer registered it)."""
+    """One stream's unread bytes; `stream()`: its YamuxStream (None before the muxer has
+    registered it). Once refused, a stream drops what its peer sends without a word: py-libp2p
+    logs each refusal at ERROR, and an attacker's every frame would be a log line."""
 
-    def granted(self) -> int | None:
+    refused = False
+
+    def stream(self) -> Any:
         return None
 
     def extend(self, data) -> None:  # the muxer's only way to append a stream's data
-        granted = self.granted()
-        if granted is not None and len(data) > granted:
-            raise WindowExceeded(f"stream data past its receive window ({len(data)} bytes, {granted} granted): "
-                                 "peer ignores its window")
+        stream = self.stream()
+        if self.refused:
+            if stream is not None:
+                stream.recv_window += len(data)  # the muxer charges it next: dropped, it costs no window
+            return
+        if stream is not None and len(data) > stream.recv_window:
+            self.refused = True
+            raise WindowExceeded(f"stream data past its receive window ({len(data)} bytes, {stream.recv_window} "
+                                 "granted): peer ignores its window; dropping what it sends on this stream")
         if len(self) + len(data) > MAX_STREAM_BUFFER_BYTES:
+            self.refused = True
             raise WindowExceeded(f"stream buffer past {MAX_STREAM_BUFFER_BYTES} bytes unread "
                                  f"(had {len(self)}, got {len(data)} more): peer ignores its window")
         super().extend(data)
@@ -62,13 +71,12 @@ class _BoundedBuffers(dict):
 
     def __setitem__(self, stream_id, buffer) -> None:
         bounded = buffer if isinstance(buffer, _BoundedBuffer) else _BoundedBuffer(buffer)
-        bounded.granted = functools.partial(_window_left, self._conn, stream_id)
+        bounded.stream = functools.partial(_stream_of, self._conn, stream_id)
         super().__setitem__(stream_id, bounded)
 
 
-def _window_left(conn: Any, stream_id: int) -> int | None:
-    stream = conn.streams.get(stream_id)
-    return None if stream is None else stream.recv_window
+def _stream_of(conn: Any, stream_id: int) -> Any:
+    return conn.streams.get(stream_id)
 
 
 def bound_stream_buffers(swarm: Any) -> None:
