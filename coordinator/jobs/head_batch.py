@@ -24,9 +24,13 @@ there are few (a decode round's one row, a small tree), else asked lazily row by
 from a worker thread as the walk needs them.
 Bursts (shard.wire.trailer): a job's task notes the burst of the Result it took
 (`note_arrived`); a product about to start while an ask's burst has not all asked yet waits
-for the rest up to `burst_wait_s` after its first ask (a lone ask never waits), and each
-ask of a product leaves with that product's burst for its job's next frame
-(`take_next_burst`), so the head stage gets the group's frames as one burst.
+for the rest, and each ask of a product leaves with that product's burst for its job's
+next frame (`take_next_burst`), so the head stage gets the group's frames as one burst.
+How long it waits: while more of the burst's Results have reached the gateway
+(`received`, from the ring stream) than have asked, the rest is work in hand (their jobs
+check receipts and decode before they ask: ~10 ms for a burst at 16 streams on the dev
+VM), so it waits for them up to IN_HAND_WAIT_S after the first ask; while the rest has not
+even arrived, up to `burst_wait_s` (company that may never come). A lone ask never waits.
 Knows nothing of rings or jobs beyond the rows they hand it.
 """
 
@@ -50,6 +54,10 @@ log = logging.getLogger("coordinator.jobs")
 EAGER_ROWS = 16
 # Rows in one product at most (SmolLM2: 256 rows of logits are 50 MB); the rest wait.
 MAX_BATCH_ROWS = 256
+# The longest a product waits for a burst's Results already received but not yet asked
+# (their jobs' receipt checks under load); a Result whose job never asks (it ended, its
+# receipts failed) costs the product at most this. burst_wait_s 0 turns it off too.
+IN_HAND_WAIT_S = 0.025
 TALLY_EVERY_S = 10.0  # how often how full the products were is logged, while they run
 
 
@@ -75,6 +83,21 @@ class Head(Protocol):
 
 
 @dataclass(eq=False)
+class _Burst:
+    size: int
+    received: int = 0  # its Results that reached the gateway
+    asked: int = 0  # its asks
+    first_asked_s: float | None = None  # trio time of its first ask
+    seen_s: float = 0.0  # trio time it was first heard of (received or asked)
+
+    def deadline_s(self, burst_wait_s: float) -> float | None:
+        """Until when a product waits for its rest (None: nothing to wait for)."""
+        if self.first_asked_s is None or self.asked >= self.size:
+            return None
+        return self.first_asked_s + (IN_HAND_WAIT_S if self.received > self.asked else burst_wait_s)
+
+
+@dataclass(eq=False)
 class _Ask:
     hidden: torch.Tensor  # (T, H)
     then: Callable[[torch.Tensor], object] | None = None  # run on its logits in the product's thread
@@ -93,8 +116,8 @@ class HeadBatcher:
     def __init__(self, head: Head, max_rows: int = MAX_BATCH_ROWS, burst_wait_s: float = 0.0) -> None:
         self.head, self.max_rows, self.burst_wait_s = head, max_rows, burst_wait_s
         self._waiting: list[_Ask] = []
-        self._asked = trio.Event()  # set (and replaced) whenever an ask arrives
-        self._bursts: dict[int, list] = {}  # burst id -> [size, asks seen, first seen]
+        self._asked = trio.Event()  # set (and replaced) whenever an ask or a burst's Result arrives
+        self._bursts: dict[int, _Burst] = {}
         self.waits, self.waited_s = 0, 0.0  # products that waited for a burst's rest, and how long
         self._tally = (0.0, 0, 0, 0, 0, 0.0)  # since, products, asks, rows, waits, waited_s (logged every TALLY_EVERY_S)
         self._busy = False  # a product runs, or the ask handed the turn is about to run one
@@ -159,27 +182,46 @@ class HeadBatcher:
             t = (now, 0, 0, 0, self.waits, self.waited_s)
         self._tally = (t[0], t[1] + 1, t[2] + len(batch), t[3] + sum(a.hidden.shape[0] for a in batch), t[4], t[5])
 
+    def received(self, burst: tuple[int, ...]) -> None:
+        """A Result of this burst reached the gateway (its job's ask is to come)."""
+        if len(burst) == 2 and burst[1] > 1:
+            self._entry(burst).received += 1
+            self._asked.set()  # a product waiting on the timer may now wait for work in hand
+            self._asked = trio.Event()
+
+    def _entry(self, burst: tuple[int, ...]) -> _Burst:
+        now = trio.current_time()
+        if len(self._bursts) > 1024:  # long complete or given up
+            self._bursts = {k: v for k, v in self._bursts.items() if now - v.seen_s <= 1.0}
+        entry = self._bursts.get(burst[0])
+        if entry is None:
+            entry = self._bursts[burst[0]] = _Burst(burst[1], seen_s=now)
+        return entry
+
     def _note(self, burst: tuple[int, ...]) -> None:
         self._asked.set()
         self._asked = trio.Event()
         if len(burst) == 2 and burst[1] > 1:
-            now = trio.current_time()
-            if len(self._bursts) > 1024:  # long complete or given up
-                self._bursts = {k: v for k, v in self._bursts.items() if now - v[2] <= 1.0}
-            self._bursts.setdefault(burst[0], [burst[1], 0, now])[1] += 1
+            entry = self._entry(burst)
+            entry.asked += 1
+            if entry.first_asked_s is None:
+                entry.first_asked_s = trio.current_time()
 
     async def _gather(self) -> None:
-        """Wait until every waiting ask's burst has asked in full, or burst_wait_s after its first ask."""
+        """Wait until every waiting ask's burst has asked in full, or its bound passes:
+        IN_HAND_WAIT_S after its first ask while more of it was received than asked,
+        burst_wait_s while not."""
         if self.burst_wait_s <= 0:
             return
         started, waited = trio.current_time(), False
         while True:
-            short = [e for a in self._waiting if len(a.burst) == 2 and (e := self._bursts.get(a.burst[0])) and e[1] < e[0]]
-            deadline = min((e[2] for e in short), default=None)
-            if deadline is None or deadline + self.burst_wait_s <= trio.current_time():
+            bounds = [e.deadline_s(self.burst_wait_s) for a in self._waiting
+                      if len(a.burst) == 2 and (e := self._bursts.get(a.burst[0]))]
+            deadline = min((b for b in bounds if b is not None), default=None)
+            if deadline is None or deadline <= trio.current_time():
                 break
             waited = True
-            with trio.move_on_at(deadline + self.burst_wait_s):
+            with trio.move_on_at(deadline):
                 await self._asked.wait()
         if waited:
             self.waits += 1

@@ -20,7 +20,7 @@ from typing import Any
 import trio
 
 from receipts import sha256_digest
-from coordinator.errors import JobFailedError, KVRoomTimeout, NotReadyError
+from coordinator.errors import JobFailedError, KVRoomTimeout, NotReadyError, RingLost
 from coordinator.trust import opinions, probation
 from coordinator.trust.receipt_check import ReceiptChecker
 from coordinator.trust.round_verifier import RoundVerifier
@@ -33,7 +33,6 @@ from coordinator.jobs.port import Arrived
 from coordinator.jobs.release_gate import ReleaseGate
 from coordinator.jobs.ring_job import RingJob
 from coordinator.jobs.ring_router import RingRouter
-from coordinator.errors import RingLost
 from coordinator.spec.sampling import SamplingParams
 from coordinator.jobs.head_batch import HeadBatcher
 from coordinator.jobs.heap_sweep import sweep_heap
@@ -258,6 +257,7 @@ class RingEngine:
                 if isinstance(msg, Result):
                     self.observer.result_arrived(msg)
                     self.liveness.result_arrived(ring, msg)
+                    self.head_batch.received(msg.burst)  # its job's ask is work in hand (head_batch)
                     digest = sha256_digest(memoryview(body)[:canonical_len]) if self.receipts is not None else b""
                     self._deliver(Arrived(msg, digest))
         except (TransportError, WireError) as exc:
