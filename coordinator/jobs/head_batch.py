@@ -26,11 +26,13 @@ Bursts (shard.wire.trailer): a job's task notes the burst of the Result it took
 (`note_arrived`); a product about to start while an ask's burst has not all asked yet waits
 for the rest, and each ask of a product leaves with that product's burst for its job's
 next frame (`take_next_burst`), so the head stage gets the group's frames as one burst.
-How long it waits: while more of the burst's Results have reached the gateway
-(`received`, from the ring stream) than have asked, the rest is work in hand (their jobs
-check receipts and decode before they ask: ~10 ms for a burst at 16 streams on the dev
-VM), so it waits for them up to IN_HAND_WAIT_S after the first ask; while the rest has not
-even arrived, up to `burst_wait_s` (company that may never come). A lone ask never waits.
+How long it waits: while some of the burst's Results reached their jobs (`received`,
+from the ring stream) whose jobs have not asked yet, have no ask waiting already (a job
+asks for one Result at a time: its next waits for this product) and did not skip them
+(`skipped`: a discarded round's), the rest is work in hand (their jobs check receipts
+before they ask: ~10 ms for a burst at 16 streams on the dev VM), so it waits for them up
+to IN_HAND_WAIT_S after the first ask; else up to `burst_wait_s` (company that may never
+come). A lone ask never waits.
 Knows nothing of rings or jobs beyond the rows they hand it.
 """
 
@@ -62,13 +64,13 @@ TALLY_EVERY_S = 10.0  # how often how full the products were is logged, while th
 
 
 # Per job task: the burst of the Result it took last, and the burst its next frame carries.
-_ARRIVED: ContextVar[tuple[int, ...]] = ContextVar("arrived_burst", default=())
+_ARRIVED: ContextVar[tuple[tuple[int, ...], str]] = ContextVar("arrived_burst", default=((), ""))
 _NEXT: ContextVar[tuple[int, ...]] = ContextVar("next_burst", default=())
 
 
-def note_arrived(burst: tuple[int, ...]) -> None:
-    """The calling job task took a Result of this burst (its next ask belongs to it)."""
-    _ARRIVED.set(tuple(burst))
+def note_arrived(burst: tuple[int, ...], job_id: str = "") -> None:
+    """The calling job task (of job `job_id`) took a Result of this burst (its next ask belongs to it)."""
+    _ARRIVED.set((tuple(burst), job_id))
 
 
 def take_next_burst() -> tuple[int, ...]:
@@ -85,16 +87,20 @@ class Head(Protocol):
 @dataclass(eq=False)
 class _Burst:
     size: int
-    received: int = 0  # its Results that reached the gateway
+    received: set[str] = field(default_factory=set)  # jobs whose Result of it reached their inbox
+    skipped: set[str] = field(default_factory=set)  # jobs that took theirs as stale (no ask to come)
     asked: int = 0  # its asks
+    asked_jobs: set[str] = field(default_factory=set)
     first_asked_s: float | None = None  # trio time of its first ask
     seen_s: float = 0.0  # trio time it was first heard of (received or asked)
 
-    def deadline_s(self, burst_wait_s: float) -> float | None:
-        """Until when a product waits for its rest (None: nothing to wait for)."""
+    def deadline_s(self, burst_wait_s: float, waiting_jobs: set[str]) -> float | None:
+        """Until when a product waits for its rest (None: nothing to wait for); `waiting_jobs`
+        have an ask in this product already (their next ask comes after it)."""
         if self.first_asked_s is None or self.asked >= self.size:
             return None
-        return self.first_asked_s + (IN_HAND_WAIT_S if self.received > self.asked else burst_wait_s)
+        in_hand = self.received - self.asked_jobs - self.skipped - waiting_jobs
+        return self.first_asked_s + (IN_HAND_WAIT_S if in_hand else burst_wait_s)
 
 
 @dataclass(eq=False)
@@ -102,6 +108,7 @@ class _Ask:
     hidden: torch.Tensor  # (T, H)
     then: Callable[[torch.Tensor], object] | None = None  # run on its logits in the product's thread
     burst: tuple[int, ...] = ()  # the burst of the Result its rows came in
+    job_id: str = ""
     sent_with: tuple[int, ...] = ()  # the product's burst, for the job's next frame
     woken: trio.Event = field(default_factory=trio.Event)  # its product ran, or it must run the next
     done: bool = False
@@ -132,10 +139,10 @@ class HeadBatcher:
     async def logits_then(self, hidden: torch.Tensor, then: Callable[[torch.Tensor], T] | None) -> T:
         """`then(logits)` (the logits themselves if None), `then` run in the product's worker
         thread. Raises what the head raises for these rows alone, or what `then` raises."""
-        ask = _Ask(hidden, then, _ARRIVED.get())
-        _ARRIVED.set(())
+        ask = _Ask(hidden, then, *_ARRIVED.get())
+        _ARRIVED.set(((), ""))
         self._waiting.append(ask)
-        self._note(ask.burst)
+        self._note(ask.burst, ask.job_id)
         if self._busy:
             try:
                 await ask.woken.wait()
@@ -182,10 +189,10 @@ class HeadBatcher:
             t = (now, 0, 0, 0, self.waits, self.waited_s)
         self._tally = (t[0], t[1] + 1, t[2] + len(batch), t[3] + sum(a.hidden.shape[0] for a in batch), t[4], t[5])
 
-    def received(self, burst: tuple[int, ...]) -> None:
-        """A Result of this burst reached the gateway (its job's ask is to come)."""
+    def received(self, burst: tuple[int, ...], job_id: str) -> None:
+        """A Result of this burst reached job `job_id`'s inbox (its ask is to come)."""
         if len(burst) == 2 and burst[1] > 1:
-            self._entry(burst).received += 1
+            self._entry(burst).received.add(job_id)
             self._asked.set()  # a product waiting on the timer may now wait for work in hand
             self._asked = trio.Event()
 
@@ -198,12 +205,20 @@ class HeadBatcher:
             entry = self._bursts[burst[0]] = _Burst(burst[1], seen_s=now)
         return entry
 
-    def _note(self, burst: tuple[int, ...]) -> None:
+    def skipped(self, burst: tuple[int, ...], job_id: str) -> None:
+        """Job `job_id` took its Result of this burst as stale (a discarded round's): no ask comes."""
+        if len(burst) == 2 and burst[1] > 1 and (entry := self._bursts.get(burst[0])) is not None:
+            entry.skipped.add(job_id)
+            self._asked.set()
+            self._asked = trio.Event()
+
+    def _note(self, burst: tuple[int, ...], job_id: str) -> None:
         self._asked.set()
         self._asked = trio.Event()
         if len(burst) == 2 and burst[1] > 1:
             entry = self._entry(burst)
             entry.asked += 1
+            entry.asked_jobs.add(job_id)
             if entry.first_asked_s is None:
                 entry.first_asked_s = trio.current_time()
 
@@ -215,7 +230,8 @@ class HeadBatcher:
             return
         started, waited = trio.current_time(), False
         while True:
-            bounds = [e.deadline_s(self.burst_wait_s) for a in self._waiting
+            waiting_jobs = {a.job_id for a in self._waiting}
+            bounds = [e.deadline_s(self.burst_wait_s, waiting_jobs) for a in self._waiting
                       if len(a.burst) == 2 and (e := self._bursts.get(a.burst[0]))]
             deadline = min((b for b in bounds if b is not None), default=None)
             if deadline is None or deadline <= trio.current_time():

@@ -18,7 +18,7 @@ It does not turn results into tokens, choose verifiers or rings.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -155,11 +155,12 @@ def judge(outcomes: Mapping[PeerId, Outcome], book: probation.Book) -> Release:
 
 
 async def receive_result(inbox: trio.MemoryReceiveChannel, port: JobPort, ring: RingState, expected_round: int,
-                         gate: ReleaseGate | None) -> Result:
+                         gate: ReleaseGate | None, skipped: Callable[[tuple[int, ...], str], None] | None = None) -> Result:
     """The Result of `expected_round` on `ring` from a job's inbox, its receipts (and the
-    shadow's check) passed first when `gate` is set. Raises RingLost when the ring changed,
-    JobFailedError for a stage's JobError, and what `gate.check` raises (ReceiptRejected
-    fails the job closed)."""
+    shadow's check) passed first when `gate` is set; `skipped(burst, job_id)` hears of each
+    stale Result passed over (the head stops waiting for its ask). Raises RingLost when the
+    ring changed, JobFailedError for a stage's JobError, and what `gate.check` raises
+    (ReceiptRejected fails the job closed)."""
     epoch = ring.epoch
     while True:
         msg = await inbox.receive()
@@ -177,6 +178,7 @@ async def receive_result(inbox: trio.MemoryReceiveChannel, port: JobPort, ring: 
         if msg.result.epoch == epoch and msg.result.round == expected_round:
             if gate is not None:
                 gate.check(ring, msg.result, msg.digest)
-            note_arrived(msg.result.burst)  # its rows ask the head as one of its burst (head_batch)
+            note_arrived(msg.result.burst, msg.result.job_id)  # its rows ask the head as one of its burst (head_batch)
             return msg.result
-        # a stale result from a discarded round or an old epoch: ignore it
+        if skipped is not None:  # a stale result from a discarded round or an old epoch: ignore it
+            skipped(msg.result.burst, msg.result.job_id)

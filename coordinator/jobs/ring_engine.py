@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+from contextlib import suppress
 from dataclasses import dataclass
 from typing import Any
 
@@ -257,9 +258,9 @@ class RingEngine:
                 if isinstance(msg, Result):
                     self.observer.result_arrived(msg)
                     self.liveness.result_arrived(ring, msg)
-                    self.head_batch.received(msg.burst)  # its job's ask is work in hand (head_batch)
                     digest = sha256_digest(memoryview(body)[:canonical_len]) if self.receipts is not None else b""
-                    self._deliver(Arrived(msg, digest))
+                    if self._deliver(Arrived(msg, digest)):  # its job's ask is work in hand (head_batch)
+                        self.head_batch.received(msg.burst, msg.job_id)
         except (TransportError, WireError) as exc:
             log.info("ring stream from %s ended: %s", remote, exc)
         finally:
@@ -333,20 +334,19 @@ class RingEngine:
                 self.swarm.report_unreachable(peer, f"on probation, as new as another: {what}", "unverified")
         raise JobFailedError(f"{what}; its tokens were not released")
 
-    def _deliver(self, msg: Arrived | JobError) -> None:
+    def _deliver(self, msg: Arrived | JobError) -> bool:
+        """Whether `msg` reached its job's inbox."""
         channel = self._jobs.get(msg.result.job_id if isinstance(msg, Arrived) else msg.job_id)
-        if channel is not None:
-            try:
+        with suppress(trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
+            if channel is not None:
                 channel.send_nowait(msg)
-            except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
-                pass
+                return True
+        return False
 
     def _on_ring_change(self, ring: RingState | None) -> None:
         for channel in self._jobs.values():
-            try:
+            with suppress(trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
                 channel.send_nowait(RingLost())
-            except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
-                pass
 
     def close_job(self, job_id: str) -> None:
         channel = self._jobs.pop(job_id, None)

@@ -368,7 +368,8 @@ class RingJob:
 
     async def _receive(self, ring: RingState, expected_round: int) -> Result:
         """The Result of `expected_round` on `ring`, its receipts checked first (coordinator.jobs.release_gate)."""
-        return await receive_result(self.inbox, self.port, ring, expected_round, self.receipts)
+        return await receive_result(self.inbox, self.port, ring, expected_round, self.receipts,
+                                    self.head.skipped if self.head is not None else None)
 
     async def _release(self, ring: RingState, result: Result) -> None:
         """Before `result`'s rows become tokens: the probation checks that wait on verifier
