@@ -7,6 +7,7 @@ peers' identities (a pair's ends are told whose they are) or of what frames hold
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import trio
 
@@ -35,6 +36,10 @@ class MemoryFramedStream:
             await self._send.send(bytes(body))
         except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
             raise StreamClosedError(self._remote_peer_id, "closed", 0, 0) from exc
+
+    async def send_frames(self, bodies: Sequence[bytes]) -> None:
+        for body in bodies:
+            await self.send_frame(body)
 
     async def recv_frame(self, max_frame_bytes: int) -> bytes:
         try:

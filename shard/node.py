@@ -356,26 +356,25 @@ class Node:
             sends.append((encode(end.msg), None))
 
     async def _send_ring_loop(self, outbox: trio.MemoryReceiveChannel) -> None:
-        """Send computed frames to the successor in the order they were computed. A frame
-        of an epoch this node no longer serves is dropped (the coordinator ignores its
-        result and resumes the job on the new ring). Error handling: a send failure fails
-        that frame's job (JobError to the coordinator) and the next frame re-dials."""
+        """Send computed frames to the successor in the order they were computed, a batch's
+        in one write. A frame of an epoch this node no longer serves is dropped (the coordinator
+        ignores its result and resumes the job on the new ring). Error handling: a failed write
+        fails the jobs of the frames in it (JobError to the coordinator); the next one re-dials."""
         async for state, sends in outbox:
-            for body, answers in sends:
-                if state is not self.state:
-                    break
-                try:
-                    await self._send_ring(state, body)
-                except Exception as exc:  # noqa: BLE001 (a bug too costs that frame's job alone)
-                    self._out_streams.pop(state.successor, None)
-                    code, text = "successor_unreachable", str(exc)
-                    if not isinstance(exc, TransportError):
-                        log.exception("sending a frame to %s raised", state.successor)
-                        code, text = "internal_error", repr(exc)
-                    if answers is not None:
-                        await self._job_error(answers, code, text)
-                    else:
-                        log.info("could not forward an end of job to %s: %s", state.successor, exc)
+            if state is not self.state:
+                continue
+            try:
+                await self._send_ring(state, [body for body, _ in sends])
+            except Exception as exc:  # noqa: BLE001 (a bug too costs that batch's jobs alone)
+                self._out_streams.pop(state.successor, None)
+                code, text = "successor_unreachable", str(exc)
+                if not isinstance(exc, TransportError):
+                    log.exception("sending frames to %s raised", state.successor)
+                    code, text = "internal_error", repr(exc)
+                for answers in (answers for _, answers in sends if answers is not None):
+                    await self._job_error(answers, code, text)
+                if any(answers is None for _, answers in sends):
+                    log.info("could not forward an end of job to %s: %s", state.successor, exc)
 
     async def _job_error(self, msg: Forward | JobRef, code: str, text: str) -> None:
         if self.state is not None and msg.epoch == self.state.assignment.epoch:  # a former epoch's K/V left with it
@@ -384,8 +383,8 @@ class Node:
         await self._send_control(JobError(job_id=msg.job_id, epoch=msg.epoch, round=msg.round, code=code[:64],
                                           message=text[:1024], stage=self.host.peer_id))
 
-    async def _send_ring(self, state: EpochState, body: bytes) -> None:
-        """Send an encoded frame body to the successor (dialling it on first use)."""
+    async def _send_ring(self, state: EpochState, bodies: list[bytes]) -> None:
+        """Send encoded frame bodies to the successor in one write (dialling it on first use)."""
         target = state.successor
         stream = self._out_streams.get(target)
         if stream is None:
@@ -396,5 +395,6 @@ class Node:
                 await self._send_control(reach_duty.hop_path(self.host, stream, target))
             stream = await self.links.emulate(stream)
             self._out_streams[target] = stream
-        self.observer.frame_sent(self.host.peer_id, len(body) + 4)
-        await stream.send_frame(body)
+        for body in bodies:
+            self.observer.frame_sent(self.host.peer_id, len(body) + 4)
+        await stream.send_frames(bodies)

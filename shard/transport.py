@@ -26,7 +26,7 @@ py-libp2p 0.8.1 quirks handled here:
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Protocol
@@ -92,6 +92,8 @@ class FrameEndpoint(Protocol):
     def remote_peer_id(self) -> str: ...
 
     async def send_frame(self, body: bytes) -> None: ...
+
+    async def send_frames(self, bodies: Sequence[bytes]) -> None: ...  # in order, as if sent one by one
 
     async def recv_frame(self, max_frame_bytes: int) -> bytes: ...
 
@@ -161,10 +163,18 @@ class FramedStream:
 
     async def send_frame(self, body: bytes) -> None:
         """Write one frame: ">I" length prefix + body, as a single write."""
-        check_frame_length(len(body), MAX_FRAME_BYTES_LIMIT)
+        await self.send_frames((body,))
+
+    async def send_frames(self, bodies: Sequence[bytes]) -> None:
+        """Write frames back to back, each ">I" length prefix + body, as a single write: one
+        yamux frame, noise message and send call (each ~0.1 ms of a stage's trio thread) for a
+        forward's outputs instead of one per frame; the reader sees the same bytes."""
+        for body in bodies:
+            check_frame_length(len(body), MAX_FRAME_BYTES_LIMIT)
+        data = b"".join(part for body in bodies for part in (FRAME_PREFIX.pack(len(body)), body))
         async with self._send_lock:
             try:
-                await self._stream.write(FRAME_PREFIX.pack(len(body)) + body)
+                await self._stream.write(data)
             except _STREAM_GONE as exc:
                 raise StreamClosedError(self._remote_peer_id, _gone_reason(exc), 0, 0) from exc
 

@@ -244,3 +244,28 @@ def test_memory_pair_has_the_same_bound_and_close_semantics():
             await b.recv_frame(4)
 
     run(main)
+
+
+def test_frames_sent_in_one_write_arrive_as_the_same_frames_in_order():
+    # Guards: a stage's batch of outputs written as one (send_frames) being read back merged,
+    # split or reordered (an empty body, small decode-sized bodies and one spanning many
+    # yamux/Noise chunks share the write); the receiver reads them with recv_frame as ever.
+    bodies = [b"", bytes([7]) * 2858, bytes(range(256)) * 1200, b"last"]
+
+    async def main():
+        async with open_host(keypair(13)) as server, open_host(keypair(14)) as client:
+            got: list[bytes] = []
+
+            async def sink(stream: FramedStream) -> None:
+                for _ in range(len(bodies) + 1):
+                    got.append(await stream.recv_frame(MAX_FRAME))
+                await stream.send_frame(b"done")
+
+            server.set_handler("/sink/1", sink)
+            stream = await client.open_stream(server.addrs[0], "/sink/1")
+            await stream.send_frames(bodies)
+            await stream.send_frames([b"after"])
+            assert await stream.recv_frame(16) == b"done"
+            assert got == [*bodies, b"after"]
+
+    run(main)
