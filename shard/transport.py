@@ -58,6 +58,7 @@ from shard.wire.limits import FRAME_PREFIX  # ">I": body length, big-endian uint
 log = logging.getLogger(__name__)
 
 MAX_FRAME_BYTES_LIMIT = 2**32 - 1  # the most a ">I" prefix can announce
+READ_AHEAD_BYTES = 64 << 10  # the least a frame read asks yamux for (FramedStream._read_exactly)
 SECURITY_PROTOCOL = str(NOISE_PROTOCOL_ID)  # "/noise"
 MUXER_PROTOCOL = str(YAMUX_PROTOCOL_ID)  # "/yamux/1.0.0"
 
@@ -133,6 +134,7 @@ class FramedStream:
         self._stream = stream
         self._send_lock = trio.Lock()  # concurrent senders would interleave partial writes
         self._recv_lock = trio.Lock()
+        self._ahead, self._ahead_at = b"", 0  # bytes read past the last frame asked for, from _ahead_at
         self._remote_peer_id = _authenticated_peer(stream)
 
     @property
@@ -195,17 +197,22 @@ class FramedStream:
             raise FrameTimeoutError(self._remote_peer_id, FRAME_PREFIX.size + got[0], total, deadline.seconds(length))
 
     async def _read_exactly(self, n: int, already: int, total: int, progress: list[int] | None = None) -> bytes:
-        # yamux returns whatever is buffered (up to n), so a frame comes in several reads.
+        # yamux returns whatever is buffered (up to n), so a frame comes in several reads; each
+        # asks for READ_AHEAD_BYTES at least: a small frame's prefix read takes its body and the
+        # frames written with it too (one yamux read for them all, not two or more a frame).
         # `progress[0]`: bytes read so far, for the caller's error if a deadline cuts this off.
-        chunks: list[bytes] = []
-        got = 0
+        first = self._ahead[self._ahead_at:self._ahead_at + n]  # read ahead before
+        self._ahead_at += len(first)
+        chunks, got = [first] if first else [], len(first)
         while got < n:
             try:
-                chunk = await self._stream.read(n - got)
+                chunk = await self._stream.read(max(n - got, READ_AHEAD_BYTES))
             except _STREAM_GONE as exc:
                 raise StreamClosedError(self._remote_peer_id, _gone_reason(exc), already + got, total) from exc
             if not chunk:
                 raise StreamClosedError(self._remote_peer_id, "closed", already + got, total)
+            if len(chunk) > n - got:
+                self._ahead, self._ahead_at, chunk = chunk, n - got, chunk[:n - got]
             chunks.append(chunk)
             got += len(chunk)
             if progress is not None:
