@@ -14,7 +14,10 @@ ring id order:
    it is dropped (its jobs move to the other rings).
 3. While there are fewer than `max_rings` (0: no limit), another ring is chosen by the
    topology selector over the nodes still free, if it leaves `ring_spares` nodes free for
-   the roles (default: one hot standby per stage of the first ring). A node that holds the
+   the roles (default: one hot standby per stage of the first ring). Where the selector's
+   fastest ring would take a node without which a further ring could form, and none can
+   with it, the fastest ring without one of its nodes is taken instead (`leave_room`): the
+   pool's count of rings first, each ring's speed after. A node that holds the
    whole model alone is a one-stage ring of its own (what a "decode-only replica" was
    meant to be). A pool whose rings reach a stage through a relay keeps to one ring: the
    relay role is carried by formation.decide's single ring only (roles here are assigned
@@ -112,6 +115,10 @@ def decide_rings(snapshot: Snapshot, members: frozenset[PeerId], config: SwarmCo
         if isinstance(d, NoRing):
             no_ring_reason = d.reason
             break
+        if config.max_rings == 0 or len(kept) + len(formed) + 1 < config.max_rings:
+            spares = config.ring_spares if config.ring_spares is not None else len(
+                _first_stages(current, kept, formed) if kept or formed else d.stages)
+            d = leave_room(lambda pool: _form_one(snapshot, pool, config, model, None, epoch), frozenset(free), d, spares)
         if kept or formed:
             if d.assignments and _relayed(d.assignments) or any(
                     _relayed(current[rid].ring.assignments) for rid in kept) or any(_relayed(f.assignments) for _, f in formed):
@@ -189,6 +196,24 @@ def single_ring(decision: RingsDecision | NoRing, current: Mapping[int, Current]
     if any(rid != 0 for rid in current):
         return False
     return isinstance(decision, NoRing) or decision.ring_ids() == (0,)
+
+
+def leave_room(form: Callable[[frozenset[PeerId]], Formation | NoRing], free: frozenset[PeerId], best: Formation,
+               spares: int) -> Formation:
+    """Pure. `best` (the selector's ring over `free`), unless it takes a node the next ring
+    needs: when no ring forms over the nodes it leaves (with `spares` left over beside it)
+    but one does once the ring is chosen without one of `best`'s nodes, that ring (the
+    fastest predicted such). One whole-model node and two half-model nodes hold two rings,
+    but the fastest single ring may seat the whole-model node beside a half-model one."""
+    def another(ring: Formation) -> bool:
+        rest = free - {p for p, _ in ring.stages}
+        after = form(rest) if rest else None
+        return after is not None and not isinstance(after, NoRing) and len(rest) - len(after.stages) >= spares
+    if another(best):
+        return best
+    options = [d for peer in sorted({p for p, _ in best.stages})
+               if not isinstance(d := form(free - {peer}), NoRing) and another(d)]
+    return min(options, key=lambda d: (d.plan.total_s, tuple(p for p, _ in d.stages)), default=best)
 
 
 def _form_one(snapshot: Snapshot, pool: frozenset[PeerId], config: SwarmConfig, model: ModelIdentity,
