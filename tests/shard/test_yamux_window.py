@@ -9,6 +9,7 @@ stays within MAX_STREAM_BUFFER_BYTES, and the connection still carries another s
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import struct
@@ -25,27 +26,38 @@ DATA_HEADER = struct.Struct("!BBHII")  # version, type (0 = DATA), flags, stream
 CHUNK = 1 << 20
 
 
+@contextlib.asynccontextmanager
+async def _sink_pair(echo_bytes: int):
+    """(server, client, a client stream on the server's /sink/1, which never reads it); the
+    server's /echo/1 sends back one frame of up to `echo_bytes`."""
+    async def echo(stream):
+        await stream.send_frame(await stream.recv_frame(echo_bytes))
+
+    async with open_host(keypair_from_seed(os.urandom(32))) as server, \
+            open_host(keypair_from_seed(os.urandom(32))) as client:
+        server.set_handler("/sink/1", lambda stream: trio.sleep_forever())
+        server.set_handler("/echo/1", echo)
+        await client.connect(server.addrs[0])
+        yield server, client, await client.open_stream(server.peer_id, "/sink/1")
+
+
+def _buffered(server, client) -> list[int]:
+    """Bytes the server's muxer holds per stream of its connection from `client`."""
+    [conn] = server._host.get_network().connections[client._host.get_id()]
+    return [len(b) for b in conn.muxed_conn.stream_buffers.values()]
+
+
 def test_a_stream_past_its_window_is_cut_not_buffered():
     async def main():
-        async with open_host(keypair_from_seed(os.urandom(32))) as server, \
-                open_host(keypair_from_seed(os.urandom(32))) as client:
-            server.set_handler("/sink/1", lambda stream: trio.sleep_forever())
-
-            async def echo(stream):
-                await stream.send_frame(await stream.recv_frame(1 << 10))
-
-            server.set_handler("/echo/1", echo)
-            with trio.fail_after(30):
-                await client.connect(server.addrs[0])
-                sink = await client.open_stream(server.peer_id, "/sink/1")
+        with trio.fail_after(30):
+            async with _sink_pair(1 << 10) as (server, client, sink):
                 await sink.send_frame(b"hello")
                 muxed = sink._stream.muxed_conn
                 stream_id = sink._stream.muxed_stream.stream_id
                 for _ in range(48):
                     await muxed.secured_conn.write(DATA_HEADER.pack(0, 0, 0, stream_id, CHUNK) + bytes(CHUNK))
                 await trio.testing.wait_all_tasks_blocked(cushion=0.2)
-                [conn] = server._host.get_network().connections[client._host.get_id()]
-                buffered = max((len(b) for b in conn.muxed_conn.stream_buffers.values()), default=0)
+                buffered = max(_buffered(server, client), default=0)
                 assert buffered <= MAX_STREAM_BUFFER_BYTES
                 other = await client.open_stream(server.peer_id, "/echo/1")
                 await other.send_frame(b"still here")
@@ -67,17 +79,8 @@ def test_an_unread_stream_buffers_no_more_than_the_window_it_granted(caplog):
     # And the 764 frames dropped cost one log line, not one each (the node's log grew
     # 480 KB in that bench run).
     async def main():
-        async with open_host(keypair_from_seed(os.urandom(32))) as server, \
-                open_host(keypair_from_seed(os.urandom(32))) as client:
-            server.set_handler("/sink/1", lambda stream: trio.sleep_forever())
-
-            async def echo(stream):
-                await stream.send_frame(await stream.recv_frame(64 << 20))
-
-            server.set_handler("/echo/1", echo)
-            with trio.fail_after(60):
-                await client.connect(server.addrs[0])
-                sink = await client.open_stream(server.peer_id, "/sink/1")
+        with trio.fail_after(60):
+            async with _sink_pair(64 << 20) as (server, client, sink):
                 muxed = sink._stream.muxed_conn
                 stream_id = sink._stream.muxed_stream.stream_id
                 frame = 1 << 16
@@ -85,8 +88,7 @@ def test_an_unread_stream_buffers_no_more_than_the_window_it_granted(caplog):
                     async with muxed._write_lock:
                         await muxed.secured_conn.write(DATA_HEADER.pack(0, 0, 0, stream_id, frame) + bytes(frame))
                 await trio.testing.wait_all_tasks_blocked(cushion=0.2)
-                [conn] = server._host.get_network().connections[client._host.get_id()]
-                buffered = max(len(b) for b in conn.muxed_conn.stream_buffers.values())
+                buffered = max(_buffered(server, client))
                 big = os.urandom(40 << 20)
                 other = await client.open_stream(server.peer_id, "/echo/1")
                 await other.send_frame(big)
