@@ -68,7 +68,7 @@ _ARRIVED: ContextVar[tuple[tuple[int, ...], str]] = ContextVar("arrived_burst", 
 _NEXT: ContextVar[tuple[int, ...]] = ContextVar("next_burst", default=())
 
 
-def note_arrived(burst: tuple[int, ...], job_id: str = "") -> None:
+def note_arrived(burst: tuple[int, ...], job_id: str) -> None:
     """The calling job task (of job `job_id`) took a Result of this burst (its next ask belongs to it)."""
     _ARRIVED.set((tuple(burst), job_id))
 
@@ -89,15 +89,14 @@ class _Burst:
     size: int
     received: set[str] = field(default_factory=set)  # jobs whose Result of it reached their inbox
     skipped: set[str] = field(default_factory=set)  # jobs that took theirs as stale (no ask to come)
-    asked: int = 0  # its asks
-    asked_jobs: set[str] = field(default_factory=set)
+    asked_jobs: set[str] = field(default_factory=set)  # jobs that asked with it (one ask each: the next has no burst)
     first_asked_s: float | None = None  # trio time of its first ask
     seen_s: float = 0.0  # trio time it was first heard of (received or asked)
 
     def deadline_s(self, burst_wait_s: float, waiting_jobs: set[str]) -> float | None:
         """Until when a product waits for its rest (None: nothing to wait for); `waiting_jobs`
         have an ask in this product already (their next ask comes after it)."""
-        if self.first_asked_s is None or self.asked >= self.size:
+        if self.first_asked_s is None or len(self.asked_jobs) >= self.size:
             return None
         in_hand = self.received - self.asked_jobs - self.skipped - waiting_jobs
         return self.first_asked_s + (IN_HAND_WAIT_S if in_hand else burst_wait_s)
@@ -217,7 +216,6 @@ class HeadBatcher:
         self._asked = trio.Event()
         if len(burst) == 2 and burst[1] > 1:
             entry = self._entry(burst)
-            entry.asked += 1
             entry.asked_jobs.add(job_id)
             if entry.first_asked_s is None:
                 entry.first_asked_s = trio.current_time()
