@@ -145,7 +145,7 @@ def _repairs(previous: Plan, network: Network, model: ModelSpec, workload: Workl
     on_ring = {s.peer for s in stages if isinstance(s, Stage)}
     out: list[list[Stage]] = []
     outsiders = sorted((n for n in network.nodes if n.peer not in on_ring), key=lambda n: n.peer)
-    caps = {n.peer: max_layers(n, model, workload) for n in outsiders}
+    caps = {n.peer: max_layers(n, model, workload, head=gap == 0) for n in outsiders}
     for node in outsiders:
         if caps[node.peer] >= len(hole):
             out.append(_fill(stages, gap, [Stage(node.peer, hole)]))

@@ -15,6 +15,7 @@ exact search cheap. Knows nothing of how a ring is chosen.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -24,11 +25,12 @@ from ring.plan import Hop, Plan, Stage, StageTiming
 from ring.spec import ModelSpec, Workload
 
 
-def max_layers(node: NodeInfo, model: ModelSpec, workload: Workload) -> int:
+def max_layers(node: NodeInfo, model: ModelSpec, workload: Workload, head: bool = False) -> int:
     """How many layers fit in the node's memory with their KV cache for the whole context
-    (each layer's weights as the node holds them: a quantised node seats more)."""
-    return min(model.num_layers,
-               node.memory_bytes // model.layer_bytes_with_kv(workload.context_tokens, node.bytes_per_layer))
+    (each layer's weights as the node holds them: a quantised node seats more); `head`:
+    as the ring's head stage, which holds the token embedding too (model.head_bytes)."""
+    room = node.memory_bytes - (model.head_bytes if head else 0)
+    return max(0, min(model.num_layers, room // model.layer_bytes_with_kv(workload.context_tokens, node.bytes_per_layer)))
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,11 @@ class NodeTerms:
     chunk_per_layer_s: float  # P: one layer's compute per prefill chunk (bottleneck candidate)
     chunk_send_s: float  # S: serialising one chunk (bottleneck candidate)
     cap_layers: int
+    head_cap_layers: int = -1  # as the head stage (with the embedding); -1: as cap_layers
+
+    def as_head(self) -> "NodeTerms":
+        """These terms with the cap of a head stage."""
+        return self if self.head_cap_layers < 0 else dataclasses.replace(self, cap_layers=self.head_cap_layers)
 
     @classmethod
     def of(cls, node: NodeInfo, model: ModelSpec, workload: Workload) -> "NodeTerms":
@@ -54,6 +61,7 @@ class NodeTerms:
             chunk_per_layer_s=chunk_layer,
             chunk_send_s=chunk_send,
             cap_layers=max_layers(node, model, workload),
+            head_cap_layers=max_layers(node, model, workload, head=True),
         )
 
 
@@ -68,12 +76,13 @@ def check_stages(stages: Sequence[Stage], network: Network, model: ModelSpec, wo
     if not stages:
         raise InvalidInputError("ring", "no stages")
     expected = 0
-    for stage in stages:
+    for index, stage in enumerate(stages):
         if stage.layers.start != expected:
             raise InvalidInputError("ring layer coverage", f"{stage.peer} starts at {stage.layers.start}, expected {expected}")
         expected = stage.layers.end
-        if len(stage.layers) > max_layers(network.node(stage.peer), model, workload):
-            raise InvalidInputError("ring memory", f"{stage.peer} cannot hold {len(stage.layers)} layers")
+        if len(stage.layers) > max_layers(network.node(stage.peer), model, workload, head=index == 0):
+            what = " and the token embedding" if index == 0 and model.head_bytes else ""
+            raise InvalidInputError("ring memory", f"{stage.peer} cannot hold {len(stage.layers)} layers{what}")
     if expected != model.num_layers:
         raise InvalidInputError("ring layer coverage", f"ends at {expected}, model has {model.num_layers}")
     if len({s.peer for s in stages}) != len(stages):

@@ -69,23 +69,25 @@ def oracle_ring(network: Network, model: ModelSpec, workload: Workload,
         raise InfeasibleError(f"pinned node {constraints.pinned} cannot hold one layer", len(network.nodes))
     coord_chunk_s, _ = coordinator_sends(network, model, workload)
     best: Plan | None = None
-    path_cache: dict[frozenset[int], tuple[float, tuple[int, ...]]] = {}
+    path_cache: dict[tuple[frozenset[int], int], tuple[float, tuple[int, ...]]] = {}
     for latency, indices in _orders(nodes, network, constraints, limit):
         order = tuple(nodes[i] for i in indices)
         if enumerate_splits:
-            caps = [max_layers(n, model, workload) for n in order]
+            caps = [max_layers(n, model, workload, head=i == 0) for i, n in enumerate(order)]
             for sizes in _compositions(model.num_layers, len(order), caps):
                 plan = evaluate(_stages(order, sizes), network, model, workload)
                 if best is None or plan.total_s < best.total_s:
                     best = plan
             continue
-        # The split depends on the set only, latency on the order only: keep each set's best order.
-        key = frozenset(indices)
+        # The split depends on the set and its head only (the head holds the embedding too),
+        # latency on the order only: keep the best order of each set and head.
+        key = (frozenset(indices), indices[0])
         if key not in path_cache or latency < path_cache[key][0]:
             path_cache[key] = (latency, indices)
     for _, indices in path_cache.values():
         order = tuple(nodes[i] for i in indices)
         terms = [NodeTerms.of(n, model, workload) for n in order]
+        terms[0] = terms[0].as_head()
         alloc = allocate(terms, model.num_layers, workload.num_chunks - 1, coord_chunk_s)
         if alloc is None:
             continue

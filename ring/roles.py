@@ -54,7 +54,7 @@ def assign_roles(plan: Plan, network: Network, model: ModelSpec, workload: Workl
         source_upload = network.node(stage.peer).upload_bytes_per_s
         fits = [(fetch_s(n, stage.layers, model, source_upload), n.peer, n) for n in spare
                 if n.peer not in roles and n.subnet not in others
-                and max_layers(n, model, workload) >= len(stage.layers)]
+                and max_layers(n, model, workload, head=index == 0) >= len(stage.layers)]
         for seconds, peer, _ in sorted(fits)[: policy.standbys_per_stage]:
             roles[peer] = Role(RoleKind.HOT_STANDBY,
                                f"fits stage {index}'s {len(stage.layers)} layers {stage.layers}; "

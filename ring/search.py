@@ -93,10 +93,11 @@ class Problem:
     def can_end(self, i: int) -> bool:
         return not self.constraints.trusted_ends or self.nodes[i].trusted
 
-    def allocation(self, members: Sequence[int]) -> Allocation | None:
-        key = tuple(sorted(members))
+    def allocation(self, members: Sequence[int], head: int) -> Allocation | None:
+        """The best split over `members` (in sorted order) with `head` holding the embedding too."""
+        key = (*sorted(members), head)
         if key not in self._alloc:
-            terms = [self.terms[i] for i in key]
+            terms = [self.terms[i].as_head() if i == head else self.terms[i] for i in key[:-1]]
             self._alloc[key] = allocate(terms, self.model.num_layers, self.extra_chunks, self.floor_s)
         return self._alloc[key]
 
@@ -106,7 +107,7 @@ class Problem:
             return None
         if self.constraints.one_per_subnet and len({self.nodes[i].subnet for i in order}) < len(order):
             return None
-        alloc = self.allocation(order)
+        alloc = self.allocation(order, order[0])
         if alloc is None:
             return None
         cost = ((1 + self.rounds) * self.path_latency(order) + self.constant_s
@@ -161,8 +162,9 @@ class Problem:
                        if mask >> j & 1 and dp[mask][j] < inf and self.can_end(cands[j])]
             if not closing or sum(self.terms[c].cap_layers for c in members) < self.model.num_layers:
                 continue
-            latency, last = min(closing)
-            bounds.append((self._lower_bound(members, latency), mask, last))
+            # Every closing node, not only the nearest: its path starts at another head, and
+            # where the nearest path's head cannot hold the embedding another's may.
+            bounds += [(self._lower_bound(members, latency), mask, last) for latency, last in closing]
         bounds.sort()
         best: Choice | None = None
         best_cost = inf

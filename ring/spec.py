@@ -21,12 +21,15 @@ class ModelSpec:
     kv_bytes_per_token_layer: int  # K and V for one position of one layer
     activation_bytes_per_token: int  # one hidden state on the wire, in the chosen wire dtype
     token_id_bytes: int = 4  # what the coordinator sends the head per token (int32 ids)
+    # What the head stage holds beyond its layers: the token embedding as stored
+    # (SmolLM2 f32: 113 MB, ~8 of its 30 layers; Llama-70B f16: 2.1 GB, more than one).
+    head_bytes: int = 0
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "bytes_per_layer", "activation_bytes_per_token"):
             if getattr(self, name) <= 0:
                 raise InvalidInputError(f"model {name}", getattr(self, name))
-        for name in ("kv_bytes_per_token_layer", "token_id_bytes"):
+        for name in ("kv_bytes_per_token_layer", "token_id_bytes", "head_bytes"):
             if getattr(self, name) < 0:
                 raise InvalidInputError(f"model {name}", getattr(self, name))
 

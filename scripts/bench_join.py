@@ -63,16 +63,17 @@ from tests.e2e.test_standby_ring import TAKEOVER_ENGINE, death_to_next_token  # 
 PROMPT = [1, 504, 3458, 282, 260, 2657, 4365, 30]  # a few SmolLM2 token ids
 
 
-def per_layer_memory(store: ModelStore) -> int:
-    """One layer with the K/V of the selector's workload: what `max_memory_bytes` must
-    hold per layer for the selector to seat it (as tests/e2e/ringkit.memory_for_stages)."""
+def per_layer_memory(store: ModelStore) -> tuple[int, int]:
+    """(one layer with the K/V of the selector's workload: what `max_memory_bytes` must
+    hold per layer for the selector to seat it, the embedding a head stage holds besides)
+    (as tests/e2e/ringkit.memory_for_stages)."""
     topo = TopologyConfig()
     spec = model_spec(store, "f32", topo.kv_bytes_per_value)
-    return spec.bytes_per_layer + spec.kv_bytes_per_token_layer * (topo.prompt_tokens + topo.output_tokens)
+    return spec.bytes_per_layer + spec.kv_bytes_per_token_layer * (topo.prompt_tokens + topo.output_tokens), spec.head_bytes
 
 
 async def _join(store: ModelStore, args: argparse.Namespace, seeders: int) -> dict:
-    per_layer = per_layer_memory(store)
+    per_layer, head = per_layer_memory(store)
     newcomer_layers = args.newcomer_layers
     tokenizer = AutoTokenizer.from_pretrained(str(store.tokenizer_dir))
     config = CoordConfig(listen=LOOPBACK_ANY_PORT, min_nodes=1, swarm=SwarmConfig(),
@@ -80,7 +81,7 @@ async def _join(store: ModelStore, args: argparse.Namespace, seeders: int) -> di
     shaped = {"link_upload_mbps": args.uplink_mbps}
     # The anchor fits every layer but the newcomer's; the extra seeders fit none (they hold
     # the model on disk only), so the one ring is anchor + newcomer.
-    holders = [{"max_memory_bytes": per_layer * (store.num_layers - newcomer_layers) + per_layer // 2, **shaped}]
+    holders = [{"max_memory_bytes": per_layer * (store.num_layers - newcomer_layers) + per_layer // 2 + head, **shaped}]
     holders += [{"max_memory_bytes": per_layer // 2, **shaped}] * (seeders - 1)
     with tempfile.TemporaryDirectory(prefix="bench_join_") as empty:
         async with open_coordinator(config, store, tokenizer, keypair_from_seed(os.urandom(32))) as coordinator:
@@ -158,8 +159,8 @@ def join_from_seeders(args: argparse.Namespace, seeders: int) -> dict:
 def stage_death(args: argparse.Namespace, with_standby: bool) -> dict:
     """Seconds from a stage's death to the next token, with or without a hot standby for it."""
     store = prepare(args.model, default_store_dir(args.model), progress=False).store
-    per_layer = per_layer_memory(store)
-    node_config = {"max_memory_bytes": per_layer * -(-store.num_layers // 2) + per_layer // 2,
+    per_layer, head = per_layer_memory(store)
+    node_config = {"max_memory_bytes": per_layer * -(-store.num_layers // 2) + per_layer // 2 + head,
                    "link_upload_mbps": args.uplink_mbps}
 
     async def run() -> dict:

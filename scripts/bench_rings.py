@@ -78,12 +78,12 @@ def request_mix(tokenizer) -> list[dict]:
 
 
 def half_model_bytes(store: ModelStore) -> int:
-    """Memory for half the layers with their K/V for the planner's workload (as
-    tests/e2e/ringkit.memory_for_stages(store, 2))."""
+    """Memory for half the layers with their K/V for the planner's workload and the token
+    embedding a head holds besides (as tests/e2e/ringkit.memory_for_stages(store, 2))."""
     topo = TopologyConfig()
     spec = model_spec(store, "f32", topo.kv_bytes_per_value)
     per_layer = spec.bytes_per_layer + spec.kv_bytes_per_token_layer * (topo.prompt_tokens + topo.output_tokens)
-    return per_layer * -(-store.num_layers // 2) + per_layer // 2
+    return per_layer * -(-store.num_layers // 2) + per_layer // 2 + spec.head_bytes
 
 
 class Pool:

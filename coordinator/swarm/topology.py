@@ -57,8 +57,8 @@ class TopologyConfig:
 
 
 def model_spec(store: ModelStore, wire_dtype: str, kv_bytes_per_value: int = 4) -> ModelSpec:
-    """The store's size facts: mean bytes per layer on disk, K+V per token per layer, and one
-    token's hidden state on the wire in `wire_dtype`."""
+    """The store's size facts: mean bytes per layer on disk, K+V per token per layer, one
+    token's hidden state on the wire in `wire_dtype`, and the embedding the head holds."""
     cfg, n = store.config, store.num_layers
     return ModelSpec(
         name=store.manifest.name,
@@ -66,6 +66,7 @@ def model_spec(store: ModelStore, wire_dtype: str, kv_bytes_per_value: int = 4) 
         bytes_per_layer=max(1, store.layer_bytes(LayerRange(0, n)) // n),
         kv_bytes_per_token_layer=2 * cfg.num_kv_heads * cfg.head_dim * kv_bytes_per_value,  # K and V
         activation_bytes_per_token=wire_bytes_per_token(cfg.hidden_size, wire_dtype),
+        head_bytes=store.embedding_bytes(),  # the head stage holds the embedding too (as stored)
     )
 
 

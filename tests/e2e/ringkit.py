@@ -68,7 +68,8 @@ async def generate_greedy_with_stats(engine, prompt: list[int], n: int) -> tuple
 
 def memory_for_stages(store, stages: int) -> int:
     """Memory to declare per node so that `stages` nodes are all needed: each holds at
-    most ceil(L / stages) layers plus their K/V for the planner's workload. On loopback
+    most ceil(L / stages) layers plus their K/V for the planner's workload, and the token
+    embedding besides, which whichever node is the head holds too. On loopback
     the selector rightly prefers fewer hops, so a test of an N-stage ring says so by
     giving nodes only the memory an N-way split needs (as small GPUs would)."""
     from coordinator.swarm.topology import TopologyConfig, model_spec
@@ -76,7 +77,7 @@ def memory_for_stages(store, stages: int) -> int:
     topo = TopologyConfig()
     spec = model_spec(store, "f32", topo.kv_bytes_per_value)
     per_layer = spec.bytes_per_layer + spec.kv_bytes_per_token_layer * (topo.prompt_tokens + topo.output_tokens)
-    return per_layer * -(-store.num_layers // stages) + per_layer // 2
+    return per_layer * -(-store.num_layers // stages) + per_layer // 2 + spec.head_bytes
 
 
 @contextlib.asynccontextmanager

@@ -104,3 +104,33 @@ def test_a_node_holding_smaller_layers_seats_more_and_the_ring_needs_fewer_stage
     assert [(s.peer, len(s.layers)) for s in plan.stages] == [(A, 4)]
     with pytest.raises(InvalidInputError):
         replace(f32, bytes_per_layer=-1)
+
+
+def test_the_head_stage_seats_its_layers_beside_the_embedding():
+    """Guards ModelSpec.head_bytes: the head stage holds the token embedding as well as its
+    layers, so its node seats fewer of them there, and a node with no room for the
+    embedding is never the head. Before, one node with memory for every layer (but not the
+    embedding too) was planned as a one-stage ring, and the selector took the nearest path's
+    head whether or not the embedding fitted there."""
+    from dataclasses import replace
+
+    from ring import InvalidInputError, Stage, evaluate, select_ring
+    from ring.cost import max_layers
+    from shard.layers import LayerRange
+
+    work = Workload(10, 2)
+    per_layer = MODEL.layer_bytes_with_kv(work.context_tokens)
+    model = replace(MODEL, head_bytes=per_layer + 1)  # a layer's worth and a byte
+    big = NodeInfo(A, MODEL.num_layers * per_layer, 0.01, 0.001, 1e6, 1e7, "x")  # every layer, not the embedding too
+    small = NodeInfo(B, 2 * per_layer, 0.01, 0.001, 1e6, 1e7, "y")  # two layers, no room for the embedding too
+    assert max_layers(big, model, work) == 4 and max_layers(big, model, work, head=True) == 2
+    assert max_layers(small, model, work, head=True) == 0
+    # The shortest path over both starts at the small node (C -> B -> A -> C).
+    lat = LatencyMatrix({(C, B): 0.001, (B, A): 0.001, (A, C): 0.001, (C, A): 0.001, (A, B): 0.05, (B, C): 0.05})
+    network = Network(C, (big, small), lat)
+    alone = select_ring(network, MODEL, work)
+    assert [(s.peer, len(s.layers)) for s in alone.stages] == [(A, 4)]  # no embedding counted: one stage
+    plan = select_ring(network, model, work)
+    assert [(s.peer, len(s.layers)) for s in plan.stages] == [(A, 2), (B, 2)]
+    with pytest.raises(InvalidInputError, match="token embedding"):
+        evaluate([Stage(A, LayerRange(0, 4))], network, model, work)

@@ -21,7 +21,8 @@ def pools(draw, max_nodes: int = 5, max_layers: int = 6, allow_missing_links: bo
     """(network, model, workload) with every quantity drawn from a small, varied range."""
     num_layers = draw(st.integers(2, max_layers))
     model = ModelSpec("tiny", num_layers, bytes_per_layer=1000, kv_bytes_per_token_layer=1,
-                      activation_bytes_per_token=draw(st.sampled_from([64, 512, 4096])))
+                      activation_bytes_per_token=draw(st.sampled_from([64, 512, 4096])),
+                      head_bytes=draw(st.sampled_from([0, 0, 700, 2500])))  # the head's embedding
     workload = Workload(prompt_tokens=draw(st.integers(1, 4000)), output_tokens=draw(st.integers(1, 300)),
                         prefill_chunk_tokens=draw(st.sampled_from([128, 512])), round_tokens=4,
                         expected_tokens_per_traversal=2.0)
@@ -73,7 +74,7 @@ def test_plans_respect_every_constraint(pool, data):
     covered = [layer for stage in plan.stages for layer in stage.layers]
     assert covered == list(range(model.num_layers))
     nodes = [network.node(p) for p in plan.peers]
-    assert all(len(s.layers) <= max_layers(n, model, workload) for s, n in zip(plan.stages, nodes))
+    assert all(len(s.layers) <= max_layers(n, model, workload, head=i == 0) for i, (s, n) in enumerate(zip(plan.stages, nodes)))
     assert len({n.subnet for n in nodes}) == len(nodes)
     if constraints.pinned:
         assert constraints.pinned in plan.peers
