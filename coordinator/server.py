@@ -34,6 +34,9 @@ async def serve_coordinator(config: CoordConfig, task_status=trio.TASK_STATUS_IG
     function returning once a ring is formed)), once the local ring is ready when there is one."""
     from transformers import AutoTokenizer
 
+    config = dataclasses.replace(config, engine=dataclasses.replace(
+        config.engine, max_groups=local_groups(config.engine.max_groups, config.local_nodes,
+                                               emulated=config.engine.link_latency_ms > 0)))
     store = await trio.to_thread.run_sync(lambda: open_or_prepare(config.model, config.store_dir))
     if config.local_nodes:  # a --node-quant the store cannot run: one line now, not N failed nodes
         effective_scheme(store.manifest.quant, config.node_quant)
@@ -57,6 +60,16 @@ async def serve_coordinator(config: CoordConfig, task_status=trio.TASK_STATUS_IG
         key = coordinator.receipts.key.public_bytes().hex() if coordinator.receipts is not None else None
         task_status.started((http_port, coordinator.addr, coordinator.engine.model_id, key, coordinator.swarm.wait_ring))
         await trio.sleep_forever()
+
+
+def local_groups(max_groups: int, local_nodes: int, *, emulated: bool = False, cores: int | None = None) -> int:
+    """--max-groups as the engine takes it: -1 (auto) is this machine's cores where its local
+    nodes and the gateway (each a process wanting a core) outnumber them, else no bound (0);
+    local nodes on emulated WAN links stand for separate machines, so no bound there either."""
+    if max_groups >= 0:
+        return max_groups
+    cores = cores or os.cpu_count() or 1
+    return cores if local_nodes and not emulated and local_nodes + 1 > cores else 0
 
 
 async def run_local_node(config: CoordConfig, store_dir, coordinator_addr: str, index: int) -> None:

@@ -78,6 +78,13 @@ class EngineConfig:
     # local nodes the same bound (shard-node join --burst-wait-ms).
     burst_wait_ms: float = option(2.0, "how long the head product (and each local node's forward) waits for the "
                                        "rest of a burst of results (frames) that arrived together (0: never)")
+    # Where the ring's stages share a few cores (serve's local nodes on a small machine), more
+    # groups of jobs in flight than cores make every forward smaller (coordinator.jobs.head_batch).
+    max_groups: int = option(-1, "most groups of jobs in flight: an LM-head product waits (up to --group-wait-ms) "
+                                 "until its jobs are 1/N of those running (0: no bound; default -1: the machine's "
+                                 "cores where serve's --local-nodes (on loopback, not emulated links) and the gateway "
+                                 "outnumber them, else no bound)")
+    group_wait_ms: float = option(120.0, "longest an LM-head product waits to gather a group (--max-groups)")
     draft: str = option("hybrid", "speculative drafter (hybrid = n-gram and the EAGLE head, routed per round)",
                         choices=("none", "ngram", "eagle", "hybrid"))
     eagle_head: str | None = option(None, "EAGLE head directory (default: the head shipped for the model)")
@@ -92,6 +99,9 @@ class EngineConfig:
                                         "earlier ones are verified (1 = no pipelining)", flag="--pipeline-depth")
 
     def __post_init__(self) -> None:
+        if self.max_groups < -1 or self.group_wait_ms < 0:
+            raise ValueError(f"max groups must be -1 (auto), 0 (no bound) or more, got {self.max_groups}; "
+                             f"group wait must be >= 0 ms, got {self.group_wait_ms}")
         if not 1 <= self.max_pipeline_depth <= MAX_PIPELINE_DEPTH:
             raise ValueError(f"pipeline depth (rounds in flight) must be 1..{MAX_PIPELINE_DEPTH}, "
                              f"got {self.max_pipeline_depth}")

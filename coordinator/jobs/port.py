@@ -57,6 +57,11 @@ class JobPort(Protocol):
         it is one, so nobody decodes our own frame again). Raises TransportError."""
         ...
 
+    def leave_burst(self, burst: tuple[int, ...]) -> None:
+        """The job sends no frame for this head product's burst (coordinator.jobs.burst_gate)
+        after all: the product's other frames need not wait for one. Never blocks."""
+        ...
+
     def round_timer(self, ring: RingState, shape: Traversal) -> AbstractContextManager[None]:
         """As trio.fail_after, for a round of `shape` (its traversal_s and compute_s unused)
         on `ring`: raises trio.TooSlowError out of the block once the round is missed

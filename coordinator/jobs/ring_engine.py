@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 import os
 from contextlib import suppress
-from dataclasses import dataclass
 from typing import Any
 
 import trio
@@ -35,11 +34,12 @@ from coordinator.jobs.release_gate import ReleaseGate
 from coordinator.jobs.ring_job import RingJob
 from coordinator.jobs.ring_router import RingRouter
 from coordinator.spec.sampling import SamplingParams
+from coordinator.jobs.burst_gate import BurstGate
+from coordinator.jobs.engine_port import EnginePort
 from coordinator.jobs.head_batch import HeadBatcher
 from coordinator.jobs.heap_sweep import sweep_heap
 from coordinator.jobs.liveness import Liveness
 from coordinator.swarm.swarm import RingState, Swarm
-from coordinator.swarm.topology import Traversal
 from ring import PeerId
 from shard.errors import DialError, ShardError, WireError
 from shard.layers import LayerRange
@@ -79,7 +79,8 @@ class RingEngine:
         self.observer = observer
         if observer is not NO_OBSERVER:
             self.head = ObservedHead(self.head, observer)
-        self.head_batch = HeadBatcher(self.head, burst_wait_s=config.burst_wait_ms / 1e3)  # (coordinator.jobs.head_batch)
+        self.head_batch = HeadBatcher(self.head, burst_wait_s=config.burst_wait_ms / 1e3, groups=max(config.max_groups, 0),
+                                      group_wait_s=config.group_wait_ms / 1e3)  # (coordinator.jobs.head_batch)
         self._jobs: dict[str, trio.MemorySendChannel] = {}
         self.jobs_ended = 0
         # Which of the swarm's rings each job runs on; one ring at a time with rounds the shadow recomputes.
@@ -91,6 +92,7 @@ class RingEngine:
         self.eagle_head = self._load_eagle(store)
         self._head_streams: dict[int, FramedStream] = {}
         self._send_lock = trio.Lock()
+        self.gate = BurstGate(self.send_bodies)  # a head product's next frames leave together (coordinator.jobs.burst_gate)
         self._links: trio.Nursery | None = None  # set by serve(); needed only for link emulation
         self.hop_times: dict[str, float] = {}
         # What finished jobs measured (acceptance per drafter, calibration, traversal time)
@@ -188,8 +190,8 @@ class RingEngine:
         return self.swarm.clocks.stage_offsets_s([p for p, _ in ring.stages]) if ring else None
 
     # -- frames ----------------------------------------------------------------------------
-    async def send_body(self, ring: RingState, body: bytes) -> None:
-        """Send an encoded frame body to the ring's head."""
+    async def send_bodies(self, ring: RingState, bodies: list[bytes]) -> None:
+        """Send encoded frame bodies to the ring's head, in one write."""
         async with self._send_lock:
             stream = self._head_streams.get(ring.epoch)
             if stream is None:
@@ -203,8 +205,9 @@ class RingEngine:
                 self.swarm.traversals.paths[(self.swarm.peer_id, ring.head)] = self.host.path_of(stream)
                 stream = await self._emulate(stream)
                 self._head_streams[ring.epoch] = stream
-            self.observer.frame_sent(self.host.peer_id, len(body) + 4)
-            await stream.send_frame(body)
+            for body in bodies:
+                self.observer.frame_sent(self.host.peer_id, len(body) + 4)
+            await stream.send_frames(bodies)
 
     async def serve(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Hand the swarm's job errors and ring changes to the jobs, and hold the nursery
@@ -355,46 +358,3 @@ class RingEngine:
         self.router.forget(job_id)
         if channel is not None:
             channel.close()
-
-
-@dataclass(frozen=True)
-class EnginePort:
-    """One job's port (coordinator.jobs.port.JobPort) onto the engine and its swarm."""
-
-    engine: RingEngine
-    job_id: str
-
-    @property
-    def ring(self) -> RingState | None:
-        return self.engine.router.ring_for(self.job_id)  # the job's own ring (coordinator.jobs.ring_router)
-
-    async def wait_ring(self) -> RingState:
-        return await self.engine.router.wait_ring(self.job_id)
-
-    async def wait_change(self, epoch: int, timeout_s: float) -> None:
-        await self.engine.swarm.wait_change(epoch, timeout_s)
-
-    async def wait_room(self, timeout_s: float) -> None:
-        """A stage refused this job for K/V: until its ring (or another) has room."""
-        self.engine.router.refused(self.job_id)
-        await self.engine.router.wait_room(self.job_id, timeout_s)
-
-    async def send_body(self, ring: RingState, body: bytes, sent: Forward | None = None) -> None:
-        await self.engine.send_body(ring, body)
-        self.engine.liveness.frame_sent(ring.epoch, body, sent)  # rows in flight, for other jobs' deadlines
-        await self.engine.shadow_feed(ring, body)  # before the job awaits its result
-
-    def round_timer(self, ring: RingState, shape: Traversal):
-        return self.engine.liveness.round_timer(ring, shape, self.job_id)
-
-    def round_missed(self, ring: RingState, round: int) -> None:
-        self.engine.round_missed(ring, round)
-
-    def record_traversal(self, t: Traversal) -> None:
-        self.engine.swarm.record_traversal(t)
-
-    def hand_back(self, epoch: int, learned: adapt.AdaptState) -> None:
-        self.engine.learned_adapt = (epoch, learned)
-
-    def close(self) -> None:
-        self.engine.close_job(self.job_id)

@@ -5,11 +5,9 @@ traversal (the root plus a draft; the accepted path and bonus token come back as
 block), keeps the rounds coordinator.jobs.pipeline decides on in flight when chains are
 likely to be accepted whole, hands the drafters what they observe, and starts over on
 whichever ring is current when its ring changes. Its counters are folded from round
-events (coordinator.jobs.job_stats). It receives through its own inbox and asks the
-engine only through its port (coordinator.jobs.port): it does not know the engine, the
-streams or the swarm. What a round's result passes before its rows become tokens
-(receipts, probation) is coordinator.jobs.release_gate's.
-"""
+events (coordinator.jobs.job_stats). It receives through its own inbox and asks the engine
+only through its port (coordinator.jobs.port), not knowing the engine, streams or swarm.
+What a round's result passes before its rows become tokens is coordinator.jobs.release_gate's."""
 
 from __future__ import annotations
 
@@ -367,7 +365,10 @@ class RingJob:
         return self.round
 
     async def _receive(self, ring: RingState, expected_round: int) -> Result:
-        """The Result of `expected_round` on `ring`, its receipts checked first (coordinator.jobs.release_gate)."""
+        """The Result of `expected_round` on `ring`, its receipts checked first (coordinator.jobs.release_gate).
+        A job that waits for a Result sends nothing more for its head product's burst (coordinator.jobs.burst_gate)."""
+        if burst := take_next_burst():
+            self.port.leave_burst(burst)
         return await receive_result(self.inbox, self.port, ring, expected_round, self.receipts,
                                     self.head.skipped if self.head is not None else None)
 

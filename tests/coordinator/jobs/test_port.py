@@ -10,7 +10,7 @@ from __future__ import annotations
 import inspect
 
 from coordinator.jobs.port import JobPort
-from coordinator.jobs.ring_engine import EnginePort
+from coordinator.jobs.engine_port import EnginePort
 
 
 def kind(owner: type, name: str) -> str:
