@@ -99,9 +99,10 @@ class EngineConfig:
                                         "earlier ones are verified (1 = no pipelining)", flag="--pipeline-depth")
 
     def __post_init__(self) -> None:
-        if self.max_groups < -1 or self.group_wait_ms < 0:
-            raise ValueError(f"max groups must be -1 (auto), 0 (no bound) or more, got {self.max_groups}; "
-                             f"group wait must be >= 0 ms, got {self.group_wait_ms}")
+        if self.max_groups < -1:
+            raise ValueError(f"max groups must be -1 (auto), 0 (no bound) or more, got {self.max_groups}")
+        if self.group_wait_ms < 0:
+            raise ValueError(f"group wait must be >= 0 ms, got {self.group_wait_ms}")
         if not 1 <= self.max_pipeline_depth <= MAX_PIPELINE_DEPTH:
             raise ValueError(f"pipeline depth (rounds in flight) must be 1..{MAX_PIPELINE_DEPTH}, "
                              f"got {self.max_pipeline_depth}")
