@@ -228,7 +228,7 @@ class HeadBatcher:
     def _note(self, burst: tuple[int, ...], job_id: str) -> None:
         self._asked.set()
         self._asked = trio.Event()
-        if job_id:
+        if job_id and self.groups > 0:  # pruned per product (_gather_group); kept only where it is read
             self._last_ask[job_id] = trio.current_time()
         if len(burst) == 2 and burst[1] > 1:
             entry = self._entry(burst)

@@ -64,8 +64,9 @@ def run_jobs(jobs: int, groups: int, rounds: int = 6, stagger_s: float = 0.02) -
 
 
 def test_groups_merge_until_there_are_as_many_as_asked_for():
-    head, _, _ = run_jobs(8, groups=0)
+    head, batcher, _ = run_jobs(8, groups=0)
     assert max(head.products) == 1  # staggered 20 ms apart, nothing ever merges
+    assert not batcher._last_ask  # no bound: no per-job record kept (it grew by every job ever served)
     head, _, _ = run_jobs(8, groups=2, rounds=12)
     steady = head.products[len(head.products) // 2:-2]
     assert len(steady) >= 4 and min(steady) >= 4  # at most two groups once merged (4 + 4, or 8)
