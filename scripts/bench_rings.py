@@ -54,9 +54,9 @@ from scripts.bench_load import cpu_s, rss_mb  # noqa: E402
 from scripts.load_clients import alone, closed_loop  # noqa: E402
 from scripts.cpu_quota import CpuQuotas, QuotaError, describe, throttling  # noqa: E402
 from coordinator.jobs.engine import encode_chat  # noqa: E402
-from coordinator.swarm.topology import TopologyConfig, model_spec  # noqa: E402
 from scripts import spec_prompts  # noqa: E402
 from shard.store import ModelStore, default_store_dir, prepare  # noqa: E402
+from tests.e2e.ringkit import memory_for_stages  # noqa: E402
 
 BANNER = re.compile(r"serving \S+ at (http://[0-9.]+:\d+)/v1")
 JOIN = re.compile(r"shard-node join --coordinator (\S+)")
@@ -75,15 +75,6 @@ def request_mix(tokenizer) -> list[dict]:
             body.update(temperature=0.8, top_p=0.95, seed=100 + i)
         out.append(body)
     return out
-
-
-def half_model_bytes(store: ModelStore) -> int:
-    """Memory for half the layers with their K/V for the planner's workload and the token
-    embedding a head holds besides (as tests/e2e/ringkit.memory_for_stages(store, 2))."""
-    topo = TopologyConfig()
-    spec = model_spec(store, "f32", topo.kv_bytes_per_value)
-    per_layer = spec.bytes_per_layer + spec.kv_bytes_per_token_layer * (topo.prompt_tokens + topo.output_tokens)
-    return per_layer * -(-store.num_layers // 2) + per_layer // 2 + spec.head_bytes
 
 
 class Pool:
@@ -107,7 +98,7 @@ class Pool:
                 self.procs.append(subprocess.Popen(
                     [sys.executable, "-m", "shard.cli", "join", "--coordinator", addr, "--model", "smollm2-135m",
                      "--store-dir", str(store.root), "--key-path", str(home / f"{name}-node{i}.key"),
-                     "--max-memory-bytes", str(half_model_bytes(store)), "--torch-threads", "1", *wan],
+                     "--max-memory-bytes", str(memory_for_stages(store, 2)), "--torch-threads", "1", *wan],
                     stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True))
                 if self.quotas is not None:
                     self.quotas.add(self.procs[-1].pid)
@@ -248,7 +239,7 @@ def main(argv=None) -> int:
     store = ModelStore.open(out_dir)
     mix = request_mix(AutoTokenizer.from_pretrained(str(store.tokenizer_dir)))
     results = {"revision": git_revision(), "model": "smollm2-135m", "nodes": NODES,
-               "node_memory_bytes": half_model_bytes(store), "links": f"emulated WAN: {args.latency_ms:g} ms one way, 50 Mbit/s uplinks",
+               "node_memory_bytes": memory_for_stages(store, 2), "links": f"emulated WAN: {args.latency_ms:g} ms one way, 50 Mbit/s uplinks",
                "clients": args.clients, "kv_wait_s": args.kv_wait_s, "window_s": args.window_s, "warmup_s": args.warmup_s, "ramp_s": args.ramp_s, "cpus": os.cpu_count(),
                "node_cpu": {f"{c:g}": (describe(c) if c else "no quota: every process on the shared cores")
                             for c in args.node_cpu},
