@@ -66,7 +66,8 @@ class NodeConfig:
                                 "to first: shortest remaining prompt (a chunk passed over 8 forwards goes first) "
                                 "or arrival (oldest first)", choices=PREFILL_ORDERS)
     burst_wait_ms: float = option(SchedulerConfig.burst_wait_s * 1e3, "how long a forward waits for the rest of a "
-                                  "burst (frames the predecessor sent together) once its first frame came (0: never)")
+                                  "burst (frames the predecessor sent together) after its latest frame came, at most "
+                                  f"{SchedulerConfig.burst_span_s * 1e3:.0f} ms after its first (0: never)")
     # shard-coord serve --local-nodes passes its own pid: a gateway killed with SIGKILL
     # cannot stop its children, which otherwise retried the gone coordinator forever.
     exit_with_parent_pid: int = option(0, "exit once this process' parent is no longer this pid (0 = never)")

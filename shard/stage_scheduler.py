@@ -10,7 +10,8 @@ that arrive while a forward runs share the next one. Frames of an epoch the node
 longer serves are dropped unrun (their outputs would be dropped unsent anyway).
 Bursts (shard.wire.trailer): frames a predecessor sent together say so; about to start a
 forward while a waiting frame's burst has not all arrived, the task waits for the rest up
-to `burst_wait_s` after that burst's first frame, so a group's frames stay in one forward
+to `burst_wait_s` after that burst's latest frame (a burst still arriving keeps the wait
+open) and at most `burst_span_s` after its first, so a group's frames stay in one forward
 hop after hop. A lone frame (no burst) never waits: it runs at once unless a burst beside
 it is still arriving.
 
@@ -67,11 +68,14 @@ class SchedulerConfig:
     max_waiting_frames: int = 256
     # A few of the largest frames (2048 tokens of a 4096-wide model in f32 is 32 MiB).
     max_waiting_bytes: int = 128 << 20
-    # How long after a burst's first frame a forward waits for the rest of it (0: never): a
-    # job that ended upstream sends nothing, so this is what it costs. On the 3-stage
-    # loopback ring at 16 streams (2 loaded cores) waits ran 2-11 ms each for 2 and 10 ms
-    # bounds and gave no clear throughput either way (docs/batching.md, Bursts).
+    # How long after a burst's latest frame a forward waits for the rest of it (0: never): a
+    # job that ended upstream sends nothing, so this is what it costs. Counted from the
+    # latest frame, so a burst still being read is not cut: at 16 streams (2-core dev VM) a
+    # whole burst of 16 frames written at once took ~4.5 ms to be read and queued here, and
+    # 2 ms from its first frame split it into forwards of 7-8 (docs/batching.md, Bursts).
     burst_wait_s: float = 0.002
+    # ... and never longer than this after the burst's first frame.
+    burst_span_s: float = 0.02
     # Ends of jobs remembered, so that a frame arriving after its job's end is refused: a few
     # hundred bytes each, far more than the jobs one stage sees ending within a round trip.
     max_ended_jobs: int = 4096
@@ -153,7 +157,7 @@ class StageScheduler:
         self.frames_run = 0  # (for tests and benchmarks)
         self.pieces_run = 0
         self.tally = BatchTally(self.clock())  # frames and rows per forward, logged every tally_every_s
-        self.bursts: dict[tuple[int, int], list] = {}  # (id(state), burst id) -> [size, frames seen, first seen]
+        self.bursts: dict[tuple[int, int], list] = {}  # (id(state), burst id) -> [size, frames seen, first seen, last seen]
         self.ended: OrderedDict[tuple, None] = OrderedDict()  # (epoch, job id) of the jobs ended here, oldest first
         self.dropped_after_end = 0  # frames taken out at their job's end, or refused after it
 
@@ -211,19 +215,23 @@ class StageScheduler:
             if len(self.bursts) > 4 * self.config.max_waiting_frames:  # long complete or given up
                 horizon = max(1.0, 10 * self.config.burst_wait_s)
                 self.bursts = {k: v for k, v in self.bursts.items() if now - v[2] <= horizon}
-            self.bursts.setdefault((id(frame.state), burst[0]), [burst[1], 0, now])[1] += 1
+            entry = self.bursts.setdefault((id(frame.state), burst[0]), [burst[1], 0, now, now])
+            entry[1] += 1
+            entry[3] = now
         self._notify()
         return True
 
     def burst_deadline(self) -> float | None:
-        """When the wait for the rest of the waiting frames' incomplete bursts ends (their
-        earliest first frame + burst_wait_s); None: no waiting frame's burst lacks frames."""
+        """When the wait for the rest of the waiting frames' incomplete bursts ends (the
+        earliest of their latest frame + burst_wait_s, capped at first frame + burst_span_s);
+        None: no waiting frame's burst lacks frames."""
         deadlines = []
         for w in self.waiting:
             burst = getattr(w.msg, "burst", ())
             entry = self.bursts.get((id(w.state), burst[0])) if len(burst) == 2 else None
             if entry is not None and entry[1] < entry[0]:
-                deadlines.append(entry[2] + self.config.burst_wait_s)
+                deadlines.append(min(entry[3] + self.config.burst_wait_s,
+                                     entry[2] + max(self.config.burst_span_s, self.config.burst_wait_s)))
         return min(deadlines) if deadlines else None
 
     async def gather_bursts(self) -> None:
@@ -278,6 +286,10 @@ class StageScheduler:
             elif not w.split_row_bytes:
                 self.decoding[w.job_id] = now
         self.waiting = [w for i, w in enumerate(live) if i not in finished]
+        for w in batch:  # the wait for these bursts is over: a straggler of one runs at once
+            burst = getattr(w.msg, "burst", ())
+            if len(burst) == 2 and (entry := self.bursts.get((id(w.state), burst[0]))) is not None:
+                entry[0] = min(entry[0], entry[1])
         self._count_bytes()
         if stale or batch:
             self._notify()

@@ -95,6 +95,34 @@ def test_a_burst_whose_rest_never_comes_runs_at_the_bound():
     run(scenario)
 
 
+def test_a_burst_still_arriving_keeps_the_wait_open_up_to_its_span():
+    # Bug guarded: at 16 streams a whole burst of 16 frames written at once took ~4.5 ms to be
+    # read and queued, and a bound counted from its first frame cut it into two forwards.
+    async def scenario(sched, batches, clock):
+        t0 = trio.current_time()
+        for i in range(6):  # a frame every 0.75 bound: 3.75 bounds from the first to the last
+            await sched.submit(frame("s", f"f{i}", (3, 6)))
+            await trio.testing.wait_all_tasks_blocked()
+            if i < 5:
+                assert batches == []
+                clock.jump(BOUND_S * 0.75)
+        assert [b for _, b in batches] == [[f"f{i}" for i in range(6)]] and batches[0][0] == t0 + BOUND_S * 3.75
+    run(scenario)
+
+    async def capped(sched, batches, clock):  # a trickle never holds the stage past the span
+        t0 = trio.current_time()
+        span = sched.config.burst_span_s
+        sent = 0
+        while not batches:
+            await sched.submit(frame("s", f"f{sent}", (4, 1000)))
+            sent += 1
+            await trio.testing.wait_all_tasks_blocked()
+            clock.jump(BOUND_S / 2)
+            await trio.testing.wait_all_tasks_blocked()
+        assert batches[0][0] <= t0 + span + 1e-9 and len(batches[0][1]) == sent >= span / (BOUND_S / 2)
+    run(capped)
+
+
 def test_a_lone_frame_beside_a_complete_burst_does_not_wait_and_zero_turns_waiting_off():
     async def scenario(sched, batches, clock):
         await sched.submit(frame("s", "a", (5, 2)))
