@@ -188,7 +188,10 @@ def _filtered_by_prefix(logits: torch.Tensor, scaled: torch.Tensor, params: Samp
         return None
     m = max(PREFIX_START, params.top_k if 0 < params.top_k < vocab else 0)
     while m <= vocab // 4:
-        threshold = torch.topk(logits, m, sorted=False).values.min()
+        # The m-th largest logit, ties counted (what topk(m).values.min() is): kthvalue finds
+        # it in 0.28 ms against topk's 0.59 on SmolLM2's 49152 at m = 1024 (dev VM, alone);
+        # a whole sampled row (top-p 0.95) 0.92-1.05 against 0.99-1.10 ms, alternated.
+        threshold = torch.kthvalue(logits, vocab - m + 1).values
         ids = torch.nonzero(logits >= threshold).squeeze(1)  # every tie at the threshold too, in id order
         order = ids[torch.sort(logits[ids], descending=True, stable=True).indices]  # the full ranking's head
         masked = scaled
