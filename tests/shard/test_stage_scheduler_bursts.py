@@ -1,5 +1,6 @@
 """StageScheduler and bursts (shard.wire.trailer): a forward about to start waits for the
-rest of a burst its predecessor sent together, up to burst_wait_s, and never for a lone frame.
+rest of a burst its predecessor sent together, up to burst_wait_s after its latest frame (at
+most burst_span_s after its first), and never for a lone frame.
 
 Bugs guarded: a group's frames split across forwards because the first ran before the rest
 landed (the 16-stream ring's 2 frames per forward, issue 21); a lone frame (or one beside a
