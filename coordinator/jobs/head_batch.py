@@ -138,7 +138,7 @@ class HeadBatcher:
         self._waiting: list[_Ask] = []
         self._asked = trio.Event()  # set (and replaced) whenever an ask or a burst's Result arrives
         self._bursts: dict[int, _Burst] = {}
-        self.waits, self.waited_s = 0, 0.0  # products that waited for a burst's rest, and how long
+        self.waits, self.waited_s = 0, 0.0  # products that waited (a group, a burst's rest), how long
         self._tally = (0.0, 0, 0, 0, 0, 0.0)  # since, products, asks, rows, waits, waited_s (logged every TALLY_EVERY_S)
         self._busy = False  # a product runs, or the ask handed the turn is about to run one
         self.products = 0  # products run (a figure for tests and benchmarks)
@@ -196,8 +196,8 @@ class HeadBatcher:
         if now - t[0] >= TALLY_EVERY_S:
             if t[1]:
                 waits = self.waits - t[4]
-                log.info("head products: %d in %.0f s, %.1f asks and %.1f rows each; waited for bursts %d times, "
-                         "%.2f ms each", t[1], now - t[0], t[2] / t[1], t[3] / t[1], waits,
+                log.info("head products: %d in %.0f s, %.1f asks and %.1f rows each; waited for a group or a burst's "
+                         "rest %d times, %.2f ms each", t[1], now - t[0], t[2] / t[1], t[3] / t[1], waits,
                          1e3 * (self.waited_s - t[5]) / max(waits, 1))
             t = (now, 0, 0, 0, self.waits, self.waited_s)
         self._tally = (t[0], t[1] + 1, t[2] + len(batch), t[3] + sum(a.hidden.shape[0] for a in batch), t[4], t[5])
