@@ -7,11 +7,11 @@ accepts ring frames only from the peer that the current epoch names as its prede
 (identity from the Noise handshake; `shard.ring_inbox` bounds what each stream may hold),
 queues the frames of every job that wait for it (`shard.stage_scheduler`), runs what waits
 as one forward in a worker thread so the network never waits on a forward, and ships each
-frame's output to its job's successor (or straight back to the coordinator when it is the tail). No
-frame ends the process: whatever goes wrong with one ends its job with a JobError; a bug outside
-a frame ends the session, not the node (`shard.reconnect`: its jobs dropped, it registers again).
-Every stream it sends on crosses the node's one emulated uplink, and its probes measure those
-same links (`shard.node_links`).
+frame's output to its job's successor (or back to the coordinator when it is the tail). No frame
+ends the process: whatever goes wrong with one ends its job with a JobError; a bug outside a frame
+ends the session, not the node (`shard.reconnect`: its jobs dropped, it registers again). Every
+stream it sends on crosses the node's one emulated uplink, its probes measure those same links
+(`shard.node_links`), and audits' replays run when its stage is idle (`shard.verifier`).
 It does not choose rings, schedule requests or look inside activations.
 """
 
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, replace
 
 import trio
 
-from shard import audit_answers
+from shard import audit_answers, reach_duty
 from shard.assignment_rules import ACKNOWLEDGE, decide, verify_assignment
 from shard.errors import JobRef, ShardError, WireError
 from shard.frame_log import FrameLog
@@ -32,7 +32,6 @@ from shard.layers import LayerRange
 from shard.linkprobe import PROBE_PROTOCOL
 from shard.node_links import NodeLinks
 from shard.node_config import NodeConfig, load_stage, measure_compute, worker_config  # noqa: F401 (NodeConfig re-exported)
-from shard import reach_duty
 from shard.kv_budget import held_bytes_per_layer
 from shard.quant import effective_scheme, scheme
 from shard.receipt_signer import make_signer
@@ -210,8 +209,9 @@ class Node:
                 log.warning("ignoring %s on the control stream", type(msg).__name__)
 
     def _verify(self, msg: VerifyRequest | VerifyPart) -> None:
-        fetch = lambda r: ensure_slice(self.host, self.coordinator_id, self.store, r, self.config.weights)  # noqa: E731
-        self.verifier = self.verifier or Verifier(self.store, self.config.device, self.compute_limiter, fetch)
+        self.verifier = self.verifier or Verifier(
+            self.store, self.config.device, self.compute_limiter, idle=self.scheduler.idle, cache_bytes=self.config.verify_cache_mb << 20,
+            fetch=lambda r: ensure_slice(self.host, self.coordinator_id, self.store, r, self.config.weights))
         warm = (self._warm, self.config.quant) if self._warm is not None else None
         self.verifier.receive(msg, self.limits, warm, self._tasks, self._send_control)  # answers in its own task
 

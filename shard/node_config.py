@@ -23,6 +23,7 @@ from shard.stage import Stage
 from shard.stage_scheduler import SchedulerConfig
 from shard.stage_worker import WorkerConfig
 from shard.store import ModelStore
+from shard.verifier import CACHE_BYTES
 from shard.weight_plan import WeightsConfig
 from shard.wire.dtypes import COMPUTE_DTYPES
 from shard.wire.messages import Assignment
@@ -68,6 +69,8 @@ class NodeConfig:
     burst_wait_ms: float = option(SchedulerConfig.burst_wait_s * 1e3, "how long a forward waits for the rest of a "
                                   "burst (frames the predecessor sent together) after its latest frame came, at most "
                                   f"{SchedulerConfig.burst_span_s * 1e3:.0f} ms after its first (0: never)")
+    verify_cache_mb: int = option(CACHE_BYTES >> 20, "slices loaded for audits' replays are kept while their weights "
+                                  "fit this (the one in use always)")
     # shard-coord serve --local-nodes passes its own pid: a gateway killed with SIGKILL
     # cannot stop its children, which otherwise retried the gone coordinator forever.
     exit_with_parent_pid: int = option(0, "exit once this process' parent is no longer this pid (0 = never)")

@@ -183,13 +183,47 @@ def replay(stage: Stage, wire_dtype: str, frames: list[Forward], max_rows: int =
             return done.value
 
 
+def split_long(frames: list[Forward], max_rows: int) -> tuple[list[Forward], list[tuple[int, int]]]:
+    """`frames` with each one longer than max_rows that is one causal chain (no tree, no
+    commit: a prefill chunk, a verify chain) cut into consecutive pieces of at most max_rows
+    rows, each writing the slots after the one before it (the same maths as the stage's own
+    pieces, shard.batch_plan); and per piece, (its frame's index, the piece's first row)."""
+    out: list[Forward] = []
+    origin: list[tuple[int, int]] = []
+    for i, f in enumerate(frames):
+        t = f.positions.shape[0]
+        if t <= max_rows or f.tree_parents is not None or f.commit_src:
+            out.append(f)
+            origin.append((i, 0))
+            continue
+        for a in range(0, t, max_rows):
+            keep = tuple(range(a, min(a + max_rows, t)))
+            out.append(dataclasses.replace(f, ctx_len=f.ctx_len + a, **{
+                name: _rows(getattr(f, name), keep) for name in ("positions", "tokens", "hidden", "hidden_scale", "aux", "aux_scale")}))
+            origin.append((i, a))
+    return out, origin
+
+
+def _joined(pieces: list[Replayed | None], origin: list[tuple[int, int]], n: int) -> list[Replayed | None]:
+    """Per frame of `split_long`'s input (n of them), its pieces' replayed rows back together."""
+    parts: list[list[Replayed]] = [[] for _ in range(n)]
+    for got, (i, a) in zip(pieces, origin):
+        if got is not None:
+            parts[i].append((got[0] + a, got[1], got[2]))
+    return [None if not ps else (torch.cat([p[0] for p in ps]), torch.cat([p[1] for p in ps]),
+                                 _cat([p[2] for p in ps])) for ps in parts]
+
+
 def replay_steps(stage: Stage, wire_dtype: str, frames: list[Forward], max_rows: int = 1024,
                  stats: ReplayStats | None = None, *, aux_dtype: str | None = None,
                  frame_by_frame: bool = False) -> Generator[None, None, list[Replayed | None]]:
     """`replay`, one forward (a segment of at most max_rows rows, or one frame) per step:
     the generator yields after each and returns replay's list. A caller that shares its
     CPU with other work (a ring stage answering an audit: shard.verifier) runs the steps
-    one at a time and lets that work in between. Advance it from one thread at a time."""
+    one at a time and lets that work in between. Frames longer than max_rows replay in
+    pieces (`split_long`) unless frame_by_frame. Advance it from one thread at a time."""
+    whole = len(frames)
+    frames, origin = split_long(frames, max_rows) if not frame_by_frame else (frames, [(i, 0) for i in range(whole)])
     segments = None if frame_by_frame else plan_replay(frames, max_rows)
     if segments is None:  # one forward per frame, exactly as the stage ran them
         segments = [Segment((i,), (tuple(range(f.positions.shape[0])),), (), ()) for i, f in enumerate(frames)]
@@ -223,4 +257,4 @@ def replay_steps(stage: Stage, wire_dtype: str, frames: list[Forward], max_rows:
             stats.rows += start
         yield
     worker.end_job(REPLAY_JOB_ID)
-    return out
+    return _joined(out, origin, whole)

@@ -160,6 +160,7 @@ class StageScheduler:
         self.bursts: dict[tuple[int, int], list] = {}  # (id(state), burst id) -> [size, frames seen, first seen, last seen]
         self.ended: OrderedDict[tuple, None] = OrderedDict()  # (epoch, job id) of the jobs ended here, oldest first
         self.dropped_after_end = 0  # frames taken out at their job's end, or refused after it
+        self.running = False  # a forward runs now (`idle`)
 
     def _notify(self) -> None:
         self._changed.set()
@@ -314,6 +315,14 @@ class StageScheduler:
         self._notify()  # a submit waiting for room gets it
         return dropped
 
+    async def idle(self, max_wait_s: float) -> None:
+        """Return once no frame waits here and no forward runs (background work, an audit's
+        replay step, may take the node's compute now without delaying a frame that waits),
+        or after max_wait_s, so that such work is never starved by a stage that is never idle."""
+        with trio.move_on_after(max_wait_s):
+            while self.waiting or self.running:
+                await self._changed.wait()
+
     async def serve(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Run batches until cancelled, each as soon as the previous one is done and a frame
         waits. Error handling: run_batch owns each frame's failure and names the jobs whose
@@ -330,8 +339,12 @@ class StageScheduler:
                 self.forwards += 1
                 self.frames_run += len(batch)
                 self.pieces_run += sum(w.piece is not None for w in batch)
-                started = self.clock()
-                self.drop_failed(await self.run_batch(state, batch) or ())
+                started, self.running = self.clock(), True
+                try:
+                    self.drop_failed(await self.run_batch(state, batch) or ())
+                finally:
+                    self.running = False
+                    self._notify()
                 self.tally.add(batch, self.clock() - started)
                 if self.clock() - self.tally.since >= self.config.tally_every_s:
                     log.info("stage forwards: %s", self.tally.summary(self.clock()))

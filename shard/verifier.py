@@ -30,7 +30,7 @@ import trio
 
 from shard.errors import ShardError
 from shard.layers import LayerRange
-from shard.quant import quantise_stage, scheme
+from shard.quant import layer_bytes, quantise_stage, scheme
 from shard.replay import Replayed, replay_steps
 from shard.stage import Stage
 from shard.store import ModelStore
@@ -45,9 +45,21 @@ T = TypeVar("T")
 # Rows per replay forward on a node that also serves a ring stage: the replay holds the
 # compute limiter one forward at a time, so the stage's own frames run between. A whole
 # audited job in one forward (1931 rows of a 10-layer SmolLM2 slice: 3.3 CPU-s, ~10 s at
-# load 4) stalled every job on the ring behind it (issue 21: ITL p95 12 s at 16 streams);
-# 256 rows is the largest prefill chunk a job sends (engine_config), so no frame splits.
-STEP_ROWS = 256
+# load 4) stalled every job on the ring behind it (issue 21: ITL p95 12 s at 16 streams),
+# and so did steps of 256 rows (~0.3-0.5 s each on the 2-core dev VM): at 16 streams the
+# audits' steps silenced the whole ring for 1-2.5 s at a time. A step of 64 rows is about
+# one forward of a group's decode rows with a prefill piece beside them (shard.batch_plan's
+# piece_rows); longer frames replay in pieces of it (shard.replay.split_long).
+STEP_ROWS = 64
+# A step waits for the node's stage to be idle (no frame waiting or running: `idle`) at
+# most this long, so that audits still progress, a step at a time, on a stage that never is.
+IDLE_WAIT_S = 1.0
+# Loaded slices kept for later replays, past the one in use, while their weights fit this.
+# A ring stage verifies the other stages' slices, drawn at random per audit (which one
+# answers is unpredictable: coordinator.trust.opinions), so keeping only one reloaded it
+# whenever the draw alternated: 0.25-0.7 CPU-s a load for a 10-layer SmolLM2 slice (140 MB
+# in f32) on the dev VM, as much as the replay, at 16 streams most audits.
+CACHE_BYTES = 512 << 20
 WARN_EVERY_S = 60.0  # refusals logged at WARNING at most this often (the rest at INFO)
 
 
@@ -99,16 +111,22 @@ def thread_cpu(fn: Callable[[], T]) -> tuple[T, float]:
 
 
 class Verifier:
-    """Answers VerifyRequests for one node. `max_cached_slices` loaded slices are kept."""
+    """Answers VerifyRequests for one node. Loaded slices are kept while their weights fit
+    `cache_bytes` (the last one always)."""
 
     def __init__(self, store: ModelStore, device: str, limiter: trio.CapacityLimiter,
-                 fetch: Callable[[LayerRange], Awaitable[object]] | None = None, max_cached_slices: int = 1,
-                 step_rows: int = STEP_ROWS) -> None:
+                 fetch: Callable[[LayerRange], Awaitable[object]] | None = None, cache_bytes: int = CACHE_BYTES,
+                 step_rows: int = STEP_ROWS, idle: Callable[[float], Awaitable[None]] | None = None) -> None:
         """`fetch(r)`: make the files of layers `r` present in `store` (raising ShardError when
         it cannot); None: the store has what it has. `step_rows`: most rows a replay forward
-        holds the node's compute limiter for (the request's max_replay_rows if fewer)."""
+        holds the node's compute limiter for (the request's max_replay_rows if fewer).
+        `idle(max_wait_s)`: returns when the node's own stage has no frame waiting or running
+        (shard.stage_scheduler.StageScheduler.idle), or after max_wait_s: replay steps and
+        slice loads are background work, started only then (None: at once)."""
         self.store, self.device, self.limiter, self.fetch, self.step_rows = store, device, limiter, fetch, step_rows
-        self.max_cached_slices = max_cached_slices
+        self.idle = idle
+        self._background = trio.Lock()  # one replay step or slice load at a time, each begun on an idle stage
+        self.cache_bytes = cache_bytes
         self._slices: OrderedDict[tuple[LayerRange, str], Stage] = OrderedDict()
         self.answered = 0  # requests answered with rows (not errors)
         self.refused = 0  # requests answered with an error (timing requests aside)
@@ -150,7 +168,8 @@ class Verifier:
         """Recompute `req` and return the reply (an error reply for anything wrong with it).
         `warm`: the slice this node keeps loaded and the quantisation it was loaded under,
         used when it is exactly the slice asked for in f32. Runs the replay in a worker
-        thread under the node's compute limiter (never alongside one of its own forwards).
+        thread under the node's compute limiter (never alongside one of its own forwards),
+        each step once the stage is idle (`idle`).
         A timing request (shard.wire.verify.is_timing: the speed probe's, every probe) is
         answered with its error at once and logged at debug, not as a refusal."""
         if is_timing(req):
@@ -164,8 +183,10 @@ class Verifier:
                                  aux_dtype=req.aux_dtype, frame_by_frame=scheme(req.quant).quantised)
             replayed, cpu_s = None, 0.0
             while replayed is None:  # one forward per hold of the limiter: the node's own frames run between
-                replayed, step_s = await trio.to_thread.run_sync(lambda: thread_cpu(lambda: _step(steps)),
-                                                                 limiter=self.limiter)
+                async with self._background:
+                    await self._wait_idle()
+                    replayed, step_s = await trio.to_thread.run_sync(lambda: thread_cpu(lambda: _step(steps)),
+                                                                     limiter=self.limiter)
                 cpu_s += step_s
             reply = reply_of(req.request_id, replayed)
             self.replayed_rows, self.replay_cpu_s = self.replayed_rows + sum(reply.frame_rows), self.replay_cpu_s + cpu_s
@@ -198,6 +219,24 @@ class Verifier:
         if warm is not None and warm[0].layers == r and warm[1] == quant and warm[0].dtype == torch.float32:
             return warm[0]
         key = (r, quant)
+        async with self._background:
+            return await self._cached(key, r, quant)
+
+    def _evict(self) -> None:
+        """Drop the oldest slices until the rest fit cache_bytes (the newest stays)."""
+        cfg = self.store.config
+        size = {k: sum(layer_bytes(cfg, i, scheme(k[1])) for i in k[0]) for k in self._slices}
+        while len(self._slices) > 1 and sum(size[k] for k in self._slices) > self.cache_bytes:
+            self._slices.popitem(last=False)
+
+    async def _wait_idle(self) -> None:
+        if self.idle is not None:
+            await self.idle(IDLE_WAIT_S)
+
+    async def _cached(self, key: tuple[LayerRange, str], r: LayerRange, quant: str) -> Stage:
+        """The slice from the cache, else loaded once the stage is idle, in a worker thread but
+        not under the compute limiter: a load (~0.3-0.7 CPU-s for a 10-layer SmolLM2 slice on
+        the dev VM) touches none of the node's state, and held the stage's frames up behind it."""
         stage = self._slices.get(key)
         if stage is None:
             if self.fetch is not None:
@@ -209,10 +248,10 @@ class Verifier:
                 return quantise_stage(Stage(self.store.config, r, weights, dtype=torch.float32, device=self.device,
                                             embedding=emb), scheme(quant))
 
-            stage, self.load_cpu_s_last = await trio.to_thread.run_sync(lambda: thread_cpu(load), limiter=self.limiter)
+            await self._wait_idle()
+            stage, self.load_cpu_s_last = await trio.to_thread.run_sync(lambda: thread_cpu(load))
             self._slices[key] = stage
             self.loads, self.load_cpu_s = self.loads + 1, self.load_cpu_s + self.load_cpu_s_last
-            while len(self._slices) > self.max_cached_slices:
-                self._slices.popitem(last=False)
+            self._evict()
         self._slices.move_to_end(key)
         return stage

@@ -1,0 +1,146 @@
+"""An audit's replay on a ring stage is background work: it runs when the stage is idle.
+
+Bugs guarded (issue 21): at 16 streams on a 3-stage loopback ring, audits' replays silenced
+the whole ring for 1-2.5 s at a time. Each replay step held the stage's compute limiter for
+up to 256 rows (0.3-0.5 s here), two audits on one node queued two steps at once, and a
+slice load (0.25-0.7 CPU-s) held it too; a node that verifies either of two other slices,
+drawn at random per audit, reloaded whenever the draw alternated. Now a step or load starts
+only on an idle stage (StageScheduler.idle: nothing waiting or running, or after
+IDLE_WAIT_S), one at a time per node, frames longer than a step replay in pieces
+(shard.replay.split_long) and the slices stay loaded while they fit `cache_bytes`.
+Sound: the stage's state is stood in for by an event the test sets, the limiter logs each
+hold in turn, and trio's MockClock jumps over sleeps so the bounds are exact.
+"""
+
+from __future__ import annotations
+
+import torch
+import trio
+import trio.testing
+
+from coordinator.trust.compare import logged_frames
+from shard.layers import LayerRange
+from shard.replay import replay, split_long
+from shard.stage_scheduler import StageScheduler
+from shard.verifier import IDLE_WAIT_S, Verifier
+from shard.wire.limits import Limits
+from tests.coordinator.trust.test_audit_replay import engine_like_frames
+from tests.shard.test_stage_scheduler import frame
+from tests.shard.test_verifier import LoggedLimiter, logged_job, middle, request_for  # noqa: F401 (fixture)
+
+
+def test_the_stage_is_idle_once_nothing_waits_or_runs_or_after_the_bound():
+    release = trio.Event()
+
+    async def run_batch(st, batch):
+        await release.wait()
+
+    async def main():
+        sched = StageScheduler(lambda: "s", run_batch)
+        with trio.move_on_after(0.001) as quick:
+            await sched.idle(5.0)
+        assert not quick.cancelled_caught  # nothing queued: idle at once
+        async with trio.open_nursery() as nursery:
+            await nursery.start(sched.serve)
+            await sched.submit(frame("s", "a", 1))
+            await trio.testing.wait_all_tasks_blocked()
+            assert sched.running and not sched.waiting
+            started = trio.current_time()
+            await sched.idle(5.0)  # a forward runs all along: the bound ends the wait
+            assert trio.current_time() - started == 5.0
+            done = []
+
+            async def waiter():
+                await sched.idle(60.0)
+                done.append(trio.current_time())
+
+            nursery.start_soon(waiter)
+            await trio.sleep(1.0)
+            assert not done
+            release.set()
+            await trio.testing.wait_all_tasks_blocked()
+            assert done == [started + 6.0] and not sched.running  # the forward's end woke it
+            nursery.cancel_scope.cancel()
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0.01))
+
+
+def test_a_replay_step_starts_only_on_an_idle_stage_and_one_at_a_time(middle):
+    store, stage = middle
+    plan, records = logged_job(stage)
+    limits = Limits.for_model(store.config, max_tokens_per_frame=2048)
+    logged = logged_frames(plan, records, limits)
+    log: list[str] = []
+    replies = []
+
+    async def main():
+        limiter, idle_now = LoggedLimiter(log), trio.Event()
+
+        async def idle(max_wait_s):
+            assert max_wait_s == IDLE_WAIT_S
+            await idle_now.wait()
+            log.append("idle")
+
+        verifier = Verifier(store, "cpu", limiter, step_rows=4, idle=idle)  # type: ignore[arg-type]
+
+        async def ask():
+            replies.append(await verifier.answer(request_for(plan, logged), limits, (stage, plan.quant)))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(ask)
+            nursery.start_soon(ask)
+            await trio.testing.wait_all_tasks_blocked()
+            assert log == []  # the stage is busy: no step started
+            idle_now.set()
+
+    trio.run(main)
+    assert len(replies) == 2 and all(r.error is None for r in replies)
+    assert replies[0].frame_rows == replies[1].frame_rows
+    assert log.count("replay") >= 8 and log[0] == "idle"
+    # every step was begun on a fresh idle check: two audits never queue two steps at once
+    assert all(log[i - 1] == "idle" for i, e in enumerate(log) if e == "replay")
+
+
+def test_a_frame_longer_than_a_step_replays_in_pieces_with_the_same_rows(middle):
+    store, stage = middle
+    frames = engine_like_frames(False, stage.cfg.hidden_size)
+    longest = max(f.positions.shape[0] for f in frames)
+    assert longest > 4
+    pieces, origin = split_long(frames, 4)
+    assert all(p.positions.shape[0] <= 4 for p in pieces if p.tree_parents is None and not p.commit_src)
+    for p, (i, a) in zip(pieces, origin):
+        f = frames[i]
+        assert p.ctx_len == f.ctx_len + a
+        assert torch.equal(p.positions, f.positions[a:a + p.positions.shape[0]])
+    assert sorted({i for i, _ in origin}) == list(range(len(frames)))
+    whole = replay(stage, "f32", frames, max_rows=1024)
+    split = replay(stage, "f32", frames, max_rows=4)
+    for w, s in zip(whole, split):
+        assert (w is None) == (s is None)
+        if w is not None:
+            assert torch.equal(w[0], s[0])
+            assert torch.allclose(w[1], s[1], rtol=1e-5, atol=1e-5)
+
+
+def test_slices_loaded_for_audits_stay_while_they_fit_the_cache(middle):
+    store, _ = middle
+    a, b = LayerRange(0, 1), LayerRange(1, store.config.num_layers)
+
+    async def alternate(cache_bytes):
+        verifier = Verifier(store, "cpu", trio.CapacityLimiter(1), cache_bytes=cache_bytes)
+        for r in (a, b, a, b):
+            await verifier._stage(r, "none", None)
+        return verifier.loads, len(verifier._slices)
+
+    assert trio.run(alternate, 1 << 30) == (2, 2)  # both fit: each loaded once
+    assert trio.run(alternate, 0) == (4, 1)  # none fits: only the one in use is kept
+
+
+def test_split_long_leaves_trees_and_commits_whole(middle):
+    _, stage = middle
+    frames = engine_like_frames(False, stage.cfg.hidden_size)
+    shaped = [f for f in frames if f.tree_parents is not None or f.commit_src]
+    assert shaped
+    pieces, _ = split_long(shaped, 1)
+    assert [p.positions.shape[0] for p in pieces] == [f.positions.shape[0] for f in shaped]
+    assert all(p is f for p, f in zip(pieces, shaped))
