@@ -78,6 +78,8 @@ class NodeConfig:
     def __post_init__(self) -> None:
         if self.max_open_jobs < 0:
             raise ValueError(f"max_open_jobs must be >= 0 (0: the coordinator's), got {self.max_open_jobs}")
+        if self.verify_cache_mb < 0:
+            raise ValueError(f"verify_cache_mb must be >= 0 (0: keep only the slice in use), got {self.verify_cache_mb}")
 
     def scheduler_config(self) -> SchedulerConfig:
         """How this node's stage batches the frames waiting at it (shard.stage_scheduler)."""

@@ -14,6 +14,7 @@ hold in turn, and trio's MockClock jumps over sleeps so the bounds are exact.
 
 from __future__ import annotations
 
+import pytest
 import torch
 import trio
 import trio.testing
@@ -144,3 +145,10 @@ def test_split_long_leaves_trees_and_commits_whole(middle):
     pieces, _ = split_long(shaped, 1)
     assert [p.positions.shape[0] for p in pieces] == [f.positions.shape[0] for f in shaped]
     assert all(p is f for p, f in zip(pieces, shaped))
+
+
+def test_a_negative_verify_cache_flag_is_refused():
+    from shard.node_config import NodeConfig
+
+    with pytest.raises(ValueError, match=r"verify_cache_mb must be >= 0 \(0: keep only the slice in use\), got -1"):
+        NodeConfig(coordinator="/ip4/127.0.0.1/tcp/1", verify_cache_mb=-1)
