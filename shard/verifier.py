@@ -177,8 +177,7 @@ class Verifier:
             return VerifyReply(request_id=req.request_id, error=TIMING_ERROR)
         try:
             frames = request_frames(req, limits)
-            loads = self.loads
-            stage = await self._stage(LayerRange(req.layer_start, req.layer_end), req.quant, warm)
+            stage, load_s = await self._stage(LayerRange(req.layer_start, req.layer_end), req.quant, warm)
             steps = replay_steps(stage, req.wire_dtype, frames, min(req.max_replay_rows, self.step_rows),
                                  aux_dtype=req.aux_dtype, frame_by_frame=scheme(req.quant).quantised)
             replayed, cpu_s = None, 0.0
@@ -192,7 +191,7 @@ class Verifier:
             self.replayed_rows, self.replay_cpu_s = self.replayed_rows + sum(reply.frame_rows), self.replay_cpu_s + cpu_s
             log.info("verify request %d: %d rows of %d frames replayed on layers [%d, %d) in %.2f CPU-s%s", req.request_id,
                      sum(reply.frame_rows), len(frames), req.layer_start, req.layer_end, cpu_s,
-                     f", after loading the slice ({self.load_cpu_s_last:.2f} CPU-s)" if self.loads > loads else "")
+                     "" if load_s is None else f", after loading the slice ({load_s:.2f} CPU-s)")
             size = len(encode(reply, whole_limits(limits, 1 << 32)))
         except ShardError as exc:
             return self._refuse(req.request_id, str(exc), req)
@@ -215,9 +214,10 @@ class Verifier:
                 request_id, where, self.refused, why)
         return VerifyReply(request_id=request_id, error=why[:1024])
 
-    async def _stage(self, r: LayerRange, quant: str, warm: tuple[Stage, str] | None) -> Stage:
+    async def _stage(self, r: LayerRange, quant: str, warm: tuple[Stage, str] | None) -> tuple[Stage, float | None]:
+        """The slice to replay on, and the CPU-s its load for this request took (None: none)."""
         if warm is not None and warm[0].layers == r and warm[1] == quant and warm[0].dtype == torch.float32:
-            return warm[0]
+            return warm[0], None
         key = (r, quant)
         async with self._background:
             return await self._cached(key, r, quant)
@@ -233,11 +233,11 @@ class Verifier:
         if self.idle is not None:
             await self.idle(IDLE_WAIT_S)
 
-    async def _cached(self, key: tuple[LayerRange, str], r: LayerRange, quant: str) -> Stage:
+    async def _cached(self, key: tuple[LayerRange, str], r: LayerRange, quant: str) -> tuple[Stage, float | None]:
         """The slice from the cache, else loaded once the stage is idle, in a worker thread but
         not under the compute limiter: a load (~0.3-0.7 CPU-s for a 10-layer SmolLM2 slice on
         the dev VM) touches none of the node's state, and held the stage's frames up behind it."""
-        stage = self._slices.get(key)
+        stage, load_s = self._slices.get(key), None
         if stage is None:
             if self.fetch is not None:
                 await self.fetch(r)
@@ -251,7 +251,7 @@ class Verifier:
             await self._wait_idle()
             stage, self.load_cpu_s_last = await trio.to_thread.run_sync(lambda: thread_cpu(load))
             self._slices[key] = stage
-            self.loads, self.load_cpu_s = self.loads + 1, self.load_cpu_s + self.load_cpu_s_last
+            self.loads, self.load_cpu_s, load_s = self.loads + 1, self.load_cpu_s + self.load_cpu_s_last, self.load_cpu_s_last
             self._evict()
         self._slices.move_to_end(key)
-        return stage
+        return stage, load_s
