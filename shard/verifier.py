@@ -126,6 +126,7 @@ class Verifier:
         self.store, self.device, self.limiter, self.fetch, self.step_rows = store, device, limiter, fetch, step_rows
         self.idle = idle
         self._background = trio.Lock()  # one replay step or slice load at a time, each begun on an idle stage
+        self._fetching = trio.Lock()  # one fetch of missing files at a time
         self.cache_bytes = cache_bytes
         self._slices: OrderedDict[tuple[LayerRange, str], Stage] = OrderedDict()
         self.answered = 0  # requests answered with rows (not errors)
@@ -219,6 +220,9 @@ class Verifier:
         if warm is not None and warm[0].layers == r and warm[1] == quant and warm[0].dtype == torch.float32:
             return warm[0], None
         key = (r, quant)
+        if key not in self._slices and self.fetch is not None:
+            async with self._fetching:  # not under _background: a fetch waits on peers, not on the CPU
+                await self.fetch(r)
         async with self._background:
             return await self._cached(key, r, quant)
 
@@ -239,9 +243,6 @@ class Verifier:
         the dev VM) touches none of the node's state, and held the stage's frames up behind it."""
         stage, load_s = self._slices.get(key), None
         if stage is None:
-            if self.fetch is not None:
-                await self.fetch(r)
-
             def load() -> Stage:
                 weights = self.store.load_layers(r, torch.float32, self.device)
                 emb = self.store.load_embedding(torch.float32, self.device) if r.start == 0 else None

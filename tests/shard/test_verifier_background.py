@@ -152,3 +152,35 @@ def test_a_negative_verify_cache_flag_is_refused():
 
     with pytest.raises(ValueError, match=r"verify_cache_mb must be >= 0 \(0: keep only the slice in use\), got -1"):
         NodeConfig(coordinator="/ip4/127.0.0.1/tcp/1", verify_cache_mb=-1)
+
+
+def test_a_fetch_waiting_on_peers_does_not_hold_up_another_audits_replay(middle):
+    # One replay step or load at a time per node, but a fetch of a slice's missing files waits
+    # on peers, not on the CPU: another audit's replay must run meanwhile.
+    store, stage = middle
+    plan, records = logged_job(stage)
+    limits = Limits.for_model(store.config, max_tokens_per_frame=2048)
+    logged = logged_frames(plan, records, limits)
+    files_came, order = trio.Event(), []
+
+    async def fetch(r):
+        await files_came.wait()
+
+    async def main():
+        verifier = Verifier(store, "cpu", trio.CapacityLimiter(1), fetch, step_rows=4)
+
+        async def ask(name, warm):
+            reply = await verifier.answer(request_for(plan, logged), limits, warm)
+            order.append((name, reply.error))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(ask, "loads", None)
+            await trio.testing.wait_all_tasks_blocked()
+            nursery.start_soon(ask, "warm", (stage, plan.quant))
+            with trio.fail_after(60):
+                while not order:
+                    await trio.sleep(0.01)
+            files_came.set()
+
+    trio.run(main)
+    assert order == [("warm", None), ("loads", None)]
