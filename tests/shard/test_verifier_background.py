@@ -22,12 +22,20 @@ import trio.testing
 from coordinator.trust.compare import logged_frames
 from shard.layers import LayerRange
 from shard.replay import replay, split_long
+from shard.stage import Stage
 from shard.stage_scheduler import StageScheduler
 from shard.verifier import IDLE_WAIT_S, Verifier
 from shard.wire.limits import Limits
 from tests.coordinator.trust.test_audit_replay import engine_like_frames
 from tests.shard.test_stage_scheduler import frame
-from tests.shard.test_verifier import LoggedLimiter, logged_job, middle, request_for  # noqa: F401 (fixture)
+from tests.shard.test_verifier import LoggedLimiter, logged_job, request_for
+
+
+@pytest.fixture(scope="module")
+def middle(tiny_llama_store):
+    store = tiny_llama_store
+    r = LayerRange(1, store.config.num_layers)
+    return store, Stage(store.config, r, store.load_layers(r))
 
 
 def test_the_stage_is_idle_once_nothing_waits_or_runs_or_after_the_bound():
