@@ -227,9 +227,12 @@ class Verifier:
             return await self._cached(key, r, quant)
 
     def _evict(self) -> None:
-        """Drop the oldest slices until the rest fit cache_bytes (the newest stays)."""
+        """Drop the oldest slices until the rest fit cache_bytes (the newest stays). A head
+        slice counts its token embedding too (loaded in f32: vocab x hidden x 4 bytes)."""
         cfg = self.store.config
-        size = {k: sum(layer_bytes(cfg, i, scheme(k[1])) for i in k[0]) for k in self._slices}
+        size = {k: sum(layer_bytes(cfg, i, scheme(k[1])) for i in k[0]) + (4 * cfg.vocab_size * cfg.hidden_size
+                                                                           if k[0].start == 0 else 0)
+                for k in self._slices}
         while len(self._slices) > 1 and sum(size[k] for k in self._slices) > self.cache_bytes:
             self._slices.popitem(last=False)
 

@@ -21,6 +21,7 @@ import trio.testing
 
 from coordinator.trust.compare import logged_frames
 from shard.layers import LayerRange
+from shard.quant import layer_bytes, scheme
 from shard.replay import replay, split_long
 from shard.stage import Stage
 from shard.stage_scheduler import StageScheduler
@@ -143,6 +144,11 @@ def test_slices_loaded_for_audits_stay_while_they_fit_the_cache(middle):
 
     assert trio.run(alternate, 1 << 30) == (2, 2)  # both fit: each loaded once
     assert trio.run(alternate, 0) == (4, 1)  # none fits: only the one in use is kept
+    cfg = store.config
+    layers = sum(layer_bytes(cfg, i, scheme("none")) for i in range(cfg.num_layers))
+    # the head slice's embedding counts too: a budget of the layers alone holds one slice
+    assert trio.run(alternate, layers) == (4, 1)
+    assert trio.run(alternate, layers + 4 * cfg.vocab_size * cfg.hidden_size) == (2, 2)
 
 
 def test_split_long_leaves_trees_and_commits_whole(middle):
