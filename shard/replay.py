@@ -35,6 +35,8 @@ from shard.stage_worker import DRAFT_SLACK_SLOTS, StageWorker, WorkerConfig
 from shard.wire.messages import Forward
 
 REPLAY_JOB_ID = "audit"
+# A Forward's per-row tensors (one row per position): what cutting or merging frames slices.
+_ROW_FIELDS = ("positions", "tokens", "hidden", "hidden_scale", "aux", "aux_scale")
 
 
 @dataclass(frozen=True)
@@ -199,7 +201,7 @@ def split_long(frames: list[Forward], max_rows: int) -> tuple[list[Forward], lis
         for a in range(0, t, max_rows):
             keep = tuple(range(a, min(a + max_rows, t)))
             out.append(dataclasses.replace(f, ctx_len=f.ctx_len + a, **{
-                name: _rows(getattr(f, name), keep) for name in ("positions", "tokens", "hidden", "hidden_scale", "aux", "aux_scale")}))
+                name: _rows(getattr(f, name), keep) for name in _ROW_FIELDS}))
             origin.append((i, a))
     return out, origin
 
@@ -237,7 +239,7 @@ def replay_steps(stage: Stage, wire_dtype: str, frames: list[Forward], max_rows:
                 ctx_len=len(seg.gather), commit_src=seg.gather, commit_dst=0,
                 tree_parents=torch.tensor(seg.parents, dtype=torch.int32),
                 **{name: _cat([_rows(getattr(f, name), keep) for f, keep in parts])
-                   for name in ("positions", "tokens", "hidden", "hidden_scale", "aux", "aux_scale")}))
+                   for name in _ROW_FIELDS}))
     slots = max((m.ctx_len + m.positions.shape[0] for m in merged), default=1)
     worker = StageWorker(stage, WorkerConfig(wire_dtype=wire_dtype, aux_dtype=aux_dtype, is_tail=False,
                                              max_kv_bytes=1 << 40,
