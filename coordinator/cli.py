@@ -8,7 +8,7 @@ import logging
 import os
 import sys
 
-from shard.heap import bound_kernel_caches
+from shard.heap import bound_kernel_caches, freeze_startup_heap
 
 bound_kernel_caches()  # before anything imports torch
 
@@ -65,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     async def run() -> None:
         async with trio.open_nursery() as nursery:
             http_port, addr, model_id, key_hex, wait_ring = await nursery.start(serve_coordinator, config)
+            freeze_startup_heap()  # serving: full collections under load walk only what came since (shard.heap)
             join_line = f"Volunteers join with: shard-node join --coordinator {addr}\n"
             if not config.local_nodes:  # "serving" only once a request can be served: a ring exists
                 print(f"Waiting for {config.first_ring_nodes} node(s) to form a ring. {join_line}", flush=True)

@@ -10,7 +10,7 @@ import argparse
 import sys
 from typing import Callable
 
-from shard.heap import bound_kernel_caches
+from shard.heap import bound_kernel_caches, freeze_startup_heap
 
 bound_kernel_caches()  # before anything imports torch
 
@@ -70,6 +70,7 @@ def run_join(args: argparse.Namespace) -> int:
         config = config_from_args(NodeConfig, args)
     except ValueError as exc:  # a value its config refuses (e.g. --seed-upload-share 2): one line, no traceback
         raise ShardError(f"bad option: {exc}") from None
+    freeze_startup_heap()  # modules loaded: full collections under load walk only what came since (shard.heap)
     trio.run(run_node, config)
     return 0
 
