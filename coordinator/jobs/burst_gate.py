@@ -12,7 +12,7 @@ and the frames that came go in one write per ring (`flush`), re-stamped as a bur
 exactly those frames, so the head stage has the whole group at once and waits for nothing.
 
 A frame without a burst (a lone job's, a prefill chunk after the first, an EndJob) goes
-at once, as before. A frame that comes after its burst left goes alone. Whatever `flush`
+at once, as before. A frame that comes once its burst's write began goes alone. Whatever `flush`
 raises reaches every job whose frame was in it (the frames were bound for the same
 stream). Knows nothing of rings beyond grouping frames by the one they go to.
 """
@@ -46,6 +46,7 @@ class _Gathering:
     sent: trio.Event = field(default_factory=trio.Event)
     error: BaseException | None = None
     opened_s: float = 0.0  # trio time of its first frame
+    closed: bool = False  # its write took the frames that came: a later one goes alone
 
     def check(self) -> None:
         if len(self.frames) + self.left >= self.size:
@@ -70,7 +71,7 @@ class BurstGate:
             await self.flush(ring, [body])
             return
         entry = self._open.get(burst[0])
-        if entry is not None and entry.sent.is_set():  # its burst already left: alone, announcing no company
+        if entry is not None and entry.closed:  # its burst left or is leaving: alone, announcing no company
             await self.flush(ring, [restamp(body, fwd, ())])
             return
         if entry is None:
@@ -99,6 +100,10 @@ class BurstGate:
                 await entry.complete.wait()
             cut_short = not entry.complete.is_set()
         finally:
+            # Closed before the write's first await: a frame that came while the write was under
+            # way joined a list already taken and was never sent (its job waited out the round's
+            # cap for a Result that could not come; tests/coordinator/jobs/test_burst_gate.py).
+            entry.closed = True
             with trio.CancelScope(shield=True):  # the others' frames go even if this job is cancelled
                 self._forget_old()
                 try:

@@ -179,3 +179,37 @@ def test_a_job_that_waits_for_a_result_instead_of_sending_leaves_its_burst():
 
     run(main)
     assert port.left == [(7, 3)]
+
+
+def test_a_frame_that_comes_while_its_burst_is_being_written_is_sent_alone():
+    # Bug guarded (bench_load, 16 streams, 240 s windows: three runs in four): the first
+    # frame's write was under way (the stream busy, the flush awaiting) when late frames of
+    # its burst came; they joined the list already taken for the write, were never written,
+    # and were told they were sent: their jobs waited for Results that could not come, 120 s
+    # (the round's cap), then the misses blamed an honest stage and the ring re-formed
+    # under every job. Sound: the write blocks until the late frame has come; the late
+    # frame must still leave, in a write of its own, stamped as no burst.
+    writes, release, started = [], trio.Event(), trio.Event()
+
+    async def flush(ring, bodies):
+        first = not started.is_set()
+        started.set()
+        if first:
+            await release.wait()  # the first write takes a while: the stream is busy
+        writes.append([decode_frame(b, Limits())[0] for b in bodies])
+
+    gate = BurstGate(flush)
+
+    async def main():
+        async with trio.open_nursery() as n:
+            n.start_soon(gate.send, "ring", *frame("j0", (7, 3)))
+            await started.wait()  # the bound passed: j0's write is under way, alone
+            with trio.move_on_after(1):
+                await gate.send("ring", *frame("j1", (7, 3)))  # late: must not wait for nothing
+            release.set()
+            await trio.sleep(0.1)
+            if len(writes) < 2:  # j1's send returned without a write of its own
+                n.cancel_scope.cancel()
+    run(main)
+    assert sorted([f.job_id for f in w] for w in writes) == [["j0"], ["j1"]]
+    assert all(w[0].burst == () for w in writes)
