@@ -14,11 +14,15 @@ import pytest
 
 
 def serve(store, home, *args: str) -> subprocess.Popen:
+    # SIGINT as a terminal's foreground process has it: a runner started in the background
+    # (`cmd &` without job control) ignores SIGINT, its children inherit that, and Python
+    # then leaves it ignored (that run's Ctrl-C test waited 30 s for an exit that never came).
     env = {**os.environ, "SHARD_HOME": str(home), "OMP_NUM_THREADS": "1"}
     return subprocess.Popen([sys.executable, "-m", "coordinator.cli", "serve", "--model", str(store.root),
                              "--store-dir", str(store.root), "--listen", "/ip4/127.0.0.1/tcp/0", "--log-level", "WARNING",
                              *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def test_port_in_use_is_one_line(tiny_llama_store, tmp_path):
