@@ -25,6 +25,17 @@ def serve(store, home, *args: str) -> subprocess.Popen:
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
+def finish(proc: subprocess.Popen, timeout_s: float) -> tuple[str, str]:
+    """(stdout, stderr) once `proc` exits; killed if it has not within timeout_s (a failed
+    test leaves no coordinator behind)."""
+    try:
+        return proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        pytest.fail(f"no exit within {timeout_s} s; stdout {out!r}, stderr {err!r}")
+
+
 def test_port_in_use_is_one_line(tiny_llama_store, tmp_path):
     # Bug guarded: port 8000 in use printed 108 lines of traceback. Sound: the port is
     # held by a listening socket of this test for the whole run.
@@ -33,7 +44,7 @@ def test_port_in_use_is_one_line(tiny_llama_store, tmp_path):
         held.listen()
         port = held.getsockname()[1]
         proc = serve(tiny_llama_store, tmp_path, "--http", f"127.0.0.1:{port}")
-        out, err = proc.communicate(timeout=120)
+        out, err = finish(proc, 120)
     assert proc.returncode == 1, (out, err)
     assert "Traceback" not in err
     assert err.strip().splitlines()[-1] == (f"shard-coord serve: error: 127.0.0.1:{port} is in use (another "
@@ -54,7 +65,7 @@ def test_ctrl_c_exits_quietly_and_no_banner_before_a_ring(tiny_llama_store, tmp_
         pytest.fail(f"no join line: {seen} {proc.stderr.read()}")
     assert seen.startswith("Waiting for 1 node(s) to form a ring. Volunteers join with: shard-node join --coordinator ")
     proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=30)
+    out, err = finish(proc, 30)
     assert proc.returncode == 130, err
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
     assert "serving" not in seen + out
