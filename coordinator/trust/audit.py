@@ -4,8 +4,9 @@ Receipts prove consistency, not correct computation: a stage can sign garbage. A
 job is finished (so no stage can tell an audited frame from any other, and no user token
 waits), `plan_audits` selects each (job, epoch, stage) with probability `rate`. For a
 selected stage the auditor fetches every frame it logged for that job and epoch
-(AuditRequest over the control stream) and checks each against the digests in that
-stage's signed receipt (so the stage cannot substitute bytes after the fact). Then the
+(AuditRequests over the control stream, each answered with many frames:
+shard.wire.audit_frames) and checks each against the digests in that stage's signed
+receipt (so the stage cannot substitute bytes after the fact). Then the
 stage's input frames go to a verifier node (VerifyRequest: a spot-check verifier other
 than the stage, drawn at random, one that keeps that slice warm first; when none is left,
 any other member, not faulty, whose node keeps every layer of the slice, off probation
@@ -67,13 +68,13 @@ from coordinator.trust.replay_slices import ReplaySlices
 from coordinator.trust.tolerance import TOLERANCES
 from receipts import NodeKey, sign_evidence
 from ring import PeerId
-from shard.errors import ShardError
+from shard.errors import ShardError, WireError
 from shard.layers import LayerRange
 from shard.manifest import layer_file
 from shard.replay import Replayed
 from shard.store import ModelStore
 from shard.transport import TransportError
-from shard.wire.messages import AuditReply, AuditRequest
+from shard.wire.audit_frames import MAX_AUDIT_ITEMS, AuditReply, AuditRequest, items, read_reply
 from shard.verify_parts import Uploads, assemble, split, upload_cap, whole_limits
 from shard.wire.verify import MAX_VERIFY_REPLAY_ROWS, VerifyPart, VerifyReply, VerifyRequest
 
@@ -99,7 +100,7 @@ class Auditor:
         self.evidence: list = []  # EvidenceRecord, newest last
         self.stats = AuditStats()
         self.disputes = DisputeDesk(swarm)  # newcomers' lone words, with probation's checks
-        self._waiting: dict[tuple, list] = {}  # (peer, job, epoch, round, side) or (peer, request id) -> [Event, reply]
+        self._waiting: dict[tuple, list] = {}  # (peer, request id) -> [Event, reply]
         self._request_ids = itertools.count()
         self._reply_parts: Uploads | None = None  # made on first use: `reply_parts`
         # One request in parts at a time per verifier: a node holds MAX_OPEN_UPLOADS open.
@@ -333,40 +334,36 @@ class Auditor:
         self.swarm.mark_faulty(plan.peer_id, f"audit {finding.check}: job {plan.job_id}, {finding.detail}")
 
     async def fetch_all(self, plan: AuditPlan) -> dict[int, tuple[bytes, bytes]]:
-        """Both logged frames of every planned round, requested concurrently (a few at a
-        time). Error handling: the first TransportError or TooSlowError is re-raised."""
-        got: dict[tuple[int, str], bytes | None] = {}
-        failed: list[Exception] = []
-        limiter = trio.CapacityLimiter(16)
+        """Both logged frames of every planned round: ranged AuditRequests, each answered with
+        as many frames as fit AuditConfig.fetch_reply_bytes, until every item is answered. A
+        malformed reply leaves the rest unfetched (the stage kept no record of them, as far as
+        the audit is concerned). Error handling: TransportError or TooSlowError is re-raised."""
+        wanted, got = items(plan.rounds), []
+        while len(got) < len(wanted):
+            batch = wanted[len(got):len(got) + MAX_AUDIT_ITEMS]
+            req = AuditRequest(request_id=next(self._request_ids), job_id=plan.job_id, epoch=plan.epoch,
+                               rounds=tuple(r for r, _ in batch), sides=tuple(side for _, side in batch),
+                               max_bytes=self.config.fetch_reply_bytes)
+            try:
+                got += read_reply(req, await self._fetch(plan.peer_id, req))
+            except WireError as exc:
+                log.warning("audit of %s on job %s: %s; its other frames count as not kept", plan.peer_id,
+                            plan.job_id, exc)
+                break
+        frames = dict(zip(wanted, got))
+        return {r: (frames[r, "input"], frames[r, "output"]) for r in plan.rounds   # type: ignore[misc]
+                if frames.get((r, "input")) is not None and frames.get((r, "output")) is not None}
 
-        async def one(r: int, side: str) -> None:
-            async with limiter:
-                try:
-                    got[r, side] = await self._fetch(plan, r, side)
-                except (TransportError, trio.TooSlowError) as exc:
-                    failed.append(exc)
-
-        async with trio.open_nursery() as nursery:
-            for r in plan.rounds:
-                for side in ("input", "output"):
-                    nursery.start_soon(one, r, side)
-        if failed:
-            raise failed[0]
-        return {r: (got[r, "input"], got[r, "output"]) for r in plan.rounds   # type: ignore[misc]
-                if got.get((r, "input")) is not None and got.get((r, "output")) is not None}
-
-    async def _fetch(self, plan: AuditPlan, round: int, side: str) -> bytes | None:
-        key = (plan.peer_id, plan.job_id, plan.epoch, round, side)
+    async def _fetch(self, peer: PeerId, req: AuditRequest) -> AuditReply:
+        key = (peer, req.request_id)
         slot = self._waiting[key] = [trio.Event(), None]
         try:
-            await self.swarm.send_control(plan.peer_id, AuditRequest(job_id=plan.job_id, epoch=plan.epoch,
-                                                                     round=round, side=side))
+            await self.swarm.send_control(peer, req)
             with trio.fail_after(self.config.reply_timeout_s):
                 await slot[0].wait()
         finally:
             self._waiting.pop(key, None)
-        reply: AuditReply = slot[1]
-        return None if reply.frame is None else reply.frame.numpy().tobytes()
+        return slot[1]
 
     @property
     def reply_parts(self) -> Uploads:
@@ -386,10 +383,7 @@ class Auditor:
                 reply = assemble(data, self.swarm.control_limits, self.reply_parts.cap, VerifyReply, reply.request_id)
             except ShardError as exc:
                 reply = VerifyReply(request_id=reply.request_id, error=f"its reply's parts: {exc}"[:1024])
-        if isinstance(reply, VerifyReply):
-            slot = self._waiting.get((peer, reply.request_id))
-        else:
-            slot = self._waiting.get((peer, reply.job_id, reply.epoch, reply.round, reply.side))
+        slot = self._waiting.get((peer, reply.request_id))
         if slot is not None:  # replies nobody asked for (or from another peer) are dropped
             slot[1] = reply
             slot[0].set()

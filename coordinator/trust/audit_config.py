@@ -21,6 +21,10 @@ class AuditConfig:
     rate: float = option(0.25, "probability a (job, stage) is audited by replay; cost in docs/receipts.md",
                          flag="--audit-rate")
     reply_timeout_s: float = 30.0
+    # Frame bytes one AuditReply carries (one frame always, however large): a 160-round
+    # decode job's frames at f32 are ~0.8 MB, so most audits take one round trip; a reply
+    # holds the stage's control stream ~0.2 s on a 50 Mbit/s uplink.
+    fetch_reply_bytes: int = 1 << 20
     max_queued_jobs: int = 256  # finished jobs waiting for audit; more are not audited
     # Jobs audited at once: an audit mostly waits (on the stage's records, on a verifier's
     # recomputation), and one at a time fell behind at 16 streams (1 audit in a 40 s window,

@@ -21,18 +21,19 @@ from shard.quant import SCHEMES
 from shard.wire.dtypes import FLOAT_NAMES
 from shard.wire.fields import Bytes, Float, Int, ListOf, MapOf, OptionalOf, Str, Tensor, kind_of, spec
 from shard.wire.limits import MAX_OPEN_JOBS, MAX_PAYLOAD_BYTES, Limits
-from shard.wire.shapes import (check_activations, check_context, check_nonnegative, check_tokens_dim, check_vector,
-                              fail_shape)
+from shard.wire.shapes import check_activations, check_context, check_nonnegative, check_tokens_dim, check_vector
 from shard.wire.roles import ROLE_STAGE
 # The trailer's fields (receipts, compute_s, clock_s, burst): shard.wire.trailer.
 from shard.wire.trailer import BURST, CLOCK_TIMES, COMPUTE_TIMES, RECEIPTS, TRAILER_FIELDS
+from shard.wire.audit_frames import AuditReply, AuditRequest
 from shard.wire.release_frames import ReleaseFrames
 from shard.wire.verify import VerifyPart, VerifyReply, VerifyRequest
 from shard.wire.weight_messages import WEIGHT_MESSAGES
 
 # 2: per-stage trailer fields (receipts, compute_s) left the header for a trailer after
 # the tensor bytes, so a frame's canonical bytes are a prefix of its wire bytes.
-PROTOCOL_VERSION = 2
+# 3: audit_request / audit_reply carry many (round, side) items (shard.wire.audit_frames).
+PROTOCOL_VERSION = 3
 # Header keys the codec owns; no message field may use them. `pad` (bin, 0..7 bytes) makes
 # the tensor bytes start 8-aligned in the body so they can be viewed without copying.
 RESERVED_KEYS = frozenset({"v", "kind", "tensors", "pad"})
@@ -350,37 +351,6 @@ class HopPath:
 
     def check(self, limits: Limits) -> None:
         pass
-
-
-@dataclass(frozen=True, kw_only=True)
-class AuditRequest:
-    """Coordinator -> stage (control stream): send me one side of a frame you logged."""
-
-    KIND: ClassVar[str] = "audit_request"
-    job_id: str = spec(JOB_ID)
-    epoch: int = spec(EPOCH)
-    round: int = spec(ROUND)
-    side: str = spec(Str(8, choices=("input", "output")))
-
-    def check(self, limits: Limits) -> None:
-        pass
-
-
-@dataclass(frozen=True, kw_only=True, eq=False)
-class AuditReply:
-    """Stage -> coordinator: the canonical frame bytes (codec.encode_body) it logged for
-    that round and side, as a u8 tensor; None when it kept no record."""
-
-    KIND: ClassVar[str] = "audit_reply"
-    job_id: str = spec(JOB_ID)
-    epoch: int = spec(EPOCH)
-    round: int = spec(ROUND)
-    side: str = spec(Str(8, choices=("input", "output")))
-    frame: torch.Tensor | None = spec(Tensor(frozenset({"u8"}), optional=True), default=None)  # (nbytes,)
-
-    def check(self, limits: Limits) -> None:
-        if self.frame is not None and self.frame.dim() != 1:
-            raise fail_shape("frame", ["nbytes"], self.frame)
 
 
 Message = Union[Forward, Result, EndJob, JobError, Register, Refused, Assignment, Ready, Ping, Pong, ProbePeers,

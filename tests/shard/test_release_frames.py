@@ -60,6 +60,7 @@ def test_the_stage_drops_the_named_pairs_and_still_answers_audits_of_the_rest():
         log.end_job(job)
     assert answer(log, ReleaseFrames(job_ids=["a", "b"], epochs=[1, 2])) is None
     assert log.frames("a", 1) == [] and log.frames("b", 2) == [] and log.nbytes == len(b"in-b" + b"out-b")
-    reply = answer(log, AuditRequest(job_id="b", epoch=1, round=1, side="output"))
-    assert bytes(reply.frame.numpy()) == b"out-b"
-    assert answer(log, AuditRequest(job_id="a", epoch=1, round=1, side="input")).frame is None
+    reply = answer(log, AuditRequest(request_id=1, job_id="b", epoch=1, rounds=[1], sides=["output"], max_bytes=1024))
+    assert reply.sizes == (5,) and bytes(reply.frames.numpy()) == b"out-b"
+    reply = answer(log, AuditRequest(request_id=2, job_id="a", epoch=1, rounds=[1], sides=["input"], max_bytes=1024))
+    assert reply.sizes == (0,) and reply.frames is None

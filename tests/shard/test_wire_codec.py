@@ -72,7 +72,8 @@ SMALL = {
     "ping": Ping(nonce=2**64 - 2**63 - 1, sent_ns=123, payload=b"\x01" * 1000),
     "pong": Pong(nonce=0, sent_ns=0),
     "probe_peers": ProbePeers(peers={"12D3KooWB": ("/ip4/127.0.0.1/tcp/4002",), "12D3KooWC": ()}, bandwidth_bytes=65536),
-    "audit_request": AuditRequest(job_id="j", epoch=1, round=2, side="output"),
+    "audit_request": AuditRequest(request_id=7, job_id="j", epoch=1, rounds=(2, 2, 3), sides=("input", "output", "input"),
+                                   max_bytes=4096),
     "release_frames": ReleaseFrames(job_ids=("j", "job-2"), epochs=(1, 3)),
     "link_report": LinkReport(peer_id="12D3KooWA", rtt_ms={"12D3KooWB": 41.0}, upload_bytes_per_s=2.5e6),
     "hop_path": HopPath(peer_id="12D3KooWA", successor="12D3KooWB", path="relayed"),
@@ -272,9 +273,9 @@ def _header_case(mutate, base=None) -> bytes:
 PINNED = {
     # Every kind is named, sorted: derived from the registry, which grows with the protocol.
     "unknown kind": (lambda h: h.update(kind="Pickle"), f"message kind (limit {sorted(REGISTRY)}, got Pickle)"),
-    "bool version": (lambda h: h.update(v=True), "protocol version (limit 2, got True)"),
-    "old version": (lambda h: h.update(v=1), "protocol version (limit 2, got 1)"),
-    "future version": (lambda h: h.update(v=3), "protocol version (limit 2, got 3)"),
+    "bool version": (lambda h: h.update(v=True), "protocol version (limit 3, got True)"),
+    "old version": (lambda h: h.update(v=2), "protocol version (limit 3, got 2)"),
+    "future version": (lambda h: h.update(v=4), "protocol version (limit 3, got 4)"),
     "trailer field in header": (lambda h: h.update(receipts=[]), "unknown field for 'forward' (limit None, got receipts)"),
     "bool for int": (lambda h: h.update(epoch=True), "field 'epoch' type (limit int, got bool)"),
     "negative int": (lambda h: h.update(round=-1), "field 'round' range (limit [0, 9223372036854775807], got -1)"),
@@ -321,7 +322,7 @@ def test_framing_errors_pinned():
     assert str(_refuse(body[: tensors_end - 1])) == "tensor bytes after header (limit 80, got 79)"  # declared, present
     assert str(_refuse(encode(SMALL["end_job"]) + b"\x00")) == "bytes after the tensors (limit 0, got 1)"
     assert str(_refuse(_frame([1, 2]))) == "header type (limit map, got list)"
-    assert str(_refuse(_frame({"v": 2, "kind": "ping"}) + b"")).startswith("field 'nonce' missing")
+    assert str(_refuse(_frame({"v": 3, "kind": "ping"}) + b"")).startswith("field 'nonce' missing")
     ext = msgpack.packb({"v": 1, "x": msgpack.ExtType(5, b"abc")})
     assert str(_refuse(struct.pack(">I", len(ext)) + ext)).startswith("header msgpack (limit None, got ValueError")
     extra = msgpack.packb({"v": 1}) + b"\xc0"
