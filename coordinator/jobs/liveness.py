@@ -20,7 +20,8 @@ its stages re-formed the ring under every job and excluded an honest node (bench
 streams with four ~1.9k-token prompts, a short prompt's round behind their pieces: the
 honest tail blamed three times in five minutes, out for an hour). Only the round's own job
 resumes then. A stage that answers some jobs and stalls others is still blamed once a ring
-epoch has missed `BUSY_MISSES_BEFORE_BLAME` rounds while answering.
+epoch has missed `BUSY_MISSES_BEFORE_BLAME` rounds while answering, misses within
+`SAME_EVENT_S` of a counted one counting as that one.
 
 A round's deadline is soft while its ring answers (`Liveness.round_timer`): a Result back
 through the ring within `ALIVE_WINDOW_S` (or half the deadline) before it passes moves it one deadline on, and so
@@ -57,6 +58,11 @@ log = logging.getLogger("shard.coordinator")
 
 ALIVE_WINDOW_S = 2.0  # a Result through the whole ring this recently: it answers (deadlines are >= 5 s)
 BUSY_MISSES_BEFORE_BLAME = 3  # rounds one ring epoch may miss while answering before a stage is blamed
+# Misses on one answering ring this close to the first of them are one event, counted once
+# toward BUSY_MISSES_BEFORE_BLAME: a lost write once missed three jobs' rounds in the same
+# millisecond and got an honest stage blamed (issue 21, a5c166b); a stage that stalls some
+# jobs while answering others misses their rounds at their own deadlines, seconds apart.
+SAME_EVENT_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -120,7 +126,8 @@ class Liveness:
         self.clock = time.monotonic
         self._answered: dict[int, float] = {}  # ring epoch -> when a Result last came back on it
         self._timers: dict[int, set[tuple]] = {}  # ring epoch -> (scope, step s, cap at) of rounds awaited
-        self._busy_misses: dict[int, int] = {}  # ring epoch -> rounds missed while it answered
+        self._busy_misses: dict[int, int] = {}  # ring epoch -> rounds missed while it answered (events)
+        self._busy_event: dict[int, float] = {}  # ring epoch -> when the latest counted miss came
         self._predicted: tuple[object, dict] = (None, {})  # (plan, shape -> predicted traversal s)
         # prefill -> ((epoch, samples), the newest sample, the ratios of those samples)
         self._measured: dict[bool, tuple[tuple[int, int], object, list[float]]] = {}
@@ -151,6 +158,7 @@ class Liveness:
             if ring.epoch not in self._answered:  # a new epoch: forget the old ones' (not per Result)
                 self._answered = {e: t for e, t in self._answered.items() if e >= ring.epoch - 8}
                 self._busy_misses = {e: n for e, n in self._busy_misses.items() if e >= ring.epoch - 8}
+                self._busy_event = {e: t for e, t in self._busy_event.items() if e >= ring.epoch - 8}
             self._answered[ring.epoch] = self.clock()
             self._extend(ring.epoch)
             for peer, _ in ring.stages:
@@ -244,6 +252,12 @@ class Liveness:
             return
         answered = self._answered.get(ring.epoch)
         if self.answering(ring.epoch):
+            last = self._busy_event.get(ring.epoch)
+            if last is not None and self.clock() - last < SAME_EVENT_S:
+                log.warning("round %d missed its deadline on ring epoch %d %.3f s after another miss there: the same "
+                            "event, counted once", round, ring.epoch, self.clock() - last)
+                return
+            self._busy_event[ring.epoch] = self.clock()
             misses = self._busy_misses[ring.epoch] = self._busy_misses.get(ring.epoch, 0) + 1
             if misses < BUSY_MISSES_BEFORE_BLAME:
                 log.warning("round %d missed its deadline on ring epoch %d, which answered another round %.1f s ago: "

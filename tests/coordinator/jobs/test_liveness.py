@@ -170,6 +170,7 @@ def test_a_ring_that_answers_is_busy_not_stalled():
         live.round_missed(busy, round=i)
         live.result_arrived(busy, SimpleNamespace(job_id="other", round=8 + i, epoch=1))
         assert blamed == [], i
+    now[0] += ALIVE_WINDOW_S / 2
     live.round_missed(busy, round=99)  # still answering, but the misses add up: a selective staller
     assert len(blamed) == 1
 
@@ -177,6 +178,32 @@ def test_a_ring_that_answers_is_busy_not_stalled():
     now[0] += ALIVE_WINDOW_S + 0.1  # nothing back since: stalled
     live.round_missed(quiet, round=2)
     assert len(blamed) == 2
+
+
+def test_misses_at_one_instant_on_an_answering_ring_are_one_event():
+    # Bug guarded (issue 21, a5c166b): one lost write left three jobs' rounds waiting; their
+    # deadlines passed in the same millisecond while the ring answered every other job, which
+    # counted as three misses and blamed an honest stage (the ring re-formed under 16 jobs).
+    from types import SimpleNamespace
+
+    from coordinator.jobs.liveness import BUSY_MISSES_BEFORE_BLAME, SAME_EVENT_S, Liveness
+
+    blamed = []
+    ring = SimpleNamespace(epoch=1, stages=(("head", None), ("tail", None)))
+    swarm = SimpleNamespace(ring_by_epoch={1: ring}.get, report_unreachable=lambda peer, why, kind: blamed.append(peer))
+    now = [100.0]
+    live = Liveness(swarm, frame_timeout_s=60.0, prefill_chunk_tokens=256)
+    live.clock = lambda: now[0]
+    live.result_arrived(ring, SimpleNamespace(job_id="other", round=7, epoch=1))
+    for i in range(2 * BUSY_MISSES_BEFORE_BLAME):
+        now[0] += SAME_EVENT_S / 10
+        live.round_missed(ring, round=i)
+    assert blamed == []
+    for i in range(BUSY_MISSES_BEFORE_BLAME - 1):  # events apart, the ring still answering: they add up
+        now[0] += SAME_EVENT_S
+        live.result_arrived(ring, SimpleNamespace(job_id="other", round=20 + i, epoch=1))
+        live.round_missed(ring, round=30 + i)
+    assert blamed == ["head"] or blamed == ["tail"]
 
 
 def test_a_rounds_deadline_is_soft_while_its_ring_answers_up_to_the_cap():
