@@ -18,9 +18,8 @@ from typing import ClassVar
 
 import torch
 
-from receipts.schema import JOB_ID_PATTERN, MAX_JOB_ID_CHARS
 from shard.errors import WireError
-from shard.wire.fields import Int, ListOf, Str, Tensor, spec
+from shard.wire.fields import JOB_ID, Int, ListOf, Str, Tensor, spec
 from shard.wire.limits import Limits
 from shard.wire.shapes import fail_shape
 
@@ -29,8 +28,6 @@ SIDES = ("input", "output")
 MAX_AUDIT_ITEMS = 4096
 # The smallest reply budget a request may name; a reply still carries one item past it.
 MIN_AUDIT_REPLY_BYTES = 1024
-_JOB_ID = Str(MAX_JOB_ID_CHARS, pattern=JOB_ID_PATTERN,
-              pattern_text=f"1..{MAX_JOB_ID_CHARS} chars of [A-Za-z0-9._-] starting alphanumeric")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -41,7 +38,7 @@ class AuditRequest:
 
     KIND: ClassVar[str] = "audit_request"
     request_id: int = spec(Int())
-    job_id: str = spec(_JOB_ID)
+    job_id: str = spec(JOB_ID)
     epoch: int = spec(Int())
     rounds: tuple[int, ...] = spec(ListOf(Int(), max_items=MAX_AUDIT_ITEMS))
     sides: tuple[str, ...] = spec(ListOf(Str(8, choices=SIDES), max_items=MAX_AUDIT_ITEMS))

@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from receipts.schema import JOB_ID_PATTERN, MAX_JOB_ID_CHARS
 from shard.errors import WireError
 from shard.wire.limits import Limits
 
@@ -169,3 +170,10 @@ def spec(kind: Any, **field_kwargs: Any) -> Any:
 
 def kind_of(f: dataclasses.Field) -> Any:
     return f.metadata["wire"]
+
+
+# Job ids name receipt bundles' files and nonces key receipts: the wire holds them to the
+# receipt schema's own rules, so a frame a stage accepts is one it can sign. Every message
+# naming a job uses this one field.
+JOB_ID = Str(MAX_JOB_ID_CHARS, pattern=JOB_ID_PATTERN,
+             pattern_text=f"1..{MAX_JOB_ID_CHARS} chars of [A-Za-z0-9._-] starting alphanumeric")

@@ -15,11 +15,11 @@ from typing import ClassVar, Union
 import msgpack
 import torch
 
-from receipts.schema import JOB_ID_PATTERN, MAX_JOB_ID_CHARS, MAX_NONCE_BYTES, MIN_NONCE_BYTES
+from receipts.schema import MAX_NONCE_BYTES, MIN_NONCE_BYTES
 from shard.errors import WireError
 from shard.quant import SCHEMES
 from shard.wire.dtypes import FLOAT_NAMES
-from shard.wire.fields import Bytes, Float, Int, ListOf, MapOf, OptionalOf, Str, Tensor, kind_of, spec
+from shard.wire.fields import JOB_ID, Bytes, Float, Int, ListOf, MapOf, OptionalOf, Str, Tensor, kind_of, spec
 from shard.wire.limits import MAX_OPEN_JOBS, MAX_PAYLOAD_BYTES, Limits
 from shard.wire.shapes import check_activations, check_context, check_nonnegative, check_tokens_dim, check_vector
 from shard.wire.roles import ROLE_STAGE
@@ -38,10 +38,6 @@ PROTOCOL_VERSION = 3
 # the tensor bytes start 8-aligned in the body so they can be viewed without copying.
 RESERVED_KEYS = frozenset({"v", "kind", "tensors", "pad"})
 
-# Job ids name receipt bundles' files and nonces key receipts: the wire holds them to the
-# receipt schema's own rules, so a frame a stage accepts is one it can sign.
-JOB_ID = Str(MAX_JOB_ID_CHARS, pattern=JOB_ID_PATTERN,
-             pattern_text=f"1..{MAX_JOB_ID_CHARS} chars of [A-Za-z0-9._-] starting alphanumeric")
 NONCE = Bytes(MAX_NONCE_BYTES, min_bytes=MIN_NONCE_BYTES)
 PEER_ID = Str(128)  # a libp2p peer id in text form (base58 / CID), ~52 chars today
 NAME = Str(256)  # model names, digests, device descriptions, addresses

@@ -15,17 +15,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from receipts.schema import JOB_ID_PATTERN, MAX_JOB_ID_CHARS
 from shard.errors import WireError
-from shard.wire.fields import Int, ListOf, Str, spec
+from shard.wire.fields import JOB_ID, Int, ListOf, spec
 from shard.wire.limits import Limits
 
 # (job, epoch) pairs one message may name: at 32 streams a ring finishes a few jobs a
 # second, and the coordinator flushes each second, so one message holds a second's jobs
 # with room to spare; more go in the next one.
 MAX_RELEASE_JOBS = 1024
-_JOB_ID = Str(MAX_JOB_ID_CHARS, pattern=JOB_ID_PATTERN,
-              pattern_text=f"1..{MAX_JOB_ID_CHARS} chars of [A-Za-z0-9._-] starting alphanumeric")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -34,7 +31,7 @@ class ReleaseFrames:
     `job_ids[i]` on ring epoch `epochs[i]`, for every i; no audit will ask for them."""
 
     KIND: ClassVar[str] = "release_frames"
-    job_ids: tuple[str, ...] = spec(ListOf(_JOB_ID, max_items=MAX_RELEASE_JOBS))
+    job_ids: tuple[str, ...] = spec(ListOf(JOB_ID, max_items=MAX_RELEASE_JOBS))
     epochs: tuple[int, ...] = spec(ListOf(Int(), max_items=MAX_RELEASE_JOBS))
 
     def check(self, limits: Limits) -> None:
