@@ -116,6 +116,7 @@ class Swarm:
         self.plan: Plan | None = None
         self.network: Network | None = None  # what `plan` was chosen on
         self.traversals, self.fetches, self.clocks = TraversalLog(), seeding.FetchLog(), clock_offset.ClockOffsets()  # measured against predicted; nodes' clocks against ours
+        self.predictions = topology.Predictions()
         self._awaiting_reports: set[PeerId] = set()
         self._formed_for: frozenset[PeerId] | None = None  # eligible members at the last formation
         self.busy: Callable[[int], int] = lambda epoch: 0  # jobs running on ring `epoch` (the engine's router sets it)
@@ -340,7 +341,7 @@ class Swarm:
         if (planned := self.plan_of(t.epoch)) is None:
             return
         try:
-            predicted = topology.predict(*planned, self.model, self.config.topology, t)
+            predicted = self.predictions.predict(planned, self.model, self.config.topology, t)
         except RingError as exc:  # e.g. a prompt longer than the plan's memory budget
             log.debug("no prediction for a %d-token round: %s", t.tokens, exc)
             return

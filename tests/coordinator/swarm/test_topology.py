@@ -123,3 +123,28 @@ def test_predictions_and_traversal_summary():
     assert summary["decode"]["rounds"] == 2 and summary["decode"]["measured_traversal_s"] == pytest.approx(0.07)
     assert summary["prefill"]["rounds"] == 1 and "measured_transport_s" not in summary["prefill"]
     assert summary["decode"]["measured_transport_s"] == pytest.approx(0.07 - 0.004)
+
+
+def test_remembered_predictions_equal_fresh_ones_per_plan_and_shape():
+    # Bug guarded: a remembered prediction served for another round shape (a prefill's for a
+    # decode round, 2 frames' for 4) or for a re-formed ring's new plan. Sound: each answer
+    # is compared with topology.predict itself.
+    cfg = TopologyConfig()
+    regs = {"a": _reg("a", rtt_ms={COORD: 20.0})}
+    from ring import ModelSpec, evaluate
+    from ring.plan import Stage
+
+    model = ModelSpec("m", 4, 1 << 20, 1024, 2048)
+    planned = []
+    for rtt in (20.0, 80.0):
+        network = topology.build_network(COORD, regs, topology.record_rtts({}, "a", {COORD: rtt}, COORD), {}, cfg)
+        planned.append((evaluate([Stage("a", LayerRange(0, 4))], network, model, cfg.workload()), network))
+    memo = topology.Predictions(size=3)
+    shapes = [Traversal(1, False, 1, 1, 0.05, ()), Traversal(1, False, 1, 5, 0.05, ()),
+              Traversal(1, True, 2, 512, 0.2, ()), Traversal(1, True, 4, 512, 0.2, ())]
+    for _ in range(2):
+        for p in planned:
+            for t in shapes:
+                assert memo.predict(p, model, cfg, t) == topology.predict(*p, model, cfg, t)
+    assert len(memo._memo) <= 3
+    assert memo.predict(planned[0], model, cfg, shapes[0]) is memo.predict(planned[0], model, cfg, shapes[0])
