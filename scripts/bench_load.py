@@ -15,7 +15,10 @@ Reported per ring and C: aggregate tok/s (content chunks received in the window:
 drafter each is one token), CPU ms per token (all four processes' CPU in the window over
 its tokens), p50/p95 time to first token and inter-token gap, errors,
 and whether every request that finished equals the same request served alone (served
-once each, one at a time, first). A sustained run at the highest C records coordinator
+once each, one at a time, first); and the window's timeline (tokens and prompt tokens
+started, per second) with the rate between prompts (seconds with no prompt started in
+them or the 4 before: what decoding alone reaches, against which the prefill of prompts
+arriving together shows). A sustained run at the highest C records coordinator
 and node RSS every 10 s (--sustain-s). The machine's load average is recorded with each
 figure: the 2 cores are shared.
 
@@ -277,6 +280,7 @@ def main(argv=None) -> int:
                               f"{'/'.join(f'{x:.1f}' for x in row['cpu_s']['nodes'])}  rounds per head product "
                               f"{row['head_rounds_per_product'] or 0:.2f}  CPU ms/token {row['cpu_ms_per_token']}  "
                               f"prompt tokens started per token {row['prompt_tokens_started'] / max(row['tokens'], 1):.1f}  "
+                              f"between prompts {row['quiet_tok_per_s'] or 0:.1f} tok/s  "
                               f"(ramp {row['ramp_s_taken']:.0f} s, {row['ramp_tok_per_s'] or 0:.1f} tok/s)  "
                               f"load {row['load_average'][0]:.1f}",
                               flush=True)

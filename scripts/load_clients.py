@@ -14,6 +14,9 @@ import time
 import httpx
 import trio
 
+# Seconds after a prompt started that still count as its prefill's (quiet_rate).
+QUIET_AFTER_S = 4
+
 
 async def stream_one(client: httpx.AsyncClient, body: dict, on_chunk) -> str:
     """The text of one streamed completion; `on_chunk(ttft_s, gap_s)` at each content chunk
@@ -73,6 +76,7 @@ async def closed_loop(base: str, mix: list[dict], clients: int, window_s: float,
     compared, and every request that finished, ramp or window, is compared)."""
     chunks, ttfts, gaps, errors, done, mismatches, started = [0], [], [], [], [0], [], [0]
     ramp_chunks, prompt_started, firsts_done = [0], [0], [0]
+    per_s_tokens, per_s_prompt = [0] * math.ceil(window_s), [0] * math.ceil(window_s)  # the window's timeline
     t0 = time.monotonic()
     opens, deadline, opened_at = [math.inf], [math.inf], [None]
 
@@ -83,6 +87,7 @@ async def closed_loop(base: str, mix: list[dict], clients: int, window_s: float,
             return
         if now < deadline[0]:
             chunks[0] += 1
+            per_s_tokens[min(int(now - opens[0]), len(per_s_tokens) - 1)] += 1
         if ttft is not None:
             ttfts.append(ttft)
         if gap is not None:
@@ -93,9 +98,11 @@ async def closed_loop(base: str, mix: list[dict], clients: int, window_s: float,
         while time.monotonic() < deadline[0]:
             kind = kind_of(i, k, len(mix))
             k += 1
-            if time.monotonic() >= opens[0]:
+            if (now := time.monotonic()) >= opens[0]:
                 started[0] += 1
                 prompt_started[0] += len(mix[kind]["prompt"])
+                if now < deadline[0]:
+                    per_s_prompt[min(int(now - opens[0]), len(per_s_prompt) - 1)] += len(mix[kind]["prompt"])
             try:
                 text = await stream_one(client, mix[kind], on_chunk)
             except Exception as exc:  # noqa: BLE001 - every failure is a counted error
@@ -137,7 +144,19 @@ async def closed_loop(base: str, mix: list[dict], clients: int, window_s: float,
             "ttfts_measured": len(ttfts), "errors": len(errors),
             "error_samples": errors[:3], "outputs_equal_alone": None if refs is None else not mismatches,
             "mismatched_kinds": sorted(set(mismatches)), "ttft_p50_s": pct(ttfts, 0.5), "ttft_p95_s": pct(ttfts, 0.95),
-            "itl_p50_s": pct(gaps, 0.5), "itl_p95_s": pct(gaps, 0.95), "load_average": list(os.getloadavg())}
+            "itl_p50_s": pct(gaps, 0.5), "itl_p95_s": pct(gaps, 0.95), "load_average": list(os.getloadavg()),
+            "timeline": {"tokens_per_s": per_s_tokens, "prompt_tokens_started_per_s": per_s_prompt},
+            "quiet_tok_per_s": quiet_rate(per_s_tokens, per_s_prompt)}
+
+
+def quiet_rate(tokens: list[int], prompts: list[int], after_s: int = QUIET_AFTER_S) -> float | None:
+    """Tokens per second over the window's seconds in which no prompt started, nor in the
+    `after_s` seconds before (a prompt's prefill displaces decoding for a few seconds: at 16
+    streams on the dev VM's loopback ring the rate fell from ~100 to 15-40 tok/s for 3-5 s
+    after the clients' prompts arrived together): the steady decode rate between them; None
+    when no such second."""
+    quiet = [n for i, n in enumerate(tokens) if not any(prompts[max(0, i - after_s):i + 1])]
+    return sum(quiet) / len(quiet) if quiet else None
 
 
 async def alone(base: str, mix: list[dict]) -> list[str]:

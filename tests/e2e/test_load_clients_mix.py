@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from scripts.load_clients import kind_of
+from scripts.load_clients import kind_of, quiet_rate
 
 
 def test_every_client_walks_every_kind_at_every_concurrency():
@@ -24,3 +24,13 @@ def test_every_client_walks_every_kind_at_every_concurrency():
 
 def test_clients_start_spread_over_the_mix():
     assert [kind_of(i, 0, 8) for i in range(16)] == [i % 8 for i in range(16)]
+
+
+def test_quiet_rate_leaves_out_the_seconds_a_prompt_and_its_prefill_took():
+    # Bug guarded: the steady decode rate mixing in the seconds after prompts arrived (where
+    # prefill displaces decoding), or leaving out seconds long after them. Sound: hand-made.
+    tokens = [100, 20, 30, 90, 110, 100, 10, 104]
+    prompts = [0, 600, 0, 0, 0, 0, 200, 0]
+    assert quiet_rate(tokens, prompts, after_s=2) == (100 + 110 + 100) / 3
+    assert quiet_rate(tokens, prompts, after_s=0) == (100 + 30 + 90 + 110 + 100 + 104) / 6
+    assert quiet_rate([5, 5], [1, 0], after_s=4) is None
