@@ -168,16 +168,28 @@ def cpu_spent(before: dict, after: dict) -> dict:
 
 def rss_growth(samples: list[dict], warmup_s: float) -> dict:
     """RSS growth over a sustained run after its warm-up: the first sample at or past
-    `warmup_s` against the last one taken while the clients ran, per process (percent)."""
+    `warmup_s` against the last one taken while the clients ran, per process (percent);
+    and the lowest sample of the first third of those samples against the last third's."""
     running = [s for s in samples if not s.get("after_idle_5s")]
     warm = next((s for s in running if s["t_s"] >= warmup_s), None)
     if warm is None or warm is running[-1]:
         return {"warmup_s": warmup_s, "coordinator_pct": None, "nodes_pct": []}
     pct = lambda a, b: None if not a or b is None else round(100 * (b - a) / a, 1)  # noqa: E731
     end = running[-1]
+    after = [s for s in running if s["t_s"] >= warm["t_s"]]
+    first, last = after[: max(1, len(after) // 3)], after[-max(1, len(after) // 3):]
+
+    def low(part: list[dict], key: str, i: int | None = None) -> float | None:
+        values = [v for v in ((s[key] if i is None else s[key][i]) for s in part) if v is not None]
+        return min(values) if values else None
     return {"warmup_s": warmup_s, "from_t_s": warm["t_s"], "to_t_s": end["t_s"],
             "coordinator_pct": pct(warm["coordinator_mb"], end["coordinator_mb"]),
-            "nodes_pct": [pct(a, b) for a, b in zip(warm["nodes_mb"], end["nodes_mb"])]}
+            "nodes_pct": [pct(a, b) for a, b in zip(warm["nodes_mb"], end["nodes_mb"])],
+            # The lowest sample of the first third after warm-up against the last third's: the
+            # running jobs' K/V swings a stage by hundreds of MB (long prompts come and go), so
+            # two single samples read that cycle's phase, the troughs what stays.
+            "troughs_coordinator_pct": pct(low(first, "coordinator_mb"), low(last, "coordinator_mb")),
+            "troughs_nodes_pct": [pct(low(first, "nodes_mb", i), low(last, "nodes_mb", i)) for i in range(len(end["nodes_mb"]))]}
 
 
 def against_targets(levels: list[dict]) -> dict:
