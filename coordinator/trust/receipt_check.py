@@ -17,6 +17,7 @@ It does not send frames, choose rings, or recompute anything (coordinator.trust.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections import OrderedDict
@@ -59,7 +60,12 @@ log = logging.getLogger("shard.coordinator")
 class ReceiptConfig:
     enabled: bool = True  # check every round's receipts and bundle every job
     receipts_dir: str | None = option(None, "append every job's signed receipt bundle here (default: memory only)")
-    recent_bundles: int = 1024  # bundles kept in memory for GET /v1/receipts/{id}
+    recent_bundles: int = 1024  # bundles kept in memory for GET /v1/receipts/{id}, at most
+    # ... and their bytes (compact JSON), at most: a bundle carries every round's three ~450-byte
+    # receipts (~300 KB for a 160-round job), and 1000 such jobs' bundles kept as JSON dicts
+    # held 543 MB of the gateway's RSS (65 MB, 208 bundles, bounded here; issue 21).
+    recent_bundles_mb: int = option(64, "memory for recent jobs' receipt bundles served by GET /v1/receipts/{id} "
+                                        "(older ones only from --receipts-dir)")
     recent_evidence: int = 256  # probation catches' evidence records kept in memory
 
 
@@ -108,7 +114,8 @@ class ReceiptChecker:
         self.num_layers = store.num_layers  # from the manifest, never from receipts
         self.bundle_store = BundleStore(config.receipts_dir) if config.receipts_dir else None
         self._epochs: dict[int, EpochView] = {}
-        self._recent: OrderedDict[str, dict] = OrderedDict()
+        self._recent: OrderedDict[str, bytes] = OrderedDict()  # job id -> its bundle as compact JSON
+        self._recent_bytes = 0
         self.evidence: list[EvidenceRecord] = []  # probation catches (sign_catch), newest last
 
     def sign_catch(self, result: Result, peer: PeerId, recomputed_digest: bytes | None,
@@ -154,15 +161,24 @@ class ReceiptChecker:
 
     def bundle(self, job_id: str) -> dict | None:
         """The job's bundle as JSON (memory first, then the store), None if unknown."""
-        found = self._recent.get(job_id)
-        if found is None and self.bundle_store is not None and job_id in self.bundle_store:
-            found = bundle_to_json(self.bundle_store.get(job_id))
-        return found
+        kept = self._recent.get(job_id)
+        if kept is not None:
+            return json.loads(kept)
+        if self.bundle_store is not None and job_id in self.bundle_store:
+            return bundle_to_json(self.bundle_store.get(job_id))
+        return None
 
     def _keep(self, job_id: str, bundle_json: dict) -> None:
-        self._recent[job_id] = bundle_json
-        while len(self._recent) > self.config.recent_bundles:
-            self._recent.popitem(last=False)
+        """Keep the newest bundle; drop the oldest past recent_bundles or recent_bundles_mb."""
+        text = json.dumps(bundle_json, separators=(",", ":")).encode()
+        if (old := self._recent.pop(job_id, None)) is not None:
+            self._recent_bytes -= len(old)
+        self._recent[job_id] = text
+        self._recent_bytes += len(text)
+        cfg = self.config
+        while len(self._recent) > 1 and (len(self._recent) > cfg.recent_bundles
+                                         or self._recent_bytes > cfg.recent_bundles_mb << 20):
+            self._recent_bytes -= len(self._recent.popitem(last=False)[1])
 
 
 @dataclass
