@@ -25,7 +25,7 @@ FLAGS = {"--model", "--store-dir", "--listen", "--http", "--key-path", "--local-
          "--eagle-tree", "--pipeline-depth", "--prefill-chunk-tokens", "--prefill-edge-chunk-tokens",
          "--max-concurrent-jobs", "--max-queued-jobs", "--queue-timeout-s", "--node-threads", "--node-batch-token-budget",
          "--node-prefill-order", "--trusted-nodes", "--unverified-newcomers",
-         "--receipts-dir", "--max-rings", "--ring-spares", "--drain-s", "--kv-wait-s", "--burst-wait-ms",
+         "--receipts-dir", "--recent-bundles-mb", "--max-rings", "--ring-spares", "--drain-s", "--kv-wait-s", "--burst-wait-ms",
          "--max-groups", "--group-wait-ms",
          "--audit-rate", "--log-level", "--ring-wait-s",
          "--api-keys", "--key-max-concurrent-jobs", "--key-tokens-per-minute", "--public-health", "--public-status", "--trusted-peers",
