@@ -68,6 +68,10 @@ class ReceiptConfig:
                                         "(older ones only from --receipts-dir)")
     recent_evidence: int = 256  # probation catches' evidence records kept in memory
 
+    def __post_init__(self) -> None:
+        if self.recent_bundles_mb < 0:
+            raise ValueError(f"recent bundles must be >= 0 MB (0: only the newest), got {self.recent_bundles_mb}")
+
 
 
 @dataclass(frozen=True)
