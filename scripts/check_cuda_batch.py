@@ -20,8 +20,8 @@ Stage.forward on twin caches, as tests/shard/test_stage_batch*.py do on the CPU)
      layers) any read of a device tensor by the host is a failure; the MoE router's host
      reads (its expert loop) and the copies onto the device are counted and reported;
   3. speed (reported, never a failure): 1-, 16-, 64- and 256-row decode forwards (one row
-     per job at context 128) of a 10-layer SmolLM2 slice, or the tiny Llama's 5 layers
-     without SmolLM2, synchronised, best of N.
+     per job at context 128) of a 10-layer slice of SmolLM2 (else of --smollm2-shapes' model,
+     else the tiny Llama's 5 layers), synchronised, best of N.
 --device cpu runs every step on the CPU: the script's own self-test (tests/shard/test_check_cuda_batch.py),
 no GPU claim (on the CPU nothing can leave the device, so step 2 finds nothing there).
 """
@@ -65,6 +65,9 @@ TINY = {
     "qwen3-moe-top3": dict(model_type="qwen3_moe", num_experts=6, num_experts_per_tok=3, moe_intermediate_size=32, head_dim=16),
     "phi3-longrope": dict(model_type="phi3", rope_parameters=LONGROPE, original_max_position_embeddings=64),
 }
+# --smollm2-shapes: seeded weights in SmolLM2-135M's shapes (its kernels' shapes, where its 98 MB GGUF cannot travel).
+SHAPES = dict(model_type="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+              num_key_value_heads=3, vocab_size=49152, max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=1e5)
 SYNC_OPS = {"aten._local_scalar_dense", "aten.nonzero", "aten._unique2", "aten.unique_dim"}  # the host waits for their result
 failures: list[str] = []
 report: dict[str, object] = {}
@@ -96,7 +99,7 @@ class Model:
 
 
 def tiny_model(name: str, seed: int = 0) -> Model:
-    cfg = ModelConfig.from_hf({**SMALL, **TINY[name]})
+    cfg = ModelConfig.from_hf(SHAPES if name == "smollm2-shapes" else {**SMALL, **TINY[name]})
     gen = torch.Generator().manual_seed(seed)
 
     def init(n: str, shape: tuple[int, ...]) -> torch.Tensor:
@@ -229,7 +232,7 @@ def judge(what: str, hidden: float, logits: float, hidden_bound: float | None) -
 
 
 def check_exactness(model: Model) -> None:
-    hidden_bound = None if model.name == "smollm2" else BOUND  # SmolLM2's states reach ~1e3: its logits carry the bound
+    hidden_bound = BOUND if model.name in TINY else None  # SmolLM2's states reach ~1e3: its logits carry the bound
     g = torch.Generator().manual_seed(1)
     for name, (history, rounds) in scenarios(model.cfg, g).items():
         one, many = Twin(model), Twin(model)
@@ -347,6 +350,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None, help="write the figures and failures here")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: the script's self-test only")
     ap.add_argument("--no-smollm2", action="store_true", help="the tiny models only")
+    ap.add_argument("--smollm2-shapes", action="store_true", help="a seeded model in SmolLM2's shapes too")
     ap.add_argument("--no-speed", action="store_true", help="skip the (never failing) speed figures")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: 1 on cpu, as a node runs; torch's own on cuda)")
     args = ap.parse_args(argv)
@@ -362,7 +366,7 @@ def main(argv=None) -> int:
     report.update(device=torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", torch=torch.__version__,
                   float32_matmul_precision=torch.get_float32_matmul_precision(), threads=torch.get_num_threads())
     print(f"{report['device']} torch {torch.__version__}, f32 matmul precision {report['float32_matmul_precision']}", flush=True)
-    builds = [(n, lambda n=n: tiny_model(n)) for n in TINY]
+    builds = [(n, lambda n=n: tiny_model(n)) for n in [*TINY, *["smollm2-shapes"] * args.smollm2_shapes]]
     store = None if args.no_smollm2 else smollm2_store()
     if store is not None:
         builds.append(("smollm2", lambda: smollm2_model(store)))
@@ -377,7 +381,7 @@ def main(argv=None) -> int:
             check(False, f"{name}: {type(e).__name__}: {e}")
             continue
         report[f"seconds_{name}"] = time.perf_counter() - started
-        timed = model if name in ("llama", "smollm2") else timed
+        timed = model if name in ("llama", "smollm2", "smollm2-shapes") else timed  # the last of them
     if timed is not None and not args.no_speed:
         try:
             measure_speed(timed, timed.slice(LayerRange(0, min(10, timed.cfg.num_layers))))

@@ -11,12 +11,14 @@ device stands in for the host, the only other device a CPU machine has).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pathlib
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from scripts import check_cuda_batch as script
@@ -76,3 +78,13 @@ def test_the_device_audit_sees_tensors_leave_the_device():
         twin.alone(history)
         twin.batch(rounds[0])
     assert script.leaving(audit.ops, "cpu") == ({}, {}, {}) and len(audit.ops) > 1000
+
+
+@pytest.mark.slow
+def test_the_stand_in_has_smollm2s_shapes(smollm2_store):
+    """--smollm2-shapes stands in for SmolLM2 where its GGUF cannot travel: every shape and
+    rope setting equal to the real model's (only the token ids and the tied head differ)."""
+    want, got = smollm2_store.config, script.ModelConfig.from_hf(script.SHAPES)
+    keep = dict(bos_token_id=want.bos_token_id, eos_token_ids=want.eos_token_ids, tie_word_embeddings=want.tie_word_embeddings)
+    assert dataclasses.replace(got, **keep, rms_norm_eps=want.rms_norm_eps) == want
+    assert got.rms_norm_eps == pytest.approx(want.rms_norm_eps, rel=1e-6)
