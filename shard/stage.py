@@ -266,9 +266,10 @@ class Stage:
         if t == 1 and hq != hkv:
             # Decode: fold each KV head's G query heads into query rows, (1, Hkv, G, D): the
             # same maths as repeating K/V per query head, without the copy. 4-D, or CPU SDPA
-            # runs its reference maths (3-D: 2x slower over 1900 keys).
+            # runs its reference maths (3-D: 2x slower over 1900 keys). Reshape, not view:
+            # CUDA's kernels hand the output back laid out (1, G, Hkv, D) in memory.
             return F.scaled_dot_product_attention(q.reshape(1, hkv, hq // hkv, d), keys, values, attn_mask=mask,
-                                                  scale=cfg.attention_scale).view(hq, 1, d)  # (Hq, 1, D)
+                                                  scale=cfg.attention_scale).reshape(hq, 1, d)  # (Hq, 1, D)
         # A batch dimension of 1: CPU SDPA's fused kernels want 4-D inputs (without it,
         # GQA and masked frames fall back to the slow reference path).
         return F.scaled_dot_product_attention(q[None], keys, values, attn_mask=mask, is_causal=causal,

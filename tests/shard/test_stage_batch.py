@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from shard.errors import CacheFullError, PositionError, ShardError
 from shard.kvcache import KVCache
@@ -196,3 +197,19 @@ def test_whole_model_stage_batches_too():
     frames = mixed_batch(ring.cfg, g)
     assert_same(many.batch(frames), one.alone(frames))
 
+
+
+def test_attention_output_in_cudas_layout(stages, monkeypatch):
+    """CUDA's SDPA kernels return their output laid out (B, T, H, D) in memory, not the CPU's
+    contiguous (B, H, T, D): a `.view` over the head dims then raised in every GQA decode row
+    (found on an H200, scripts/check_cuda_batch.py). Here the CPU's SDPA hands back the same
+    values in that layout; the mixed batch must still equal each job alone."""
+    sdpa = F.scaled_dot_product_attention
+    monkeypatch.setattr(F, "scaled_dot_product_attention", lambda *a, **kw: sdpa(*a, **kw).transpose(1, 2).contiguous().transpose(1, 2))
+    cfg = stages[0]
+    one, many = twins(stages)
+    g = torch.Generator().manual_seed(4)
+    warm = history(cfg, g)
+    one.alone(warm), many.alone(warm)
+    frames = mixed_batch(cfg, g)
+    assert_same(many.batch(frames), one.alone(frames))
