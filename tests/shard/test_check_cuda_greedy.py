@@ -18,7 +18,7 @@ from scripts import check_cuda_greedy as script
 
 def test_the_check_passes_on_the_cpu_with_every_job_equal(tmp_path):
     out = tmp_path / "greedy.json"
-    assert script.main(["--device", "cpu", "--tiny", "--jobs", "8", "--tokens", "6", "--json", str(out)]) == 0
+    assert script.main(["--device", "cpu", "--model", "tiny", "--jobs", "8", "--tokens", "6", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["differing"] == [] and len(report["jobs"]) == 8
     assert len(set(report["prompt_tokens"].values())) >= 5  # ragged prompts, short and long

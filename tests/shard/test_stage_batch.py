@@ -127,14 +127,21 @@ def twins(stages, **kw) -> tuple[Jobs, Jobs]:
     return Jobs(cfg, stage_list, **kw), Jobs(cfg, stage_list, **kw)
 
 
-def test_mixed_ragged_batch_equals_each_job_alone(stages):
+def mixed_batch_equals_alone(stages, seed: int) -> tuple[Jobs, Jobs, torch.Generator]:
+    """Twins warmed with the same ragged history; the mixed batch on one equals each frame alone on the other."""
     cfg = stages[0]
     one, many = twins(stages)
-    g = torch.Generator().manual_seed(1)
+    g = torch.Generator().manual_seed(seed)
     warm = history(cfg, g)
     one.alone(warm), many.alone(warm)
     frames = mixed_batch(cfg, g)
     assert_same(many.batch(frames), one.alone(frames))
+    return one, many, g
+
+
+def test_mixed_ragged_batch_equals_each_job_alone(stages):
+    cfg = stages[0]
+    one, many, g = mixed_batch_equals_alone(stages, 1)
     # The K/V the batch wrote is each job's own: its next frames (a commit of the tree's
     # accepted path 0 -> 2 -> 5 to the context's end, then decode rows) still match alone.
     after = {"tree": spec(torch.randint(3, cfg.vocab_size, (1,), generator=g), 6, commit_src=[3, 5, 8], commit_dst=3),
@@ -206,10 +213,4 @@ def test_attention_output_in_cudas_layout(stages, monkeypatch):
     values in that layout; the mixed batch must still equal each job alone."""
     sdpa = F.scaled_dot_product_attention
     monkeypatch.setattr(F, "scaled_dot_product_attention", lambda *a, **kw: sdpa(*a, **kw).transpose(1, 2).contiguous().transpose(1, 2))
-    cfg = stages[0]
-    one, many = twins(stages)
-    g = torch.Generator().manual_seed(4)
-    warm = history(cfg, g)
-    one.alone(warm), many.alone(warm)
-    frames = mixed_batch(cfg, g)
-    assert_same(many.batch(frames), one.alone(frames))
+    mixed_batch_equals_alone(stages, 4)
