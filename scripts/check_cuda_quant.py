@@ -44,6 +44,7 @@ ROWS = (1, 8, 512)
 failures: list[str] = []
 report: dict[str, object] = {}
 DEVICE = "cuda"  # --device cpu runs every step CPU against CPU: the script's own self-test, no GPU claim
+STAGE_LAYERS = 2  # --stage-layers
 
 
 def check(ok: bool, what: str) -> None:
@@ -96,9 +97,9 @@ def check_stored_grids() -> None:
               f"stored {g.kind} grid: CUDA product within bf16")
 
 
-def tiny_llama() -> tuple[ModelConfig, dict[int, dict[str, torch.Tensor]]]:
+def tiny_llama(layers: int = 2) -> tuple[ModelConfig, dict[int, dict[str, torch.Tensor]]]:
     hf = dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=256, intermediate_size=512,
-              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
+              num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
               max_position_embeddings=256, rms_norm_eps=1e-5, rope_theta=1e4, tie_word_embeddings=True)
     cfg = ModelConfig.from_hf(hf)
     gen = torch.Generator().manual_seed(2)
@@ -123,7 +124,7 @@ def check_stage() -> None:
     from coordinator.trust.tolerance import stage_tolerance
     from receipts.spotcheck import compare_outputs
 
-    cfg, weights = tiny_llama()
+    cfg, weights = tiny_llama(STAGE_LAYERS)
     for name in ("none", "int8", "int4"):
         cpu, gpu = run_stage(cfg, weights, name, "cpu"), run_stage(cfg, weights, name, DEVICE)
         rms = cpu.pow(2).mean(dim=1, keepdim=True).sqrt()
@@ -132,6 +133,7 @@ def check_stage() -> None:
         check(worst <= 4 * 2 * U * cfg.num_layers, f"stage {name} on CUDA vs CPU: {worst:.2e} of the row RMS")
         audit = compare_outputs(cpu.numpy(), gpu.numpy(), stage_tolerance("f32", name), scale=rms.expand_as(cpu).numpy())
         report[f"stage_{name}_audit_outlier_fraction"] = audit.outlier_fraction
+        report["stage_layers"] = cfg.num_layers
         check(audit.passed, f"stage {name}: a CPU auditor's replay accepts the honest CUDA stage "
                             f"(outliers {audit.outlier_fraction:.1e}, allowed {audit.tolerance.max_outlier_fraction:.0e})")
 
@@ -163,9 +165,11 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None, help="write the figures and failures here")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: the script's self-test only")
     ap.add_argument("--no-speed", action="store_true", help="skip the (never failing) speed figures")
+    ap.add_argument("--stage-layers", type=int, default=2, help="layers of step 4's seeded stage (its error grows with depth)")
+    ap.add_argument("--only-stage", action="store_true", help="step 4 alone")
     args = ap.parse_args(argv)
-    global DEVICE
-    DEVICE = args.device
+    global DEVICE, STAGE_LAYERS
+    DEVICE, STAGE_LAYERS = args.device, args.stage_layers
     failures.clear()
     report.clear()
     if DEVICE == "cuda" and not torch.cuda.is_available():
@@ -175,7 +179,8 @@ def main(argv=None) -> int:
         report.update(device=torch.cuda.get_device_name(), capability=list(torch.cuda.get_device_capability()),
                       torch=torch.__version__, cuda=torch.version.cuda)
         print(f"{report['device']} sm{''.join(map(str, report['capability']))} torch {torch.__version__}", flush=True)
-    steps = [check_linears, check_stored_grids, check_stage] + ([] if args.no_speed else [measure_speed])
+    steps = [check_stage] if args.only_stage else [check_linears, check_stored_grids, check_stage] + (
+        [] if args.no_speed else [measure_speed])
     for step in steps:
         try:
             step()
