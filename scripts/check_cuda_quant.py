@@ -11,8 +11,9 @@ What it checks, each against the bounds tests/shard/test_quant.py holds the CPU 
   3. stored grids: a GGUF-style grid (shard.quant_weights.QuantWeight: int4 nibbles with
      scales and zeros, int8 values with scales) built straight onto CUDA multiplies by the
      same weight as on the CPU, bit for bit (no requantisation on either device);
-  4. a stage: a seeded 2-layer Llama-shaped stage quantised int8 / int4 on CUDA against the
-     same stage on the CPU (prefill 16 + a 3-row chain): within the stage bound
+  4. a stage: a seeded Llama-shaped stage of 2 layers (--stage-layers; --only-stage runs this
+     step alone) quantised int8 / int4 on CUDA against the same stage on the CPU (prefill 16
+     + a 3-row chain): within the stage bound
      4 x 2^-7 x layers of the row RMS, and what the auditor's CPU replay of an honest
      CUDA stage would see (coordinator.trust.tolerance.stage_tolerance: pass/fail reported,
      and a failure here means an honest GPU stage would be accused: a finding, exit 1);
