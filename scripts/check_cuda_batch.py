@@ -38,6 +38,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from scripts import stage_timing as timing
 from shard.arch import ModelConfig
 from shard.errors import ShardError
 from shard.kvcache import KVCache
@@ -47,7 +48,6 @@ from shard.stage import OutputHead, Stage, StageFrame
 
 BOUND = 1e-4  # the bound on a logit (and a tiny model's hidden state), batched vs alone, fp32
 SPEED_ROWS = (1, 16, 64, 256)
-SPEED_CTX = 128
 TREE = [-1, 0, 0, 1, 1, 2]  # parents of a 6-node draft tree
 SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=2,
              vocab_size=256, max_position_embeddings=256, rms_norm_eps=1e-6)
@@ -78,11 +78,6 @@ def check(ok: bool, what: str) -> None:
     print(("ok    " if ok else "FAIL  ") + what, flush=True)
     if not ok:
         failures.append(what)
-
-
-def sync() -> None:
-    if DEVICE == "cuda":
-        torch.cuda.synchronize()
 
 
 class Model:
@@ -329,22 +324,14 @@ def measure_speed(model: Model, stage: Stage) -> None:
     reps = 20 if DEVICE == "cuda" else 3
     gen = torch.Generator().manual_seed(5)
     for rows in SPEED_ROWS:
-        jobs = [cache.open(f"s{rows}_{j}", SPEED_CTX + 1) for j in range(rows)]
-        frames = [StageFrame(job, torch.randn(1, cfg.hidden_size, generator=gen), SPEED_CTX, torch.tensor([SPEED_CTX]))
-                  for job in jobs]  # the K/V of slots [0, 128) are zeros: the same reads as a real context
-        best = float("inf")
-        for i in range(reps + 2):
-            sync()
-            t0 = time.perf_counter()
-            outs = stage.forward_batch(frames)
-            sync()
-            best = best if i < 2 else min(best, time.perf_counter() - t0)  # two warm-up forwards
-        for job in jobs:
-            cache.close(job.job_id)
+        frames = timing.decode_frames(stage, cache, rows, gen)
+        best, _, outs = timing.best_time(lambda: stage.forward_batch(frames), reps, DEVICE)  # noqa: B023 (run in this pass)
+        for f in frames:
+            cache.close(f.job.job_id)
         if not all(isinstance(o, tuple) for o in outs):
             raise RuntimeError(f"a timed frame failed: {next(o for o in outs if not isinstance(o, tuple))}")
         report[f"speed_{model.name}_{len(layers)}layers_{rows}rows_ms"] = best * 1e3
-        print(f"speed {model.name} {len(layers)} layers, {rows} decode rows at ctx {SPEED_CTX}: {best * 1e3:.2f} ms "
+        print(f"speed {model.name} {len(layers)} layers, {rows} decode rows at ctx {timing.CTX}: {best * 1e3:.2f} ms "
               f"({best * 1e6 / rows:.0f} us a row, best of {reps})", flush=True)
 
 

@@ -73,7 +73,7 @@ def compare(batched: dict, alone: dict) -> dict[str, dict]:
         first = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
         upto = len(want) if first is None else first + 1
         diff = max((got_rows[i] - rows[i]).abs().max().item() for i in range(upto))
-        gap = min(float(r.topk(2).values[0] - r.topk(2).values[1]) for r in rows)
+        gap = min(float(top[0] - top[1]) for top in (r.topk(2).values for r in rows))
         report[n] = dict(first_difference=first, largest_logit_difference=diff, smallest_top2_gap_alone=gap)
     return report
 

@@ -18,19 +18,16 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
-import time
 
 import torch
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
 from scripts import check_cuda_batch as check
+from scripts import stage_timing as timing
 from shard.kvcache import KVCache
 from shard.layers import LayerRange
-from shard.stage import Stage, StageFrame
-
-CTX = 128
-
+from shard.stage import Stage
 
 def model_slice(device: str, dtype: torch.dtype, stand_in: bool) -> tuple[str, Stage]:
     check.DEVICE = device
@@ -45,26 +42,15 @@ def model_slice(device: str, dtype: torch.dtype, stand_in: bool) -> tuple[str, S
 
 def measure(stage: Stage, rows: int, reps: int, device: str) -> dict:
     cfg = stage.cfg
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     cache = KVCache(len(stage.layers), cfg.num_kv_heads, cfg.head_dim, stage.dtype, 1 << 34, device)
-    gen = torch.Generator().manual_seed(rows)
-    frames = [StageFrame(cache.open(f"j{j}", CTX + 1), torch.randn(1, cfg.hidden_size, generator=gen), CTX, torch.tensor([CTX]))
-              for j in range(rows)]
-    wall = host = float("inf")
-    for i in range(reps + 2):  # two warm-up forwards
-        sync()
-        t0 = time.perf_counter()
-        outs = stage.forward_batch(frames)
-        t1 = time.perf_counter()
-        sync()
-        if i >= 2:
-            wall, host = min(wall, time.perf_counter() - t0), min(host, t1 - t0)
+    frames = timing.decode_frames(stage, cache, rows, torch.Generator().manual_seed(rows))
+    wall, host, outs = timing.best_time(lambda: stage.forward_batch(frames), reps, device)
     if not all(isinstance(o, tuple) for o in outs):
         raise RuntimeError(f"a timed frame failed: {next(o for o in outs if not isinstance(o, tuple))}")
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     with profile(activities=activities) as prof:
         stage.forward_batch(frames)
-        sync()
+        timing.sync(device)
     events = prof.key_averages()
     ops = [e for e in events if "::" in e.key]  # dispatcher ops (aten::, mkldnn::, ...), not the runtime's calls
     n_ops = sum(e.count for e in ops)
@@ -107,17 +93,7 @@ def attention_paths(cfg, device: str, jobs: int, reps: int, layers: int = 10) ->
             out = F.scaled_dot_product_attention(q.transpose(0, 1).reshape(jobs, hkv, g, d), k, v, attn_mask=mask)
         return out.reshape(jobs, hq, d).transpose(0, 1)
 
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    out = {}
-    for name, run in (("loop_ms", loop), ("padded_ms", padded)):
-        best = float("inf")
-        for i in range(reps + 2):
-            sync()
-            t0 = time.perf_counter()
-            run()
-            sync()
-            best = best if i < 2 else min(best, time.perf_counter() - t0)
-        out[name] = best * 1e3
+    out = {name: timing.best_time(run, reps, device)[0] * 1e3 for name, run in (("loop_ms", loop), ("padded_ms", padded))}
     differ = (loop() - padded()).abs().max().item()  # the two compute the same attention
     return dict(jobs=jobs, layers=layers, **out, largest_difference=differ)
 
@@ -136,8 +112,8 @@ def main(argv=None) -> int:
         torch.set_num_threads(1)  # as a node runs
     name, stage = model_slice(args.device, getattr(torch, args.dtype), args.stand_in)
     where = torch.cuda.get_device_name() if args.device == "cuda" else "cpu, 1 thread"
-    report = dict(model=name, layers=10, dtype=args.dtype, device=where, torch=torch.__version__, ctx=CTX, levels=[])
-    print(f"{name}, 10 layers, {args.dtype}, {where}, torch {torch.__version__}, decode rows at context {CTX}", flush=True)
+    report = dict(model=name, layers=10, dtype=args.dtype, device=where, torch=torch.__version__, ctx=timing.CTX, levels=[])
+    print(f"{name}, 10 layers, {args.dtype}, {where}, torch {torch.__version__}, decode rows at context {timing.CTX}", flush=True)
     for rows in (int(r) for r in args.rows.split(",")):
         m = measure(stage, rows, args.reps, args.device)
         report["levels"].append(m)

@@ -205,7 +205,6 @@ def test_whole_model_stage_batches_too():
     assert_same(many.batch(frames), one.alone(frames))
 
 
-
 def test_attention_output_in_cudas_layout(stages, monkeypatch):
     """CUDA's SDPA kernels return their output laid out (B, T, H, D) in memory, not the CPU's
     contiguous (B, H, T, D): a `.view` over the head dims then raised in every GQA decode row
