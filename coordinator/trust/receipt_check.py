@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+import zlib
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -61,11 +62,13 @@ class ReceiptConfig:
     enabled: bool = True  # check every round's receipts and bundle every job
     receipts_dir: str | None = option(None, "append every job's signed receipt bundle here (default: memory only)")
     recent_bundles: int = 1024  # bundles kept in memory for GET /v1/receipts/{id}, at most
-    # ... and their bytes (compact JSON), at most: a bundle carries every round's three ~450-byte
-    # receipts (~300 KB for a 160-round job), and 1000 such jobs' bundles kept as JSON dicts
-    # held 543 MB of the gateway's RSS (65 MB, 208 bundles, bounded here; issue 21).
-    recent_bundles_mb: int = option(64, "memory for recent jobs' receipt bundles served by GET /v1/receipts/{id} "
-                                        "(older ones only from --receipts-dir)")
+    # ... and their bytes (compact JSON, zlib-compressed), at most. A bundle carries three
+    # signed receipts a round: a 160-round job's (the receipt tests' 3-stage ring) is 220 KB
+    # of compact JSON, 86 KB compressed (signatures and digests do not compress). Kept as JSON
+    # dicts, 1000 such bundles held 543 MB of the gateway's RSS (issue 21); 16 MB keeps ~190
+    # of them, or the 1024 newest of 10-40 rounds, and is all a gateway's RSS grows by for them.
+    recent_bundles_mb: int = option(16, "memory for recent jobs' receipt bundles served by GET /v1/receipts/{id}, "
+                                        "compressed (older ones only from --receipts-dir)")
     recent_evidence: int = 256  # probation catches' evidence records kept in memory
 
     def __post_init__(self) -> None:
@@ -118,7 +121,7 @@ class ReceiptChecker:
         self.num_layers = store.num_layers  # from the manifest, never from receipts
         self.bundle_store = BundleStore(config.receipts_dir) if config.receipts_dir else None
         self._epochs: dict[int, EpochView] = {}
-        self._recent: OrderedDict[str, bytes] = OrderedDict()  # job id -> its bundle as compact JSON
+        self._recent: OrderedDict[str, bytes] = OrderedDict()  # job id -> its bundle as compressed compact JSON
         self._recent_bytes = 0
         self.evidence: list[EvidenceRecord] = []  # probation catches (sign_catch), newest last
 
@@ -167,14 +170,15 @@ class ReceiptChecker:
         """The job's bundle as JSON (memory first, then the store), None if unknown."""
         kept = self._recent.get(job_id)
         if kept is not None:
-            return json.loads(kept)
+            return json.loads(zlib.decompress(kept))
         if self.bundle_store is not None and job_id in self.bundle_store:
             return bundle_to_json(self.bundle_store.get(job_id))
         return None
 
     def _keep(self, job_id: str, bundle_json: dict) -> None:
-        """Keep the newest bundle; drop the oldest past recent_bundles or recent_bundles_mb."""
-        text = json.dumps(bundle_json, separators=(",", ":")).encode()
+        """Keep the newest bundle; drop the oldest past recent_bundles or recent_bundles_mb
+        (counted compressed: zlib's fastest level, ~3 ms for a 160-round job's bundle)."""
+        text = zlib.compress(json.dumps(bundle_json, separators=(",", ":")).encode(), 1)
         if (old := self._recent.pop(job_id, None)) is not None:
             self._recent_bytes -= len(old)
         self._recent[job_id] = text
