@@ -50,7 +50,7 @@ import trio
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from scripts.bench_ringkit import git_revision  # noqa: E402
+from scripts.bench_ringkit import git_revision, rss_by_mapping_mb  # noqa: E402
 from scripts.load_clients import alone, closed_loop  # noqa: E402
 from coordinator.jobs.engine import encode_chat  # noqa: E402
 from scripts import spec_prompts  # noqa: E402
@@ -87,6 +87,13 @@ def rss_mb(pid: int) -> float | None:
     except OSError:
         return None
     return None
+
+
+def mapped_mb(pid: int) -> dict[str, float] | None:
+    try:
+        return rss_by_mapping_mb(pid)
+    except OSError:
+        return None
 
 
 def cpu_s(pid: int) -> float | None:
@@ -136,9 +143,15 @@ class Ring:
                 self.close()
         raise RuntimeError(f"{name}: no banner:\n{self.log_path.read_text(errors='replace')[-3000:]}")
 
-    def rss(self) -> dict:
+    def rss(self, by_mapping: bool = False) -> dict:
+        """RSS of the coordinator and each node; `by_mapping`: also each one's split by what
+        holds it (bench_ringkit.rss_by_mapping_mb: glibc's arenas, Python's, other anonymous
+        memory such as K/V blocks, files)."""
         nodes = [p for p in children(self.proc.pid)]
-        return {"coordinator_mb": rss_mb(self.proc.pid), "nodes_mb": [rss_mb(p) for p in nodes]}
+        out = {"coordinator_mb": rss_mb(self.proc.pid), "nodes_mb": [rss_mb(p) for p in nodes]}
+        if by_mapping:
+            out["by_mapping_mb"] = [mapped_mb(p) for p in [self.proc.pid, *nodes]]
+        return out
 
     def cpu(self) -> dict:
         """CPU seconds used so far by the coordinator and each node (where the cores go)."""
@@ -189,7 +202,28 @@ def rss_growth(samples: list[dict], warmup_s: float) -> dict:
             # running jobs' K/V swings a stage by hundreds of MB (long prompts come and go), so
             # two single samples read that cycle's phase, the troughs what stays.
             "troughs_coordinator_pct": pct(low(first, "coordinator_mb"), low(last, "coordinator_mb")),
-            "troughs_nodes_pct": [pct(low(first, "nodes_mb", i), low(last, "nodes_mb", i)) for i in range(len(end["nodes_mb"]))]}
+            "troughs_nodes_pct": [pct(low(first, "nodes_mb", i), low(last, "nodes_mb", i)) for i in range(len(end["nodes_mb"]))],
+            # Where each process's trough moved (MB, last third's lowest against the first third's,
+            # per kind of mapping): glibc's arenas, Python's, other anonymous memory, files.
+            "troughs_by_mapping_mb": trough_shift_by_mapping(first, last)}
+
+
+def trough_shift_by_mapping(first: list[dict], last: list[dict]) -> list[dict[str, float]]:
+    """Per process (coordinator first, then the nodes), per kind of mapping, the lowest
+    sample of `last` less the lowest of `first` (MB); [] where samples lack the split."""
+    def split(sample: dict, proc: int) -> dict | None:
+        maps = sample.get("by_mapping_mb") or []
+        return maps[proc] if proc < len(maps) else None
+
+    def low(part: list[dict], proc: int, kind: str) -> float | None:
+        values = [m[kind] for s in part if (m := split(s, proc)) and kind in m]
+        return min(values) if values else None
+    out = []
+    for proc in range(max((len(s.get("by_mapping_mb") or []) for s in first + last), default=0)):
+        kinds = sorted({kind for s in first + last if (m := split(s, proc)) for kind in m})
+        out.append({kind: round(b - a, 1) for kind in kinds
+                    if (a := low(first, proc, kind)) is not None and (b := low(last, proc, kind)) is not None})
+    return out
 
 
 def against_targets(levels: list[dict]) -> dict:
@@ -205,20 +239,20 @@ def against_targets(levels: list[dict]) -> dict:
 
 
 async def sustained(ring: Ring, mix: list[dict], clients: int, seconds: float, refs: list[str]) -> dict:
-    samples = [{"t_s": 0.0, **ring.rss()}]
+    samples = [{"t_s": 0.0, **ring.rss(by_mapping=True)}]
     t0 = time.monotonic()
 
     async def sample():
         while True:
             await trio.sleep(10)
-            samples.append({"t_s": time.monotonic() - t0, **ring.rss()})
+            samples.append({"t_s": time.monotonic() - t0, **ring.rss(by_mapping=True)})
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(sample)
         result = await closed_loop(ring.base, mix, clients, seconds, refs)
         nursery.cancel_scope.cancel()
     await trio.sleep(5)
-    samples.append({"t_s": time.monotonic() - t0, "after_idle_5s": True, **ring.rss()})
+    samples.append({"t_s": time.monotonic() - t0, "after_idle_5s": True, **ring.rss(by_mapping=True)})
     return {**result, "rss": samples}
 
 
