@@ -19,7 +19,8 @@ once each, one at a time, first); and the window's timeline (tokens and prompt t
 started, per second) with the rate between prompts (seconds with no prompt started in
 them or the 4 before: what decoding alone reaches, against which the prefill of prompts
 arriving together shows). A sustained run at the highest C records coordinator
-and node RSS every 10 s (--sustain-s). The machine's load average is recorded with each
+and node RSS every 10 s (--sustain-s), each split by mapping (glibc's arenas, Python's,
+other anonymous memory, file-backed pages). The machine's load average is recorded with each
 figure: the 2 cores are shared.
 
 Each ring's levels are set against the issue's targets (tok/s at 16 streams over one
@@ -199,8 +200,9 @@ def rss_growth(samples: list[dict], warmup_s: float) -> dict:
             "coordinator_pct": pct(warm["coordinator_mb"], end["coordinator_mb"]),
             "nodes_pct": [pct(a, b) for a, b in zip(warm["nodes_mb"], end["nodes_mb"])],
             # The lowest sample of the first third after warm-up against the last third's: the
-            # running jobs' K/V swings a stage by hundreds of MB (long prompts come and go), so
-            # two single samples read that cycle's phase, the troughs what stays.
+            # slices a stage's audits load (weights mapped from the store) and its running jobs'
+            # K/V swing it by hundreds of MB, so two single samples read that cycle's phase, the
+            # troughs what stays.
             "troughs_coordinator_pct": pct(low(first, "coordinator_mb"), low(last, "coordinator_mb")),
             "troughs_nodes_pct": [pct(low(first, "nodes_mb", i), low(last, "nodes_mb", i)) for i in range(len(end["nodes_mb"]))],
             # Where each process's trough moved (MB, last third's lowest against the first third's,
