@@ -1,5 +1,6 @@
-"""Where a batched stage forward's time goes, on the CPU or a GPU (issue 21): wall time per
-forward, the host's part of it, and the ops the host issues.
+"""Where a batched stage forward's time goes, on the CPU or a GPU (issue 21).
+
+Wall time per forward, the host's part of it, and the ops the host issues.
 
 `PYTHONPATH=. python3 scripts/profile_stage_batch.py [--device cuda] [--dtype bfloat16] [--json OUT]`
 A 10-layer slice of SmolLM2-135M (its prepared store or wheel; else, or with --stand-in, the
