@@ -200,11 +200,21 @@ def median(xs) -> float | None:
     return statistics.median(xs) if xs else None
 
 
-def git_revision() -> str:
+def git_revision(here: str = os.path.dirname(os.path.abspath(__file__))) -> str:
+    """The commit of the checkout holding `here` (+dirty with uncommitted changes); in a
+    `git archive` snapshot, which has no .git, the commit it was made from (`here`'s
+    revision.txt, filled in by the archive: .gitattributes export-subst); "" when neither says."""
     def run(*args: str) -> str:
-        return subprocess.run(["git", *args], capture_output=True, text=True).stdout.strip()
+        return subprocess.run(["git", "-C", here, *args], capture_output=True, text=True).stdout.strip()
 
-    return run("rev-parse", "--short", "HEAD") + ("+dirty" if run("status", "--porcelain", "--untracked-files=no") else "")
+    if rev := run("rev-parse", "--short", "HEAD"):
+        return rev + ("+dirty" if run("status", "--porcelain", "--untracked-files=no") else "")
+    try:
+        with open(os.path.join(here, "revision.txt")) as f:
+            archived = f.read().strip()
+    except OSError:
+        return ""
+    return "" if archived.startswith("$Format") else archived
 
 
 def base_conditions(store) -> dict:
