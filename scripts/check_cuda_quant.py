@@ -126,6 +126,7 @@ def check_stage() -> None:
     from receipts.spotcheck import compare_outputs
 
     cfg, weights = tiny_llama(STAGE_LAYERS)
+    report["stage_layers"] = cfg.num_layers
     for name in ("none", "int8", "int4"):
         cpu, gpu = run_stage(cfg, weights, name, "cpu"), run_stage(cfg, weights, name, DEVICE)
         rms = cpu.pow(2).mean(dim=1, keepdim=True).sqrt()
@@ -134,7 +135,6 @@ def check_stage() -> None:
         check(worst <= 4 * 2 * U * cfg.num_layers, f"stage {name} on CUDA vs CPU: {worst:.2e} of the row RMS")
         audit = compare_outputs(cpu.numpy(), gpu.numpy(), stage_tolerance("f32", name), scale=rms.expand_as(cpu).numpy())
         report[f"stage_{name}_audit_outlier_fraction"] = audit.outlier_fraction
-        report["stage_layers"] = cfg.num_layers
         check(audit.passed, f"stage {name}: a CPU auditor's replay accepts the honest CUDA stage "
                             f"(outliers {audit.outlier_fraction:.1e}, allowed {audit.tolerance.max_outlier_fraction:.0e})")
 

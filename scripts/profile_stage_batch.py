@@ -30,6 +30,7 @@ from shard.kvcache import KVCache
 from shard.layers import LayerRange
 from shard.stage import Stage
 
+
 def model_slice(device: str, dtype: torch.dtype, stand_in: bool) -> tuple[str, Stage]:
     check.DEVICE = device
     store = None if stand_in else check.smollm2_store()
