@@ -144,6 +144,27 @@ class KVCache:
         self.jobs[job_id] = job
         return job
 
+    def fork(self, job_id: str, source_id: str, slots: int, max_slots: int) -> JobCache:
+        """Job `job_id`'s cache (opened if new) with slots [0, slots) copied from job
+        `source_id`'s: a prefix cache hit. Raises CacheError when the source holds no cache
+        here or fewer slots, CacheFullError past the bound; a refused fork opens nothing."""
+        source = self.jobs.get(source_id)
+        if source is None:
+            raise CacheError(f"prefix source job {source_id!r} holds no KV cache on this stage (re-prefill from 0)")
+        if slots > source.capacity:
+            raise CacheError(f"prefix of {slots} slots from job {source_id!r}, which holds {source.capacity}")
+        opened = job_id not in self.jobs
+        job = self.jobs[job_id] if not opened else self.open(job_id, max_slots)
+        try:
+            job.ensure(slots)
+        except CacheFullError:
+            if opened:
+                self.close(job_id)
+            raise
+        job.k[:, :, :slots] = source.k[:, :, :slots]
+        job.v[:, :, :slots] = source.v[:, :, :slots]
+        return job
+
     def get(self, job_id: str) -> JobCache:
         try:
             return self.jobs[job_id]

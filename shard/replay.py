@@ -229,13 +229,14 @@ def replay_steps(stage: Stage, wire_dtype: str, frames: list[Forward], max_rows:
     segments = None if frame_by_frame else plan_replay(frames, max_rows)
     if segments is None:  # one forward per frame, exactly as the stage ran them
         segments = [Segment((i,), (tuple(range(f.positions.shape[0])),), (), ()) for i, f in enumerate(frames)]
-        merged = [dataclasses.replace(f, job_id=REPLAY_JOB_ID, receipts=(), compute_s=()) for f in frames]
+        merged = [dataclasses.replace(f, job_id=REPLAY_JOB_ID, receipts=(), compute_s=(), prefix_job=None, prefix_len=0)
+                  for f in frames]
     else:
         merged = []
         for seg in segments:
             parts = [(frames[i], keep) for i, keep in zip(seg.frames, seg.keep)]
             merged.append(dataclasses.replace(
-                parts[0][0], job_id=REPLAY_JOB_ID, receipts=(), compute_s=(), phase="verify",
+                parts[0][0], job_id=REPLAY_JOB_ID, receipts=(), compute_s=(), phase="verify", prefix_job=None, prefix_len=0,
                 ctx_len=len(seg.gather), commit_src=seg.gather, commit_dst=0,
                 tree_parents=torch.tensor(seg.parents, dtype=torch.int32),
                 **{name: _cat([_rows(getattr(f, name), keep) for f, keep in parts])

@@ -302,7 +302,7 @@ class StageWorker:
         if piece is not None:
             self._check_piece(fwd, piece)
         if fwd.job_id not in self.cache.jobs and fwd.job_id in self.evicted:
-            if fwd.ctx_len > 0:
+            if fwd.ctx_len > 0 and fwd.prefix_job is None:
                 raise CacheError(f"KV cache of job {fwd.job_id!r} was {self.evicted[fwd.job_id]}; a frame at ctx_len "
                                  f"{fwd.ctx_len} needs it (re-prefill from 0)")
             del self.evicted[fwd.job_id]
@@ -316,10 +316,14 @@ class StageWorker:
                 raise StageInputError("stage input", "hidden states", "token ids")
             x = from_wire(fwd.hidden, fwd.hidden_scale, stage.dtype)
         job = self.cache.jobs.get(fwd.job_id)
-        if job is None:
-            if len(self.cache.jobs) >= self.config.max_open_jobs:
-                raise CacheFullError("open jobs (--max-open-jobs)", self.config.max_open_jobs, len(self.cache.jobs) + 1)
-            job = self.cache.open(fwd.job_id, self.config.max_context_tokens + DRAFT_SLACK_SLOTS)
+        if job is None and len(self.cache.jobs) >= self.config.max_open_jobs:
+            raise CacheFullError("open jobs (--max-open-jobs)", self.config.max_open_jobs, len(self.cache.jobs) + 1)
+        max_slots = self.config.max_context_tokens + DRAFT_SLACK_SLOTS
+        if fwd.prefix_job is not None and (piece is None or piece[0] == 0):  # a prefix cache hit: K/V copied
+            job = self.cache.fork(fwd.job_id, fwd.prefix_job, fwd.prefix_len, max_slots)
+            self.last_used_s[fwd.prefix_job] = self.clock()  # a source in use is not idle
+        elif job is None:
+            job = self.cache.open(fwd.job_id, max_slots)
         self.last_used_s[fwd.job_id] = self.clock()  # only a job that holds KV (a refused frame's id is no entry)
         wanted = tuple(layer for layer in fwd.want_aux_layers if layer in stage.layers)
         if piece is None:
@@ -365,7 +369,7 @@ class StageWorker:
             ctx_len=fwd.ctx_len, positions=fwd.positions, commit_src=fwd.commit_src, commit_dst=fwd.commit_dst,
             tree_parents=fwd.tree_parents, hidden=hidden, hidden_scale=hidden_scale, aux=aux, aux_scale=aux_scale,
             want_aux_layers=fwd.want_aux_layers, receipts=fwd.receipts, compute_s=compute_s,
-            clock_s=fwd.clock_s,
+            clock_s=fwd.clock_s, prefix_job=fwd.prefix_job, prefix_len=fwd.prefix_len,
         )
 
     def _aux(self, fwd: Forward, captured: dict[int, torch.Tensor]) -> tuple[torch.Tensor | None, torch.Tensor | None]:

@@ -58,7 +58,8 @@ def failed_spot(tolerance: Tolerance) -> SpotCheck:
     return SpotCheck(tolerance, 1, 1, float("inf"), float("inf"))
 
 
-_SAME_FIELDS = ("job_id", "epoch", "round", "nonce", "phase", "ctx_len", "commit_src", "commit_dst", "want_aux_layers")
+_SAME_FIELDS = ("job_id", "epoch", "round", "nonce", "phase", "ctx_len", "commit_src", "commit_dst", "want_aux_layers",
+                "prefix_job", "prefix_len")
 
 
 def _structure_error(inp: Forward, out: Forward | Result, is_tail: bool) -> str | None:

@@ -33,7 +33,8 @@ from shard.wire.weight_messages import WEIGHT_MESSAGES
 # 2: per-stage trailer fields (receipts, compute_s) left the header for a trailer after
 # the tensor bytes, so a frame's canonical bytes are a prefix of its wire bytes.
 # 3: audit_request / audit_reply carry many (round, side) items (shard.wire.audit_frames).
-PROTOCOL_VERSION = 3
+# 4: a job's first Forward may name a prefix source (prefix_job, prefix_len: docs/prefix_cache.md).
+PROTOCOL_VERSION = 4
 # Header keys the codec owns; no message field may use them. `pad` (bin, 0..7 bytes) makes
 # the tensor bytes start 8-aligned in the body so they can be viewed without copying.
 RESERVED_KEYS = frozenset({"v", "kind", "tensors", "pad"})
@@ -83,6 +84,10 @@ class Forward:
     # differ: a hop's figure carries the offset between its two ends, their sum none.
     clock_s: tuple[float, ...] = spec(CLOCK_TIMES, default=())
     burst: tuple[int, ...] = spec(BURST, default=())  # (id, size): sent with others for one receiver
+    # A job's first frame on a stage may start from another job's K/V there (a prefix cache):
+    # slots [0, prefix_len) are copied from job `prefix_job`'s cache before this frame runs.
+    prefix_job: str | None = spec(OptionalOf(JOB_ID), default=None)
+    prefix_len: int = spec(Int(), default=0)
 
     def check(self, limits: Limits) -> None:
         n = check_tokens_dim("positions", self.positions, limits)
@@ -105,6 +110,21 @@ class Forward:
         committed = self.commit_dst + len(self.commit_src)
         if committed > self.ctx_len:
             raise WireError("field 'commit_dst' + len(commit_src) vs 'ctx_len'", self.ctx_len, committed)
+        self._check_prefix()
+
+    def _check_prefix(self) -> None:
+        """A prefix starts the frame's context: it covers exactly [0, ctx_len), moves no slot,
+        and names another job."""
+        if self.prefix_job is None:
+            if self.prefix_len:
+                raise WireError("field 'prefix_len' without 'prefix_job'", 0, self.prefix_len)
+            return
+        if self.prefix_len != self.ctx_len or self.prefix_len < 1:
+            raise WireError("field 'prefix_len' (must equal 'ctx_len', >= 1)", max(self.ctx_len, 1), self.prefix_len)
+        if self.commit_src:
+            raise WireError("field 'commit_src' beside a prefix", 0, len(self.commit_src))
+        if self.prefix_job == self.job_id:
+            raise WireError("field 'prefix_job' (another job's id)", "not " + self.job_id, self.prefix_job)
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)

@@ -273,9 +273,9 @@ def _header_case(mutate, base=None) -> bytes:
 PINNED = {
     # Every kind is named, sorted: derived from the registry, which grows with the protocol.
     "unknown kind": (lambda h: h.update(kind="Pickle"), f"message kind (limit {sorted(REGISTRY)}, got Pickle)"),
-    "bool version": (lambda h: h.update(v=True), "protocol version (limit 3, got True)"),
-    "old version": (lambda h: h.update(v=2), "protocol version (limit 3, got 2)"),
-    "future version": (lambda h: h.update(v=4), "protocol version (limit 3, got 4)"),
+    "bool version": (lambda h: h.update(v=True), "protocol version (limit 4, got True)"),
+    "old version": (lambda h: h.update(v=3), "protocol version (limit 4, got 3)"),
+    "future version": (lambda h: h.update(v=5), "protocol version (limit 4, got 5)"),
     "trailer field in header": (lambda h: h.update(receipts=[]), "unknown field for 'forward' (limit None, got receipts)"),
     "bool for int": (lambda h: h.update(epoch=True), "field 'epoch' type (limit int, got bool)"),
     "negative int": (lambda h: h.update(round=-1), "field 'round' range (limit [0, 9223372036854775807], got -1)"),
@@ -322,7 +322,7 @@ def test_framing_errors_pinned():
     assert str(_refuse(body[: tensors_end - 1])) == "tensor bytes after header (limit 80, got 79)"  # declared, present
     assert str(_refuse(encode(SMALL["end_job"]) + b"\x00")) == "bytes after the tensors (limit 0, got 1)"
     assert str(_refuse(_frame([1, 2]))) == "header type (limit map, got list)"
-    assert str(_refuse(_frame({"v": 3, "kind": "ping"}) + b"")).startswith("field 'nonce' missing")
+    assert str(_refuse(_frame({"v": 4, "kind": "ping"}) + b"")).startswith("field 'nonce' missing")
     ext = msgpack.packb({"v": 1, "x": msgpack.ExtType(5, b"abc")})
     assert str(_refuse(struct.pack(">I", len(ext)) + ext)).startswith("header msgpack (limit None, got ValueError")
     extra = msgpack.packb({"v": 1}) + b"\xc0"
