@@ -91,6 +91,10 @@ class EngineConfig:
     eagle_tree: tuple[int, int] | None = option(
         None, "fixed EAGLE tree NODES,DEPTH (default: each round sized by the head's confidence and the measured "
               "ring time)", parse=parse_tree)
+    # coordinator.jobs.prefix_cache: what the ring's stages keep of finished jobs for prompts
+    # that start the same (a system prompt, a document, a conversation's earlier turns).
+    prefix_cache_tokens: int = option(8192, "tokens of finished requests' K/V each ring's stages keep for later "
+                                            "prompts that start with the same tokens (0: no prefix cache)")
     # Most rounds in flight (later ones sent before earlier are verified); 1 = off. The
     # planner picks the depth below this cap from acceptance and the measured queue a round
     # in flight makes (coordinator/spec/adapt.py), so on a compute-bound ring it rarely sends a
@@ -101,6 +105,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.max_groups < -1:
             raise ValueError(f"max groups must be -1 (auto), 0 (no bound) or more, got {self.max_groups}")
+        if self.prefix_cache_tokens < 0:
+            raise ValueError(f"prefix cache must be >= 0 tokens (0: off), got {self.prefix_cache_tokens}")
         if self.group_wait_ms < 0:
             raise ValueError(f"group wait must be >= 0 ms, got {self.group_wait_ms}")
         if not 1 <= self.max_pipeline_depth <= MAX_PIPELINE_DEPTH:

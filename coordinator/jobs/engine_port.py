@@ -59,6 +59,15 @@ class EnginePort:
     def leave_burst(self, burst: tuple[int, ...]) -> None:
         self.engine.gate.leave(burst)
 
+    def prefix_for(self, ring: RingState, prompt: list[int]) -> tuple[str, int] | None:
+        return self.engine.prefixes.fork(ring, prompt)
+
+    def fork_failed(self, source: str) -> None:
+        self.engine.prefixes.failed(source)
+
+    def keep_source(self, ring: RingState, job_id: str, tokens: list[int]) -> bool:
+        return self.engine.prefixes.keep(ring, job_id, tokens)
+
     def close(self) -> None:
         """Also: the calling job task sends no frame for its head product's burst (it ended)."""
         self.engine.gate.leave(take_next_burst())

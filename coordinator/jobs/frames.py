@@ -3,19 +3,36 @@
 A prefill chunk feeds committed tokens; a verify frame carries a root token and its draft
 as one attention tree; either may carry the previous round's commit (which accepted
 nodes' K/V move next to the root). A Result hands back the tail's hidden rows and, for
-drafters that read the target's features, its aux rows. Pure: this module does not know
-rings, streams, round numbering or receipts (the job numbers and sends the frames).
+drafters that read the target's features, its aux rows; a round's result (Verified) hands
+those aux rows to the drafters that read them. Pure but for the drafters it feeds: this
+module does not know rings, streams, round numbering or receipts (the job numbers and
+sends the frames).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from coordinator.spec.draft_tree import DraftTree
 from shard.activations import from_wire
 from shard.wire.messages import Forward, Result
+
+
+@dataclass(frozen=True)
+class Verified:
+    """A round's result from the tail, ready for acceptance."""
+
+    tree: DraftTree  # the draft it verified, below the root
+    rows: torch.Tensor  # (M+1, H) f32 hidden rows: the root, then each draft node
+    traversal_s: float
+    draft_s: float
+    queued_behind: float  # rounds of this job it queued behind (adapt.queued_share)
+    fed: list  # (first position, token ids, (T, k*H) aux rows) of prefill chunks it fed
+    tree_aux: torch.Tensor | None  # (M+1, k*H) aux rows of its verify frame (EAGLE)
+    pipelined: bool  # sent ahead, before the round it built on was verified
 
 
 def chunk_frame(job_id: str, epoch: int, nonce: bytes, start: int, ids: Sequence[int], *, decode: bool,
@@ -62,3 +79,23 @@ def aux_rows(result: Result) -> torch.Tensor | None:
     """The target's features at the layers the drafters asked for, (T, k*H) in f32; None
     when the result carries none."""
     return None if result.aux is None else from_wire(result.aux, result.aux_scale, torch.float32)
+
+
+def observe_round(drafters: Sequence, got: Verified, acc, committed: Sequence[int], root_slot: int) -> None:
+    """Hand drafters that read the target's features (EAGLE) the aux rows of every token a
+    round committed (`acc`, coordinator.spec.accept.Acceptance): its prefill chunks whole,
+    then the root and the accepted path."""
+    sinks = [d for d in drafters if getattr(d, "aux_layers", ())]
+    if not sinks:
+        return
+    batches = list(got.fed)
+    if got.tree_aux is not None:
+        rows = [0] + [1 + n for n in acc.nodes]
+        ids = [committed[root_slot]] + [int(got.tree.tokens[n]) for n in acc.nodes]
+        batches.append((root_slot, ids, got.tree_aux[rows]))
+    for start, ids, aux in batches:
+        for d in sinks:
+            # After a resume the ring re-prefills tokens a drafter already saw: skip those.
+            skip = d.observed_tokens - start
+            if skip < len(ids):
+                d.observe(ids[max(skip, 0):], aux[max(skip, 0):])

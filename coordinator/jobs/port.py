@@ -69,6 +69,20 @@ class JobPort(Protocol):
         coordinator.jobs.liveness)."""
         ...
 
+    def prefix_for(self, ring: RingState, prompt: list[int]) -> tuple[str, int] | None:
+        """(source job, tokens) of K/V kept on `ring` that a new job's prompt starts with
+        (coordinator.jobs.prefix_cache); None: it prefills all. Never blocks."""
+        ...
+
+    def fork_failed(self, source: str) -> None:
+        """A frame forking from `source` failed on the ring: that source is gone."""
+        ...
+
+    def keep_source(self, ring: RingState, job_id: str, tokens: list[int]) -> bool:
+        """The job ended on `ring` with the K/V of `tokens` on every stage: whether they stay
+        there for later prompts (then the engine, not the job, ends it on the stages)."""
+        ...
+
     def round_missed(self, ring: RingState, round: int) -> None:
         """Round `round` missed its deadline on `ring`: a stage of it sits out (the ring
         re-forms without it; the job resumes). Never blocks."""

@@ -32,7 +32,9 @@ from coordinator.jobs.engine_config import EngineConfig
 from coordinator.jobs.port import Arrived
 from coordinator.jobs.release_gate import ReleaseGate
 from coordinator.jobs.ring_job import RingJob
-from coordinator.jobs.ring_router import RingRouter
+from coordinator.jobs.prefix_cache import PrefixIndex
+from coordinator.jobs.prefix_sources import PrefixSources
+from coordinator.jobs.ring_router import Pinned, RingRouter
 from coordinator.spec.sampling import SamplingParams
 from coordinator.jobs.burst_gate import BurstGate
 from coordinator.jobs.engine_port import EnginePort
@@ -90,6 +92,11 @@ class RingEngine:
                                  kv_step=config.prefill_chunk_tokens,
                                  kv_slack=0 if config.draft == "none" else DRAFT_SLACK_SLOTS)
         self.eagle_head = self._load_eagle(store)
+        # Finished jobs' K/V kept for prompts that start the same (coordinator.jobs.prefix_sources).
+        self.prefixes = PrefixSources(
+            PrefixIndex(config.prefix_cache_tokens), ring_by_epoch=swarm.ring_by_epoch, on_probation=self.on_probation,
+            send_end=self._send_end, slots=lambda n: self.router.slots(Pinned(-1, n, 1)))
+        self.router.kept_slots, self.router.free_kept = self.prefixes.index.slots_on, self.prefixes.free
         self._head_streams: dict[int, FramedStream] = {}
         self._send_lock = trio.Lock()
         self.gate = BurstGate(self.send_bodies)  # a head product's next frames leave together (coordinator.jobs.burst_gate)
@@ -179,6 +186,7 @@ class RingEngine:
         by = None if verified != "before release" else "gateway" if self.shadow is not None else "verifier nodes"
         disputes = self.round_verifier.open_disputes() if self.round_verifier is not None else []
         return {**self.router.status(self.model_id, len(self._jobs)),
+                "prefix_cache": self.prefixes.index.info(),
                 "probation": {"clean_rounds": self.probation.clean_rounds, "rounds_verified": verified, "verified_by": by,
                               "why_not": self.probation_off, "policy": self.config.unverified_newcomers, "disputes": disputes,
                               "seated_unverified": self.swarm.seated_unverified, **self.probation_counts}}
@@ -216,6 +224,7 @@ class RingEngine:
             self._links.start_soon(self._serve_job_errors)
             self._links.start_soon(self._serve_ring_changes)
             self._links.start_soon(sweep_heap, lambda: self.jobs_ended)  # freed memory back to the OS
+            self._links.start_soon(self.prefixes.serve)
             task_status.started()
             await trio.sleep_forever()
 
@@ -346,7 +355,13 @@ class RingEngine:
                 return True
         return False
 
+    async def _send_end(self, ring: RingState, body: bytes) -> None:
+        """An EndJob the engine sends itself (a prefix source let go), as a job's own goes."""
+        await self.gate.send(ring, body, None)
+        await self.shadow_feed(ring, body)
+
     def _on_ring_change(self, ring: RingState | None) -> None:
+        self.prefixes.ring_changed()
         for channel in self._jobs.values():
             with suppress(trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
                 channel.send_nowait(RingLost())

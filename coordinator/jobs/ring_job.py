@@ -34,7 +34,8 @@ from coordinator.spec.draft_round import draft_round, is_confident
 from coordinator.spec.drafting import Drafter
 from coordinator.jobs import job_stats
 from coordinator.jobs.engine_config import EngineConfig
-from coordinator.jobs.frames import aux_rows, chunk_frame, commit_move, hidden_rows, verify_frame
+from coordinator.jobs.frames import (Verified, aux_rows, chunk_frame, commit_move, hidden_rows, observe_round,
+                                     verify_frame)
 from coordinator.jobs.head_batch import HeadBatcher, accept_batched, take_next_burst
 from coordinator.jobs.job_stats import JobStats
 from coordinator.jobs.pipeline import Ahead, ahead_drafter, next_ahead, pipeline_depth, queued_rows, still_valid
@@ -54,20 +55,6 @@ log = logging.getLogger("shard.coordinator")
 # What ends a round on this ring: the job then resumes from its committed tokens.
 ROUND_FAILURES = (RingLost, JobFailedError, TransportError, trio.TooSlowError)
 MAX_KV_WAITS = 16  # rounds refused for K/V a job waits out before they count as failures
-
-
-@dataclass(frozen=True)
-class Verified:
-    """A round's result from the tail, ready for acceptance."""
-
-    tree: DraftTree  # the draft it verified, below the root
-    rows: torch.Tensor  # (M+1, H) f32 hidden rows: the root, then each draft node
-    traversal_s: float
-    draft_s: float
-    queued_behind: float  # rounds of this job it queued behind (adapt.queued_share)
-    fed: list  # (first position, token ids, (T, k*H) aux rows) of prefill chunks it fed
-    tree_aux: torch.Tensor | None  # (M+1, k*H) aux rows of its verify frame (EAGLE)
-    pipelined: bool  # sent ahead, before the round it built on was verified
 
 
 @dataclass
@@ -96,6 +83,9 @@ class RingJob:
     receipts: ReleaseGate | None = None  # receipts, probation: what a round passes before release
     token_logprobs: list[TokenLogprob] = field(default_factory=list)  # one per committed token, when asked
     observer: RingObserver = NO_OBSERVER  # what a benchmark watches of its rounds
+    prefix: tuple[str, int] | None = None  # (source job, tokens) its K/V started from (coordinator.jobs.prefix_cache)
+    fork_next: tuple[str, int] | None = None  # that prefix, until the frame naming it is sent
+    clean: bool = True  # no round failed: its K/V may serve later prompts
 
     @property
     def aux_layers(self) -> tuple[int, ...]:
@@ -121,7 +111,7 @@ class RingJob:
             acc = await self._accept(got, seed, grammar)
             root_slot = len(self.committed) - 1
             tokens = self._commit(acc, limit)
-            self._observe(got, acc, root_slot)
+            observe_round(self.drafters, got, acc, self.committed, root_slot)
             self._learn(got, acc, tokens)
             yield tokens
 
@@ -197,24 +187,6 @@ class RingJob:
             self._fold(job_stats.DrafterSkipped(skipped))
         return tree, draft_s
 
-    def _observe(self, got: Verified, acc: Acceptance, root_slot: int) -> None:
-        """Hand drafters that read the target's features (EAGLE) the aux rows of every
-        token this round committed: prefill chunks whole, then the root and accepted path."""
-        sinks = [d for d in self.drafters if getattr(d, "aux_layers", ())]
-        if not sinks:
-            return
-        batches = list(got.fed)
-        if got.tree_aux is not None:
-            rows = [0] + [1 + n for n in acc.nodes]
-            ids = [self.committed[root_slot]] + [int(got.tree.tokens[n]) for n in acc.nodes]
-            batches.append((root_slot, ids, got.tree_aux[rows]))
-        for start, ids, aux in batches:
-            for d in sinks:
-                # After a resume the ring re-prefills tokens a drafter already saw: skip those.
-                skip = d.observed_tokens - start
-                if skip < len(ids):
-                    d.observe(ids[max(skip, 0):], aux[max(skip, 0):])
-
     async def _verify(self, tree: DraftTree, limit: int) -> tuple[torch.Tensor, float, list, torch.Tensor | None]:
         """The tail's hidden rows (M+1, H) for the root and each draft node (the output head
         makes them logits), with the traversal time and the aux rows the round brought back;
@@ -235,6 +207,9 @@ class RingJob:
                 # Whatever happened, the ring may no longer hold this job's K/V: start over
                 # from the committed tokens on whichever ring is current next time round.
                 log.warning("job %s: round failed on ring epoch %d (%s); resuming", self.job_id, ring.epoch, exc)
+                forked, self.clean = self.prefix is not None and not self.counts.traversals, False
+                if forked:
+                    self.port.fork_failed(self.prefix[0])
                 if isinstance(exc, trio.TooSlowError):  # a stage holds it: the port blames one, the ring re-forms
                     self.port.round_missed(ring, self.round)
                 self.ring_epoch, self.ring_ctx, self.pending_commit = -1, 0, ((), 0)
@@ -244,7 +219,7 @@ class RingJob:
                     await self.port.wait_room(self.config.kv_wait_s)
                     continue
                 failures += 1
-                if not isinstance(exc, RingLost):
+                if not isinstance(exc, RingLost) and not forked:  # a failed fork re-prefills at once
                     await self.port.wait_change(ring.epoch, self.config.resume_wait_s)
         raise JobFailedError(f"job {self.job_id} lost its ring {self.config.max_resumes + 1} times")
 
@@ -259,6 +234,7 @@ class RingJob:
         """Feed the committed tokens the ring lacks as pipelined chunks (the last chunk ends
         with the root when there is no draft), then the root and the draft as one verify
         frame. The previous round's commit rides in the first frame sent."""
+        self._fork(ring)
         t0, start_ctx, root, config = time.monotonic(), self.ring_ctx, len(self.committed) - 1, self.config
         prefix_end = root if tree.num_nodes else root + 1
         commit = self.pending_commit  # rides in the first frame only
@@ -343,6 +319,7 @@ class RingJob:
             await self._release(ring, result)
         except ROUND_FAILURES as exc:
             log.warning("job %s: pipelined round failed (%s); resuming", self.job_id, exc)
+            self.clean = False
             if isinstance(exc, trio.TooSlowError):  # as in _verify
                 self.port.round_missed(ring, ahead.round)
             self.ring_epoch, self.ring_ctx, self.pending_commit = -1, 0, ((), 0)
@@ -357,6 +334,9 @@ class RingJob:
         check, and send it; returns its round."""
         self.round += 1
         fwd = dataclasses.replace(fwd, round=self.round, burst=take_next_burst())  # the head product's (head_batch)
+        if self.fork_next is not None:
+            (source, n), self.fork_next = self.fork_next, None
+            fwd = dataclasses.replace(fwd, prefix_job=source, prefix_len=n)
         self.observer.round_sent(fwd)
         body = encode_body(fwd)  # the canonical bytes: hashed for the receipt check, then sent
         if self.receipts is not None:
@@ -378,6 +358,17 @@ class RingJob:
         if self.receipts is not None:
             await self.receipts.release(ring, result)
 
+    def _fork(self, ring: RingState) -> None:
+        """On its first round, start from a kept source's K/V where one shares the prompt's
+        first tokens: the round then feeds only the rest. Never after a failed one, nor with a
+        drafter reading the target's features of every token (EAGLE: the source's are not kept)."""
+        if self.counts.traversals or self.prefix is not None or self.aux_layers or not self.clean:
+            return
+        hit = self.port.prefix_for(ring, self.committed)
+        if hit is not None:
+            self.prefix = self.fork_next = hit
+            self.ring_ctx = hit[1]
+
     def stats(self) -> dict[str, Any]:
         return job_stats.figures(self.counts, generated=max(len(self.committed) - len(self.prompt_ids), 0),
                                  ring_epoch=self.ring_epoch, drafter=self.config.draft, planner=self.adapt,
@@ -390,10 +381,15 @@ class RingJob:
         self.port.close()
         if self.adapt.rounds:
             self.port.hand_back(self.ring_epoch, self.adapt)
+        ring = self.port.ring
+        # Offered as a prefix source before its receipts go to the audits (which must find it pinned):
+        # K/V it computed itself on one ring epoch that still stands, through rounds that all held.
+        # With a commit pending, slots past its destination are not in place yet.
+        kept = (ring is not None and ring.epoch == self.ring_epoch and self.clean and self.prefix is None
+                and self.port.keep_source(ring, self.job_id, self.committed[:self.pending_commit[1] or self.ring_ctx]))
         if self.receipts is not None:
             self.receipts.finish(self.committed[len(self.prompt_ids):])
-        ring = self.port.ring
-        if ring is not None and ring.epoch == self.ring_epoch:
+        if ring is not None and ring.epoch == self.ring_epoch and not kept:
             try:
                 await self.port.send_body(ring, encode(EndJob(job_id=self.job_id, epoch=ring.epoch)))
             except TransportError:

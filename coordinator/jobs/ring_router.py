@@ -64,6 +64,10 @@ class RingRouter:
         self._closed: deque[str] = deque()  # closed jobs still pinned, oldest first (at most CLOSED_KEPT)
         self.moves = 0  # jobs routed again because their ring broke
         swarm.busy = self.running_on  # a join's re-form of a ring waits for its jobs (coordinator.swarm.forming.drain)
+        # Prefix sources (coordinator.jobs.prefix_sources): the slots each holds on a ring's stages,
+        # and letting a ring's go when a job needs their room (whether any was there).
+        self.kept_slots: Callable[[int], list[int]] = lambda ring_id: []
+        self.free_kept: Callable[[int], bool] = lambda ring_id: False
 
     def route(self, job_id: str, prompt_tokens: int, max_tokens: int | None) -> RingState | None:
         """Pin a new job to the ring predicting its earliest completion; None if none is formed."""
@@ -144,6 +148,7 @@ class RingRouter:
                                     len(r) * swarm.model.kv_bytes_per_token_layer, caps.get(peer, 0)))
         reserved = [self.slots(p) for p in self.pinned.values()
                     if p.ring_id == ring_id and not p.closed and not p.waiting and p is not without]
+        reserved += self.kept_slots(ring_id)
         learned, until = self.learned_jobs.get(ring.epoch, (0, 0.0)) if ring is not None else (0, 0.0)
         return Room(stages, reserved, learned if time.monotonic() < until else 0)
 
@@ -170,8 +175,11 @@ class RingRouter:
             while True:
                 rings = self.swarm.rings
                 first = self._room_queue[0] is pin  # a job waiting longer goes first
-                if first and pin.ring_id in rings and not self.draining(pin.ring_id) and self.fits(pin.ring_id, pin):
-                    return True
+                if first and pin.ring_id in rings and not self.draining(pin.ring_id):
+                    if self.fits(pin.ring_id, pin):
+                        return True
+                    if self.free_kept(pin.ring_id):  # kept prefixes give way to a job
+                        continue
                 need = self.slots(pin)
                 if rings and not any(self.room(rid).could_ever_fit(need) for rid in rings):
                     return True

@@ -26,7 +26,7 @@ FLAGS = {"--model", "--store-dir", "--listen", "--http", "--key-path", "--local-
          "--max-concurrent-jobs", "--max-queued-jobs", "--queue-timeout-s", "--node-threads", "--node-batch-token-budget",
          "--node-prefill-order", "--trusted-nodes", "--unverified-newcomers",
          "--receipts-dir", "--recent-bundles-mb", "--max-rings", "--ring-spares", "--drain-s", "--kv-wait-s", "--burst-wait-ms",
-         "--max-groups", "--group-wait-ms",
+         "--max-groups", "--group-wait-ms", "--prefix-cache-tokens",
          "--audit-rate", "--log-level", "--ring-wait-s",
          "--api-keys", "--key-max-concurrent-jobs", "--key-tokens-per-minute", "--public-health", "--public-status", "--trusted-peers",
          "--public-metrics", "--local-selector-split", "--node-quant", "--max-body-bytes", "--body-timeout-s",

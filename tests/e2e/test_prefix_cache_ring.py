@@ -1,0 +1,126 @@
+"""The prefix cache on a real ring: repeated and continued prompts start from kept K/V.
+
+On an in-process ring (coordinator swarm + engine, three Nodes over libp2p on loopback,
+the tiny llama, receipts on) a finished job's K/V stays on every stage as a source, and a
+later job whose prompt starts with its tokens forks from it. Bugs guarded: a fork whose
+greedy output differs from the same prompt computed from scratch (wrong slots copied, the
+prefix fed twice or not at all, positions off); a conversation's next turn (the earlier
+prompt, the reply, more tokens) not reusing the reply's K/V; a source a stage lost making
+its fork fail the request or wait for the ring to re-form instead of re-prefilling at once;
+a source let go whose K/V stays on the stages (no EndJob); a job that forked kept as a
+source itself.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import trio
+
+from coordinator.assembly import open_coordinator
+from coordinator.config import LOOPBACK_ANY_PORT, CoordConfig
+from coordinator.jobs.engine_config import EngineConfig
+from coordinator.spec.sampling import SamplingParams
+from coordinator.swarm.formation import SwarmConfig
+from coordinator.trust.audit import AuditConfig
+from shard.identity import keypair_from_seed
+from shard.node import Node, NodeConfig
+from tests.e2e.test_stalling_stage import _serve_host, _tokenizer
+
+PROMPT = [1] + [3 + (i * 7) % 50 for i in range(45)]  # 46 tokens: past the 32 a fork needs
+TOKENS = 8
+
+
+async def _run(store, body, rate: float = 0.0):
+    config = CoordConfig(listen=LOOPBACK_ANY_PORT, min_nodes=3,
+                         swarm=SwarmConfig(ready_timeout_s=30, planner="all_nodes"),
+                         engine=EngineConfig(draft="none", frame_timeout_s=10, probation_rounds=0),
+                         audit=AuditConfig(rate=rate, reply_timeout_s=10))
+    with trio.fail_after(90):
+        async with open_coordinator(config, store, _tokenizer(), keypair_from_seed(os.urandom(32)),
+                                    audit_rng=random.Random(0)) as coordinator:
+            nodes = []
+            for _ in range(3):
+                seed = os.urandom(32)
+                host = await coordinator.nursery.start(_serve_host, seed)
+                node = Node(NodeConfig(coordinator=coordinator.addr), host, store, signing_seed=seed)
+                await coordinator.nursery.start(node.serve)
+                nodes.append(node)
+            swarm = coordinator.swarm
+            while swarm.ring is None or len(swarm.ring.stages) < 3:
+                await swarm.wait_ring()
+            return await body(coordinator, nodes)
+
+
+async def generate(engine, prompt: list[int], n: int = TOKENS) -> tuple[list[int], object]:
+    job = await engine.open_job(prompt, SamplingParams(temperature=0.0))
+    got: list[int] = []
+    async for block in job.next_tokens():
+        got += block
+        if len(got) >= n:
+            break
+    await job.aclose()
+    return got[:n], job
+
+
+def held(nodes, job_id: str) -> list[bool]:
+    return [job_id in n.state.worker.cache.jobs for n in nodes]
+
+
+async def until_gone(nodes, job_id: str) -> None:
+    """Until no stage holds `job_id`'s K/V (its EndJob is on its way); fails after 10 s."""
+    with trio.fail_after(10):
+        while any(held(nodes, job_id)):
+            await trio.sleep(0.05)
+
+
+def test_repeated_and_continued_prompts_fork_and_equal_a_fresh_prefill(tiny_llama_store):
+    async def body(coordinator, nodes):
+        engine = coordinator.engine
+        index = engine.prefixes.index
+        first, source = await generate(engine, PROMPT)
+        assert source.prefix is None and held(nodes, source.job_id) == [True] * 3  # kept: no EndJob
+        again, job = await generate(engine, PROMPT)
+        assert job.prefix == (source.job_id, len(PROMPT) - 1) and again == first
+        assert job.job_id not in index.sources  # a fork is no source: it gets its EndJob
+        await until_gone(nodes, job.job_id)
+        turn = PROMPT + first[:5] + [9, 4]  # the next turn: the prompt, the reply so far, more
+        forked, job = await generate(engine, turn)
+        assert job.prefix is not None and job.prefix[0] == source.job_id and job.prefix[1] >= len(PROMPT) + 5
+        index.max_tokens = 0  # the cache off: the same turn from scratch
+        fresh, job = await generate(engine, turn)
+        assert job.prefix is None and forked == fresh
+        return index.stats
+
+    stats = trio.run(_run, tiny_llama_store, body)
+    assert stats.hits == 2 and stats.tokens_reused >= 2 * len(PROMPT) + 4
+
+
+def test_a_source_a_stage_lost_costs_a_prefill_not_the_request(tiny_llama_store):
+    async def body(coordinator, nodes):
+        engine = coordinator.engine
+        first, source = await generate(engine, PROMPT)
+        nodes[1].state.worker.end_job(source.job_id)  # as an idle eviction would
+        started = trio.current_time()
+        again, job = await generate(engine, PROMPT)
+        took = trio.current_time() - started
+        assert job.prefix is not None and again == first
+        assert took < engine.config.resume_wait_s  # re-prefilled at once, no wait for a re-form
+        return engine.prefixes.index
+
+    index = trio.run(_run, tiny_llama_store, body)
+    assert index.stats.evicted >= 1 and all(s.hits == 0 for s in index.sources.values())
+
+
+def test_sources_let_go_leave_every_stage(tiny_llama_store):
+    async def body(coordinator, nodes):
+        engine = coordinator.engine
+        engine.prefixes.index.max_sources = 1
+        _, a = await generate(engine, PROMPT)
+        _, b = await generate(engine, [2] + PROMPT[1:])  # another prompt: `a` goes
+        await until_gone(nodes, a.job_id)
+        return held(nodes, b.job_id), list(engine.prefixes.index.sources)
+
+    b_held, kept = trio.run(_run, tiny_llama_store, body)
+    assert b_held == [True] * 3 and len(kept) == 1
