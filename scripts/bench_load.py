@@ -9,13 +9,17 @@ ramp (--ramp-s, every client's first request at once: reported, not measured; wi
 measured window. Requests cycle through a fixed mix: greedy and seeded sampled, 64-256
 new tokens, short prompts and ~2k-token ones. Rings: loopback, and the emulated WAN (25 ms
 one way, 50 Mbit/s uplinks on every edge); on each, node batching on (the default token
-budget) and off (--node-batch-token-budget 1), side by side in one run.
+budget) and off (--node-batch-token-budget 1), side by side in one run; and the gateway's
+prefix cache on (its default) or, with --prefix-cache on,off, off beside it. The mix's kinds
+resend the same prompts, all opening with the chat template's system prompt: with the cache
+on, a prompt seen before forks from the K/V its last request left on the stages.
 
 Reported per ring and C: aggregate tok/s (content chunks received in the window: with no
 drafter each is one token), CPU ms per token (all four processes' CPU in the window over
 its tokens), p50/p95 time to first token and inter-token gap, errors,
 and whether every request that finished equals the same request served alone (served
-once each, one at a time, first); and the window's timeline (tokens and prompt tokens
+once each, one at a time, first, on a ring without the prefix cache); the prefix cache's
+forks and the prompt tokens they did not compute again; and the window's timeline (tokens and prompt tokens
 started, per second) with the rate between prompts (seconds with no prompt started in
 them or the 4 before: what decoding alone reaches, against which the prefill of prompts
 arriving together shows). A sustained run at the highest C records coordinator
@@ -36,6 +40,7 @@ growth is counted from --warmup-s on (the gateway's and nodes' first loads are w
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import re
@@ -62,6 +67,7 @@ LINKS = {"loopback": [], "wan": ["--link-latency-ms", "25", "--link-upload-mbps"
 # Batching on, but nowait: no forward (nor the head) waits for a burst; arrival: prefill oldest first.
 BATCHING = {"on": [], "off": ["--node-batch-token-budget", "1"], "nowait": ["--burst-wait-ms", "0"],
             "arrival": ["--node-prefill-order", "arrival"]}
+PREFIX = {"on": [], "off": ["--prefix-cache-tokens", "0"]}  # the prefix cache (coordinator.jobs.prefix_cache)
 
 
 def request_mix(tokenizer) -> list[dict]:
@@ -173,6 +179,13 @@ def head_counts(base: str) -> dict:
     return {"products": total("shard_lm_head_seconds_count"), "rounds": total("shard_traversals_total")}
 
 
+def prefix_counts(base: str) -> dict:
+    """The gateway's prefix cache so far (/v1/ring): forks, prompt tokens they did not
+    compute again, sources kept and held now."""
+    info = httpx.get(f"{base}/v1/ring", timeout=30).json().get("prefix_cache") or {}
+    return {k: info.get(k, 0) for k in ("lookups", "hits", "tokens_reused", "kept", "sources", "tokens")}
+
+
 def cpu_spent(before: dict, after: dict) -> dict:
     """CPU seconds each process used between two Ring.cpu() readings (0 for one gone)."""
     d = lambda a, b: (b - a) if a is not None and b is not None else 0.0  # noqa: E731
@@ -275,6 +288,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batching", default="on,off", help="on, off, nowait (no burst waits), arrival (prefill oldest first), "
                     "waitN (N ms)")
     ap.add_argument("--kinds", default="0,1,2,3,4,5,6,7", help="which request kinds of the mix to send (indices)")
+    ap.add_argument("--prefix-cache", default="on", help="on, off or both (on,off): the gateway's prefix cache; the "
+                    "mix resends its prompts, as chat traffic resends system prompts and histories")
     args = ap.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))  # rings closed on kill
     from transformers import AutoTokenizer
@@ -293,64 +308,77 @@ def main(argv=None) -> int:
         "window_s": args.window_s, "ramp_s": args.ramp_s, "ramp_until_first": args.ramp_until_first,
         "sustain_s": args.sustain_s, "cpus": os.cpu_count(),
         "tokens": "content chunks of the stream received within the window (no drafter: one token a round)",
+        "prefix_cache": "on: the gateway's default (--prefix-cache-tokens 8192); the mix's kinds resend the same "
+                        "prompts (and share the chat template's system prompt), so after a kind's first request "
+                        "its prompt forks from a kept one; off: --prefix-cache-tokens 0",
         "git_revision": git_revision(), "started_load_average": list(os.getloadavg())}, "runs": []}
     home = Path(tempfile.mkdtemp(prefix="bench_load_"))
-    refs = None
     try:
-        for link in args.links.split(","):
-            for batching in args.batching.split(","):
-                name = f"{link}-batching-{batching}"
-                burst_wait = ["--burst-wait-ms", batching.removeprefix("wait")]  # waitN: bursts waited N ms
-                ring = Ring(store, home, LINKS[link] + BATCHING.get(batching, burst_wait), name)
-                try:
-                    run = {"link": link, "batching": batching, "rss_start": ring.rss(), "levels": []}
-                    if refs is None:
-                        refs = trio.run(alone, ring.base, mix)
-                        result["conditions"]["reference"] = f"each request alone on {name}, first"
-                    for c in (levels if link != "wan" or not args.wan_concurrency
-                              else [int(x) for x in args.wan_concurrency.split(",")]):
-                        opened = {}
-                        row = trio.run(closed_loop, ring.base, mix, c, args.window_s, refs, args.ramp_s,
-                                       lambda: opened.update(cpu=ring.cpu(), heads=head_counts(ring.base)),
-                                       args.ramp_until_first, args.ramp_max_s)
-                        before, heads = opened["cpu"], opened["heads"]
-                        row["cpu_s"] = cpu_spent(before, ring.cpu())
-                        spent = row["cpu_s"]["coordinator"] + sum(row["cpu_s"]["nodes"])
-                        row["cpu_ms_per_token"] = round(1000 * spent / row["tokens"], 1) if row["tokens"] else None
-                        time.sleep(2)  # jobs cut off at the window's end are counted once they end
-                        after = head_counts(ring.base)
-                        products = after["products"] - heads["products"]
-                        row["head_rounds_per_product"] = (after["rounds"] - heads["rounds"]) / products if products else None
-                        print(f"{name:28s} C={c:3d}  {row['tok_per_s']:6.1f} tok/s  TTFT p50/p95 "
-                              f"{row['ttft_p50_s'] or 0:.2f}/{row['ttft_p95_s'] or 0:.2f} s  ITL p50/p95 "
-                              f"{row['itl_p50_s'] or 0:.3f}/{row['itl_p95_s'] or 0:.3f} s  errors {row['errors']}  "
-                              f"equal alone {row['outputs_equal_alone']}  CPU s coordinator/nodes {row['cpu_s']['coordinator']:.1f}/"
-                              f"{'/'.join(f'{x:.1f}' for x in row['cpu_s']['nodes'])}  rounds per head product "
-                              f"{row['head_rounds_per_product'] or 0:.2f}  CPU ms/token {row['cpu_ms_per_token']}  "
-                              f"prompt tokens started per token {row['prompt_tokens_started'] / max(row['tokens'], 1):.1f}  "
-                              f"between prompts {row['quiet_tok_per_s'] or 0:.1f} tok/s  "
-                              f"(ramp {row['ramp_s_taken']:.0f} s, {row['ramp_tok_per_s'] or 0:.1f} tok/s)  "
-                              f"load {row['load_average'][0]:.1f}",
-                              flush=True)
-                        run["levels"].append(row)
-                    run["rss_end"] = ring.rss()
-                    if args.sustain_s and link == "loopback" and batching == "on":
-                        run["sustained"] = trio.run(sustained, ring, mix, max(levels), args.sustain_s, refs)
-                        s = run["sustained"]["rss"]
-                        print(f"{name}: sustained {args.sustain_s:.0f} s at C={max(levels)}: coordinator "
-                              f"{s[0]['coordinator_mb']:.0f} -> {s[-1]['coordinator_mb']:.0f} MB, nodes "
-                              f"{[round(x) for x in s[0]['nodes_mb']]} -> {[round(x) for x in s[-1]['nodes_mb']]} MB",
-                              flush=True)
-                    run["targets"] = against_targets(run["levels"])
-                    print(f"{name}: {run['targets']}", flush=True)
-                    if "sustained" in run:
-                        run["sustained"]["rss_growth"] = rss_growth(run["sustained"]["rss"], args.warmup_s)
-                        print(f"{name}: RSS growth after warm-up {run['sustained']['rss_growth']}", flush=True)
-                    result["runs"].append(run)
-                finally:
-                    ring.close()
-                    if args.json:
-                        Path(args.json).write_text(json.dumps(result, indent=2))
+        # The references: each request alone, one at a time, computed whole (no prefix cache).
+        ring = Ring(store, home, PREFIX["off"], "reference")
+        try:
+            refs = trio.run(alone, ring.base, mix)
+            result["conditions"]["reference"] = "each request alone on a loopback ring without the prefix cache, first"
+        finally:
+            ring.close()
+        for link, batching, prefix in itertools.product(args.links.split(","), args.batching.split(","),
+                                                        args.prefix_cache.split(",")):
+            name = f"{link}-batching-{batching}" + (f"-prefix-{prefix}" if "," in args.prefix_cache else "")
+            burst_wait = ["--burst-wait-ms", batching.removeprefix("wait")]  # waitN: bursts waited N ms
+            ring = Ring(store, home, LINKS[link] + BATCHING.get(batching, burst_wait) + PREFIX[prefix], name)
+            try:
+                run = {"link": link, "batching": batching, "prefix_cache": prefix, "rss_start": ring.rss(),
+                       "levels": []}
+                for c in (levels if link != "wan" or not args.wan_concurrency
+                          else [int(x) for x in args.wan_concurrency.split(",")]):
+                    opened = {}
+                    row = trio.run(closed_loop, ring.base, mix, c, args.window_s, refs, args.ramp_s,
+                                   lambda: opened.update(cpu=ring.cpu(), heads=head_counts(ring.base),
+                                                         prefix=prefix_counts(ring.base)),
+                                   args.ramp_until_first, args.ramp_max_s)
+                    before, heads = opened["cpu"], opened["heads"]
+                    now = prefix_counts(ring.base)
+                    row["prefix_cache"] = {**{k: now[k] - opened["prefix"][k] for k in ("lookups", "hits", "tokens_reused")},
+                                           "sources": now["sources"], "source_tokens": now["tokens"]}
+                    row["cpu_s"] = cpu_spent(before, ring.cpu())
+                    spent = row["cpu_s"]["coordinator"] + sum(row["cpu_s"]["nodes"])
+                    row["cpu_ms_per_token"] = round(1000 * spent / row["tokens"], 1) if row["tokens"] else None
+                    time.sleep(2)  # jobs cut off at the window's end are counted once they end
+                    after = head_counts(ring.base)
+                    products = after["products"] - heads["products"]
+                    row["head_rounds_per_product"] = (after["rounds"] - heads["rounds"]) / products if products else None
+                    print(f"{name:28s} C={c:3d}  {row['tok_per_s']:6.1f} tok/s  TTFT p50/p95 "
+                          f"{row['ttft_p50_s'] or 0:.2f}/{row['ttft_p95_s'] or 0:.2f} s  ITL p50/p95 "
+                          f"{row['itl_p50_s'] or 0:.3f}/{row['itl_p95_s'] or 0:.3f} s  errors {row['errors']}  "
+                          f"equal alone {row['outputs_equal_alone']}  CPU s coordinator/nodes {row['cpu_s']['coordinator']:.1f}/"
+                          f"{'/'.join(f'{x:.1f}' for x in row['cpu_s']['nodes'])}  rounds per head product "
+                          f"{row['head_rounds_per_product'] or 0:.2f}  CPU ms/token {row['cpu_ms_per_token']}  "
+                          f"prompt tokens started per token {row['prompt_tokens_started'] / max(row['tokens'], 1):.1f}  "
+                          f"reused {row['prefix_cache']['tokens_reused'] / max(row['tokens'], 1):.1f} "
+                          f"({row['prefix_cache']['hits']} forks)  "
+                          f"between prompts {row['quiet_tok_per_s'] or 0:.1f} tok/s  "
+                          f"(ramp {row['ramp_s_taken']:.0f} s, {row['ramp_tok_per_s'] or 0:.1f} tok/s)  "
+                          f"load {row['load_average'][0]:.1f}",
+                          flush=True)
+                    run["levels"].append(row)
+                run["rss_end"] = ring.rss()
+                if args.sustain_s and link == "loopback" and batching == "on" and prefix == "on":
+                    run["sustained"] = trio.run(sustained, ring, mix, max(levels), args.sustain_s, refs)
+                    s = run["sustained"]["rss"]
+                    print(f"{name}: sustained {args.sustain_s:.0f} s at C={max(levels)}: coordinator "
+                          f"{s[0]['coordinator_mb']:.0f} -> {s[-1]['coordinator_mb']:.0f} MB, nodes "
+                          f"{[round(x) for x in s[0]['nodes_mb']]} -> {[round(x) for x in s[-1]['nodes_mb']]} MB",
+                          flush=True)
+                run["targets"] = against_targets(run["levels"])
+                print(f"{name}: {run['targets']}", flush=True)
+                if "sustained" in run:
+                    run["sustained"]["rss_growth"] = rss_growth(run["sustained"]["rss"], args.warmup_s)
+                    print(f"{name}: RSS growth after warm-up {run['sustained']['rss_growth']}", flush=True)
+                result["runs"].append(run)
+            finally:
+                ring.close()
+                if args.json:
+                    Path(args.json).write_text(json.dumps(result, indent=2))
     finally:
         result["conditions"]["ended_load_average"] = list(os.getloadavg())
         if args.json:
