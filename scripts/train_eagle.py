@@ -39,7 +39,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from coordinator.spec.capture import generate_shards, generate_unseen, load_target  # noqa: E402
 from coordinator.spec.captured import UNSEEN_FILE, load_shards, load_unseen  # noqa: E402
 from coordinator.spec.drafting import DraftBudget  # noqa: E402
-from coordinator.spec.eagle import EagleConfig, EagleHead, init_weights, save_head  # noqa: E402
+from coordinator.spec.eagle import EagleConfig, EagleHead, init_weights  # noqa: E402
+from coordinator.spec.eagle_train import save_head  # noqa: E402
 from coordinator.spec.eagle_train import (FitConfig, collate, draft_vocabulary, evaluate_steps,  # noqa: E402
                                           make_batches, soft_targets, step_losses, ttt_forward)
 from coordinator.spec.replay import simulate_tau  # noqa: E402

@@ -59,14 +59,14 @@ class EnginePort:
     def leave_burst(self, burst: tuple[int, ...]) -> None:
         self.engine.gate.leave(burst)
 
-    def prefix_for(self, ring: RingState, prompt: list[int]) -> tuple[str, int] | None:
-        return self.engine.prefixes.fork(ring, prompt)
+    def prefix_for(self, ring: RingState, prompt: list[int], drafters: list) -> tuple[tuple[str, int], list] | None:
+        return self.engine.prefixes.fork(ring, prompt, drafters)
 
     def fork_failed(self, source: str) -> None:
         self.engine.prefixes.failed(source)
 
-    def keep_source(self, ring: RingState, job_id: str, tokens: list[int]) -> bool:
-        return self.engine.prefixes.keep(ring, job_id, tokens)
+    def keep_source(self, ring: RingState, job_id: str, tokens: list[int], drafters: list) -> bool:
+        return self.engine.prefixes.keep(ring, job_id, tokens, drafters)
 
     def close(self) -> None:
         """Also: the calling job task sends no frame for its head product's burst (it ended)."""

@@ -69,18 +69,20 @@ class JobPort(Protocol):
         coordinator.jobs.liveness)."""
         ...
 
-    def prefix_for(self, ring: RingState, prompt: list[int]) -> tuple[str, int] | None:
-        """(source job, tokens) of K/V kept on `ring` that a new job's prompt starts with
-        (coordinator.jobs.prefix_cache); None: it prefills all. Never blocks."""
+    def prefix_for(self, ring: RingState, prompt: list[int], drafters: list) -> tuple[tuple[str, int], list] | None:
+        """((source job, tokens) of K/V kept on `ring` that a new job's prompt starts with, the
+        job's drafters forked to match: coordinator.jobs.prefix_sources); None: it prefills all.
+        Never blocks."""
         ...
 
     def fork_failed(self, source: str) -> None:
         """A frame forking from `source` failed on the ring: that source is gone."""
         ...
 
-    def keep_source(self, ring: RingState, job_id: str, tokens: list[int]) -> bool:
+    def keep_source(self, ring: RingState, job_id: str, tokens: list[int], drafters: list) -> bool:
         """The job ended on `ring` with the K/V of `tokens` on every stage: whether they stay
-        there for later prompts (then the engine, not the job, ends it on the stages)."""
+        there for later prompts (then the engine, not the job, ends it on the stages), and
+        its `drafters` for later jobs to fork."""
         ...
 
     def round_missed(self, ring: RingState, round: int) -> None:

@@ -36,6 +36,7 @@ class Source:
     ring_id: int
     tokens: tuple[int, ...]  # the tokens whose K/V sits at slots [0, len) on every stage
     slots: int  # K/V slots its cache holds on each stage (what a ring's room counts)
+    drafters: tuple = ()  # its drafters that read the target's features (EAGLE), to fork from
     last_used_s: float = 0.0
     hits: int = 0
 
@@ -95,8 +96,9 @@ class PrefixIndex:
         if (not self.enabled or len(source.tokens) < self.min_tokens or len(source.tokens) > self.max_tokens
                 or source.job_id in self.sources):
             return False, []
-        for src in self.sources.values():
-            if src.epoch == source.epoch and common_prefix(src.tokens, source.tokens) == len(source.tokens):
+        for src in self.sources.values():  # (one without the drafters' state it has is no duplicate)
+            if (src.epoch == source.epoch and common_prefix(src.tokens, source.tokens) == len(source.tokens)
+                    and len(src.drafters) >= len(source.drafters)):
                 return False, []
         source.last_used_s = self.clock()
         self.sources[source.job_id] = source

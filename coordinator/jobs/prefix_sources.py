@@ -40,8 +40,10 @@ class PrefixSources:
         self._ending: list[Source] = []
         self._wake = trio.Event()
 
-    def fork(self, ring: RingState, prompt: Sequence[int]) -> tuple[str, int] | None:
-        """(source job, tokens) a new job's first frame starts from on `ring`; None: it prefills all."""
+    def fork(self, ring: RingState, prompt: Sequence[int], drafters: list) -> tuple[tuple[str, int], list] | None:
+        """((source job, tokens), the job's drafters) a new job with `drafters` starts from on
+        `ring`: those reading the target's features forked from the source's; None: it
+        prefills all."""
         self.end(self.index.expire())
         if not self.index.enabled or self._on_probation(ring):
             return None
@@ -49,15 +51,21 @@ class PrefixSources:
         if hit is None:
             return None
         source, n = hit
+        forked = fork_drafters(drafters, source.drafters, n)
+        if forked is None:
+            return None
         self._pin(source.job_id)  # until the fork's audits are over (the releaser drops it)
-        return source.job_id, n
+        return (source.job_id, n), forked
 
-    def keep(self, ring: RingState, job_id: str, tokens: Sequence[int]) -> bool:
+    def keep(self, ring: RingState, job_id: str, tokens: Sequence[int], drafters: Sequence = ()) -> bool:
         """Whether the job that just ended on `ring` stays as a source of `tokens` (then no EndJob
-        goes from the job itself)."""
+        goes from the job itself); its `drafters` reading the target's features are kept to fork."""
         if not self.index.enabled or self._on_probation(ring):
             return False
-        kept, gone = self.index.add(Source(job_id, ring.epoch, ring.ring_id, tuple(tokens), self._slots(len(tokens))))
+        readers = tuple(d for d in drafters if getattr(d, "aux_layers", ()))
+        tokens = tokens[:min((d.observed_tokens for d in readers), default=len(tokens))]  # features known
+        kept, gone = self.index.add(Source(job_id, ring.epoch, ring.ring_id, tuple(tokens), self._slots(len(tokens)),
+                                           readers))
         if kept:
             self._pin(job_id)
         self.end(gone)
@@ -105,3 +113,17 @@ class PrefixSources:
     def _pin(self, job_id: str) -> None:
         if self.pins is not None:
             self.pins.pin(job_id)
+
+
+def fork_drafters(drafters: list, kept: Sequence, n: int) -> list | None:
+    """`drafters` with each that reads the target's features (EAGLE) replaced by a fork of the
+    kept drafter of its kind at `n` tokens; None when one has no such drafter to fork from."""
+    out = []
+    for d in drafters:
+        if getattr(d, "aux_layers", ()):
+            source = next((k for k in kept if type(k) is type(d) and k.aux_layers == d.aux_layers), None)
+            if source is None or source.observed_tokens < n:
+                return None
+            d = source.fork(n)
+        out.append(d)
+    return out

@@ -130,7 +130,7 @@ class RingEngine:
         if mode in ("ngram", "hybrid"):
             drafters.append(NgramDrafter())
         if mode in ("eagle", "hybrid") and self.eagle_head is not None:
-            drafters.append(EagleDrafter(self.eagle_head))
+            drafters.append(EagleDrafter(self.eagle_head, keep_features=self.prefixes.index.enabled))  # to fork
         return drafters
 
     def _load_eagle(self, store) -> EagleHead | None:

@@ -360,14 +360,14 @@ class RingJob:
 
     def _fork(self, ring: RingState) -> None:
         """On its first round, start from a kept source's K/V where one shares the prompt's
-        first tokens: the round then feeds only the rest. Never after a failed one, nor with a
-        drafter reading the target's features of every token (EAGLE: the source's are not kept)."""
-        if self.counts.traversals or self.prefix is not None or self.aux_layers or not self.clean:
+        first tokens (and from its drafters' state, for those reading the target's features):
+        the round then feeds only the rest. Never after a failed round."""
+        if self.counts.traversals or self.prefix is not None or not self.clean:
             return
-        hit = self.port.prefix_for(ring, self.committed)
+        hit = self.port.prefix_for(ring, self.committed, self.drafters)
         if hit is not None:
-            self.prefix = self.fork_next = hit
-            self.ring_ctx = hit[1]
+            (self.prefix, self.drafters), self.fork_next = hit, hit[0]
+            self.ring_ctx = self.prefix[1]
 
     def stats(self) -> dict[str, Any]:
         return job_stats.figures(self.counts, generated=max(len(self.committed) - len(self.prompt_ids), 0),
@@ -386,7 +386,8 @@ class RingJob:
         # K/V it computed itself on one ring epoch that still stands, through rounds that all held.
         # With a commit pending, slots past its destination are not in place yet.
         kept = (ring is not None and ring.epoch == self.ring_epoch and self.clean and self.prefix is None
-                and self.port.keep_source(ring, self.job_id, self.committed[:self.pending_commit[1] or self.ring_ctx]))
+                and self.port.keep_source(ring, self.job_id, self.committed[:self.pending_commit[1] or self.ring_ctx],
+                                          self.drafters))
         if self.receipts is not None:
             self.receipts.finish(self.committed[len(self.prompt_ids):])
         if ring is not None and ring.epoch == self.ring_epoch and not kept:

@@ -23,7 +23,7 @@ import json
 import pathlib
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -228,24 +228,6 @@ class EagleHead:
         return draft_logits(self.infer_w, self.eps, g)
 
 
-def save_head(path: str | pathlib.Path, config: EagleConfig, weights: dict[str, torch.Tensor], d2t: torch.Tensor,
-              *, target_digest: str, extra: dict | None = None, dtype: torch.dtype = torch.float16) -> None:
-    """Write eagle3.safetensors (weights in `dtype`, d2t int64) and manifest.json with its sha256."""
-    from safetensors.torch import save_file
-
-    root = pathlib.Path(path)
-    root.mkdir(parents=True, exist_ok=True)
-    tensors = {name: weights[name].detach().to(dtype).contiguous() for name in config.tensor_shapes()}
-    tensors["d2t"] = d2t.long().contiguous()
-    tmp = root / (WEIGHTS_FILE + ".tmp")
-    save_file(tensors, str(tmp))
-    tmp.replace(root / WEIGHTS_FILE)
-    manifest = {"format": "shard-eagle3", "config": asdict(config), "target_digest": target_digest,
-                "dtype": str(dtype).removeprefix("torch."),
-                "sha256": hashlib.sha256((root / WEIGHTS_FILE).read_bytes()).hexdigest(), **(extra or {})}
-    (root / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
-
-
 # -- the drafter ---------------------------------------------------------------------------------
 
 
@@ -265,13 +247,32 @@ class EagleDrafter:
     name = "eagle"
     confidence = True  # draft log-probs estimate the target's choices (the planner sizes by them)
 
-    def __init__(self, head: EagleHead, config: EagleDraftConfig = EagleDraftConfig()) -> None:
+    def __init__(self, head: EagleHead, config: EagleDraftConfig = EagleDraftConfig(), *,
+                 keep_features: bool = False) -> None:
+        """`keep_features`: keep every observed token's fused feature (H floats a token), so
+        that a later job starting with the same tokens can `fork` this one (the prefix cache)."""
         self.head, self.config = head, config
         self.cache = PairCache(head.config)
         self._tokens: list[int] = []  # observed (committed, feature-known) tokens
         self._last_feat: torch.Tensor | None = None  # (H,) fused feature of _tokens[-1]
         self._committed_pairs = 0  # KV slots holding committed pairs; slot j = position j + 1
         self.propose_s: float | None = None  # EWMA of the seconds a non-empty propose took
+        self._feats: list[torch.Tensor] | None = [] if keep_features else None  # (n, H) chunks, in order
+
+    def fork(self, n: int) -> "EagleDrafter":
+        """A drafter for a job whose first `n` tokens are this one's first `n` (a prefix cache
+        hit, coordinator.jobs.prefix_cache): their pairs' K/V and the n-th token's feature
+        copied, as if it had observed them itself. Needs keep_features and n <= observed."""
+        if self._feats is None or not 1 <= n <= len(self._tokens):
+            raise ValueError(f"fork of {n} tokens from a drafter that observed {len(self._tokens)}"
+                             f"{'' if self._feats is not None else ' and kept no features'}")
+        other = EagleDrafter(self.head, self.config, keep_features=True)
+        feats = torch.cat(self._feats)[:n]
+        other.cache.reserve(n - 1)
+        other.cache.k[:, : n - 1] = self.cache.k[:, : n - 1]
+        other.cache.v[:, : n - 1] = self.cache.v[:, : n - 1]
+        other._tokens, other._last_feat, other._committed_pairs, other._feats = self._tokens[:n], feats[-1], n - 1, [feats]
+        return other
 
     @property
     def aux_layers(self) -> tuple[int, ...]:
@@ -305,6 +306,8 @@ class EagleDrafter:
             self._committed_pairs = at + len(pair_tokens)
         self._tokens.extend(int(x) for x in tokens)
         self._last_feat = feats[-1]
+        if self._feats is not None:
+            self._feats.append(feats)
 
     def in_sync(self, context_ids: Sequence[int]) -> bool:
         """Whether `context_ids` is the observed tokens plus one root (O(1) check)."""

@@ -1,4 +1,5 @@
-"""Fitting the EAGLE-3 head: the training-time-test unroll, batches, losses, evaluation.
+"""Fitting the EAGLE-3 head: the training-time-test unroll, batches, losses, evaluation, and
+writing the fitted head (save_head).
 
 Training-time test (EAGLE-3): the head is unrolled `ttt_steps` times over every sequence
 at once. Index i holds the pair at position i+1 (feature of i, token i+1) and is trained
@@ -16,13 +17,16 @@ schedule or when to stop (scripts/train_eagle.py runs the fit), nor the target m
 
 from __future__ import annotations
 
+import hashlib
+import json
+import pathlib
 import random
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
 
-from coordinator.spec.eagle import EagleConfig, draft_logits, fuse, pair_out, pair_qkv
+from coordinator.spec.eagle import MANIFEST_FILE, WEIGHTS_FILE, EagleConfig, draft_logits, fuse, pair_out, pair_qkv
 from shard.rope import RotaryTable
 
 
@@ -176,3 +180,21 @@ def evaluate_steps(w, cfg, eps, rotary, embedding, d2t, seqs, fit: FitConfig) ->
             hits[j] += int((pred == labels[0, j:]).sum())
             totals[j] += labels.shape[1] - j
     return [h / max(n, 1) for h, n in zip(hits, totals)]
+
+
+def save_head(path: str | pathlib.Path, config: EagleConfig, weights: dict[str, torch.Tensor], d2t: torch.Tensor,
+              *, target_digest: str, extra: dict | None = None, dtype: torch.dtype = torch.float16) -> None:
+    """Write eagle3.safetensors (weights in `dtype`, d2t int64) and manifest.json with its sha256."""
+    from safetensors.torch import save_file
+
+    root = pathlib.Path(path)
+    root.mkdir(parents=True, exist_ok=True)
+    tensors = {name: weights[name].detach().to(dtype).contiguous() for name in config.tensor_shapes()}
+    tensors["d2t"] = d2t.long().contiguous()
+    tmp = root / (WEIGHTS_FILE + ".tmp")
+    save_file(tensors, str(tmp))
+    tmp.replace(root / WEIGHTS_FILE)
+    manifest = {"format": "shard-eagle3", "config": asdict(config), "target_digest": target_digest,
+                "dtype": str(dtype).removeprefix("torch."),
+                "sha256": hashlib.sha256((root / WEIGHTS_FILE).read_bytes()).hexdigest(), **(extra or {})}
+    (root / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")

@@ -8,11 +8,13 @@ prefix fed twice or not at all, positions off); a conversation's next turn (the 
 prompt, the reply, more tokens) not reusing the reply's K/V; a source a stage lost making
 its fork fail the request or wait for the ring to re-form instead of re-prefilling at once;
 a source let go whose K/V stays on the stages (no EndJob); a job that forked kept as a
-source itself.
+source itself; an EAGLE drafter that does not start from the source's state (it would
+draft from nothing: no forks, or drafts out of step with the ring).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 
@@ -26,16 +28,17 @@ from coordinator.swarm.formation import SwarmConfig
 from coordinator.trust.audit import AuditConfig
 from shard.identity import keypair_from_seed
 from shard.node import Node, NodeConfig
+from tests.e2e.test_spec_ring import random_eagle_head
 from tests.e2e.test_stalling_stage import _serve_host, _tokenizer
 
 PROMPT = [1] + [3 + (i * 7) % 50 for i in range(45)]  # 46 tokens: past the 32 a fork needs
 TOKENS = 8
 
 
-async def _run(store, body, rate: float = 0.0):
+async def _run(store, body, rate: float = 0.0, engine: EngineConfig = EngineConfig(draft="none")):
     config = CoordConfig(listen=LOOPBACK_ANY_PORT, min_nodes=3,
                          swarm=SwarmConfig(ready_timeout_s=30, planner="all_nodes"),
-                         engine=EngineConfig(draft="none", frame_timeout_s=10, probation_rounds=0),
+                         engine=dataclasses.replace(engine, frame_timeout_s=10, probation_rounds=0),
                          audit=AuditConfig(rate=rate, reply_timeout_s=10))
     with trio.fail_after(90):
         async with open_coordinator(config, store, _tokenizer(), keypair_from_seed(os.urandom(32)),
@@ -124,3 +127,22 @@ def test_sources_let_go_leave_every_stage(tiny_llama_store):
 
     b_held, kept = trio.run(_run, tiny_llama_store, body)
     assert b_held == [True] * 3 and len(kept) == 1
+
+
+def test_eagle_jobs_fork_with_their_drafter_state(tiny_llama_store, tmp_path):
+    random_eagle_head(tiny_llama_store, tmp_path / "head")
+
+    async def body(coordinator, nodes):
+        engine = coordinator.engine
+        first, source = await generate(engine, PROMPT, 16)
+        again, job = await generate(engine, PROMPT, 16)
+        [drafter] = job.drafters
+        assert job.prefix == (source.job_id, len(PROMPT) - 1) and again == first
+        # It started from the source's state at the fork and observed the job's own rounds after it.
+        assert drafter is not source.drafters[0] and drafter.observed_tokens > len(PROMPT)
+        assert drafter._tokens == job.committed[:drafter.observed_tokens]
+        engine.prefixes.index.max_tokens = 0
+        fresh, job = await generate(engine, PROMPT, 16)
+        assert job.prefix is None and fresh == first
+
+    trio.run(_run, tiny_llama_store, body, 0.0, EngineConfig(draft="eagle", eagle_head=str(tmp_path / "head")))

@@ -182,7 +182,8 @@ class ConfidentNoisyDrafter(NoisyOracleDrafter):
 def random_eagle_head(store, path) -> None:
     """An untrained but confident EAGLE head for the tiny model: the real drafter, the aux
     rows the stages attach and the observe bookkeeping all run; its drafts are mostly wrong."""
-    from coordinator.spec.eagle import EagleConfig, init_weights, save_head
+    from coordinator.spec.eagle import EagleConfig, init_weights
+    from coordinator.spec.eagle_train import save_head
 
     cfg = store.config
     g = torch.Generator().manual_seed(0)

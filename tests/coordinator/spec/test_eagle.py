@@ -13,7 +13,8 @@ import torch
 
 from coordinator.spec.draft_tree import DraftTree
 from coordinator.spec.drafting import DraftBudget
-from coordinator.spec.eagle import EagleConfig, EagleDraftConfig, EagleDrafter, EagleHead, PairCache, init_weights, save_head, shipped_head_dir
+from coordinator.spec.eagle import EagleConfig, EagleDraftConfig, EagleDrafter, EagleHead, PairCache, init_weights, shipped_head_dir
+from coordinator.spec.eagle_train import save_head
 from coordinator.spec.source import DraftSource
 from coordinator.errors import EagleHeadError
 from shard.arch import ModelConfig
