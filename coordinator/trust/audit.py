@@ -43,9 +43,7 @@ It does not check receipt chains (receipt_check), choose rings, or serve HTTP.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
-import itertools
 import logging
 import math
 import random
@@ -59,6 +57,7 @@ from coordinator.swarm.swarm import Swarm
 from coordinator.trust import disputes, opinions
 from coordinator.trust.audit_config import AuditConfig, AuditStats
 from coordinator.trust.audit_plan import AuditPlan, plan_audits
+from coordinator.trust.audit_replies import AwaitedReplies
 from coordinator.trust.dispute_desk import DisputeDesk
 from coordinator.trust.compare import (Finding, Logged, agree, compare, failed_spot, logged_frames, replay_here,
                                        split_reply)
@@ -75,8 +74,8 @@ from shard.replay import Replayed
 from shard.store import ModelStore
 from shard.transport import TransportError
 from shard.wire.audit_frames import MAX_AUDIT_ITEMS, AuditReply, AuditRequest, items, read_reply
-from shard.verify_parts import Uploads, assemble, split, upload_cap, whole_limits
-from shard.wire.verify import MAX_VERIFY_REPLAY_ROWS, VerifyPart, VerifyReply, VerifyRequest
+from shard.verify_parts import Uploads, split, whole_limits
+from shard.wire.verify import MAX_VERIFY_REPLAY_ROWS, VerifyReply, VerifyRequest
 
 log = logging.getLogger("shard.coordinator")
 
@@ -100,11 +99,7 @@ class Auditor:
         self.evidence: list = []  # EvidenceRecord, newest last
         self.stats = AuditStats()
         self.disputes = DisputeDesk(swarm)  # newcomers' lone words, with probation's checks
-        self._waiting: dict[tuple, list] = {}  # (peer, request id) -> [Event, reply]
-        self._request_ids = itertools.count()
-        self._reply_parts: Uploads | None = None  # made on first use: `reply_parts`
-        # One request in parts at a time per verifier: a node holds MAX_OPEN_UPLOADS open.
-        self._sending_parts: collections.defaultdict[PeerId, trio.Lock] = collections.defaultdict(trio.Lock)
+        self.replies = AwaitedReplies(swarm.send_control, lambda: swarm.control_limits)
         self._limiter = trio.CapacityLimiter(1)
         self.slices = ReplaySlices(store, config.max_cached_slices, self._limiter)  # for replays here
         # Whether a member is on probation (the engine's book, set by coordinator.assembly):
@@ -137,7 +132,7 @@ class Auditor:
 
     async def _serve_replies(self) -> None:
         async for peer, reply in self._replies:
-            self._on_reply(peer, reply)
+            self.replies.on_reply(peer, reply)
 
     async def _serve_audits(self) -> None:
         slots = trio.Semaphore(max(1, self.config.max_concurrent_audits))
@@ -287,10 +282,10 @@ class Auditor:
         """`peer`'s recomputation of the logged frames; None if it could not give one (past
         upload_cap, left, timed out, answered an error or a malformed reply). A request past
         one control frame goes in VerifyParts (shard.verify_parts), the reply may come so."""
-        limits, cap = self.swarm.control_limits, self.reply_parts.cap
+        limits, cap = self.swarm.control_limits, self.replies.parts.cap
         part_bytes = min(self.config.verify_part_bytes or limits.max_frame_bytes, limits.max_frame_bytes)
         data = b"".join(logged.input_bytes)
-        request_id = next(self._request_ids)
+        request_id = self.replies.next_id()
         req = VerifyRequest(request_id=request_id, layer_start=plan.layers.start, layer_end=plan.layers.end,
                             quant=plan.quant, wire_dtype=plan.wire_dtype, aux_dtype=plan.aux_dtype,
                             max_replay_rows=min(self.config.max_replay_rows, MAX_VERIFY_REPLAY_ROWS),
@@ -302,21 +297,12 @@ class Auditor:
         except ShardError as exc:
             log.info("job %s's frames (%d bytes) cannot go to a verifier: %s", plan.job_id, len(data), exc)
             return None
-        key = (peer, request_id)
-        slot = self._waiting[key] = [trio.Event(), None]
         try:
-            async with self._sending_parts[peer]:
-                for part in parts:
-                    await self.swarm.send_control(peer, part)
-            with trio.fail_after(self.config.verify_timeout_s):
-                await slot[0].wait()
+            reply = await self.replies.ask(peer, request_id, parts, VerifyReply, self.config.verify_timeout_s,
+                                           in_parts=True)
         except (TransportError, trio.TooSlowError) as exc:
             log.info("verifier %s did not answer for job %s: %s", peer, plan.job_id, type(exc).__name__)
             return None
-        finally:
-            self._waiting.pop(key, None)
-            self.reply_parts.drop(peer, request_id)  # a reply cut short holds nothing after
-        reply: VerifyReply = slot[1]
         if reply.error is not None:
             log.info("verifier %s could not recompute layers %s: %s", peer, plan.layers, reply.error)
             return None
@@ -341,11 +327,13 @@ class Auditor:
         wanted, got = items(plan.rounds), []
         while len(got) < len(wanted):
             batch = wanted[len(got):len(got) + MAX_AUDIT_ITEMS]
-            req = AuditRequest(request_id=next(self._request_ids), job_id=plan.job_id, epoch=plan.epoch,
+            req = AuditRequest(request_id=self.replies.next_id(), job_id=plan.job_id, epoch=plan.epoch,
                                rounds=tuple(r for r, _ in batch), sides=tuple(side for _, side in batch),
                                max_bytes=self.config.fetch_reply_bytes)
             try:
-                got += read_reply(req, await self._fetch(plan.peer_id, req))
+                reply = await self.replies.ask(plan.peer_id, req.request_id, [req], AuditReply,
+                                               self.config.reply_timeout_s)
+                got += read_reply(req, reply)
             except WireError as exc:
                 log.warning("audit of %s on job %s: %s; its other frames count as not kept", plan.peer_id,
                             plan.job_id, exc)
@@ -354,39 +342,10 @@ class Auditor:
         return {r: (frames[r, "input"], frames[r, "output"]) for r in plan.rounds   # type: ignore[misc]
                 if frames.get((r, "input")) is not None and frames.get((r, "output")) is not None}
 
-    async def _fetch(self, peer: PeerId, req: AuditRequest) -> AuditReply:
-        key = (peer, req.request_id)
-        slot = self._waiting[key] = [trio.Event(), None]
-        try:
-            await self.swarm.send_control(peer, req)
-            with trio.fail_after(self.config.reply_timeout_s):
-                await slot[0].wait()
-        finally:
-            self._waiting.pop(key, None)
-        return slot[1]
-
     @property
     def reply_parts(self) -> Uploads:
         """Verify replies past one control frame being put back together (only those awaited)."""
-        if self._reply_parts is None:
-            self._reply_parts = Uploads(upload_cap(self.swarm.control_limits), max_open=4)
-        return self._reply_parts
-
-    def _on_reply(self, peer: PeerId, reply: AuditReply | VerifyReply | VerifyPart) -> None:
-        if isinstance(reply, VerifyPart):
-            if (peer, reply.request_id) not in self._waiting:
-                return  # parts nobody awaits are dropped unread
-            try:
-                data = self.reply_parts.add(peer, reply)
-                if data is None:
-                    return
-                reply = assemble(data, self.swarm.control_limits, self.reply_parts.cap, VerifyReply, reply.request_id)
-            except ShardError as exc:
-                reply = VerifyReply(request_id=reply.request_id, error=f"its reply's parts: {exc}"[:1024])
-        slot = self._waiting.get((peer, reply.request_id))
-        if slot is not None:  # replies nobody asked for (or from another peer) are dropped
-            slot[1] = reply
-            slot[0].set()
+        return self.replies.parts
 
     @property
     def slices_loaded(self) -> int:
