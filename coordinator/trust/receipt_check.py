@@ -7,8 +7,10 @@ the HTTP layer turns into a clear 503, never caught by the resume loop). At the 
 verified rounds, the assignments of every epoch the job used and the request/output token
 digests are signed into a `Bundle`, kept in memory (`recent` most recent) and appended to
 a BundleStore when a directory is configured. Finished jobs leave on a channel (to the
-auditor). A round that probation (coordinator.trust.shadow) caught is signed here as
-evidence against the blamed stage's own receipt (`sign_catch`), as an audit's catch is.
+auditor), naming the source job whose K/V their first frame started from if they forked
+(an audit replays the source's frames first: coordinator.trust.prefix_audit). A round
+that probation (coordinator.trust.shadow) caught is signed here as evidence against the
+blamed stage's own receipt (`sign_catch`), as an audit's catch is.
 The layer count and digests come from the coordinator's own model store; the
 expected signers from the epoch's signed assignments (peer id -> Ed25519 key).
 
@@ -96,13 +98,16 @@ class VerifiedRound:
 @dataclass
 class FinishedJob:
     """What the auditor needs: the rounds sent per epoch (in send order) and each
-    verified round's receipts, plus the epochs' rings."""
+    verified round's receipts, plus the epochs' rings, and where the job forked."""
 
     job_id: str
     sent_rounds: dict[int, list[int]]  # epoch -> rounds sent on it, in order
     verified: dict[int, VerifiedRound]  # round -> receipts
     epochs: dict[int, EpochView]
     finished_s: float = field(default_factory=time.monotonic)  # when the job finished (monotonic clock)
+    # (epoch, source job id, prefix length): the job's first frame on that epoch started from
+    # the source's K/V slots [0, length) on each stage (docs/receipts.md, forked jobs); None: never
+    prefix: tuple[int, str, int] | None = None
 
 
 class ReceiptChecker:
@@ -200,13 +205,16 @@ class JobReceipts:
     _rounds: dict[int, RoundRecord] = field(default_factory=dict)
     _verified: dict[int, VerifiedRound] = field(default_factory=dict)
     _epochs: dict[int, EpochView] = field(default_factory=dict)
+    _prefix: tuple[int, str, int] | None = None  # (epoch, source job, length) of the frame that forked
     failed: bool = False
 
     def sent(self, fwd: Forward, digest: bytes) -> None:
         """Record a frame the coordinator sent to the head: `digest`, the SHA-256 of the
-        canonical bytes it put on the wire."""
+        canonical bytes it put on the wire; and the source it names, if it forks the job."""
         self._sent[fwd.round] = (fwd.epoch, digest)
         self._order.setdefault(fwd.epoch, []).append(fwd.round)
+        if fwd.prefix_job is not None:
+            self._prefix = (fwd.epoch, fwd.prefix_job, fwd.prefix_len)
 
     def check(self, ring: RingState, result: Result, received_digest: bytes) -> None:
         """Verify the chain behind `result`, whose canonical bytes as received hash to
@@ -245,7 +253,7 @@ class JobReceipts:
         A job whose receipts failed gets no bundle: nothing of it is vouched for."""
         checker = self.checker
         done = FinishedJob(self.job_id, {e: list(rs) for e, rs in self._order.items()}, dict(self._verified),
-                           dict(self._epochs))
+                           dict(self._epochs), prefix=self._prefix)
         if self.failed or not self._rounds:
             if checker._unaudited is not None:
                 checker._unaudited(done)
