@@ -217,6 +217,7 @@ class _ScrapeCollector(Collector):
         skipped.add_metric(["stale"], audits.get("skipped_stale", 0))
         skipped.add_metric(["stage_gone"], audits.get("skipped_gone", 0))
         skipped.add_metric(["no_verifier"], audits.get("skipped_no_verifier", 0))
+        skipped.add_metric(["no_prefix"], audits.get("skipped_no_prefix", 0))  # a fork's source unknown
         yield skipped
         # Who recomputed audited slices: verifier-role nodes, other members keeping the slice
         # (a stage auditing another: rings with no verifier role), or this gateway itself.

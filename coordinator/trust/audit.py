@@ -38,12 +38,20 @@ the swarm before answering is not accused (its records left with it; see docs/re
 Once a job's audits are drawn, every stage not drawn is told to drop its frames of the job,
 and a drawn one once its audit is over (coordinator.trust.frame_release).
 
+A forked job (its first frame started from a source job's K/V on each stage) is audited
+with the source's frames on the same stage fetched too, checked against the source's
+receipts, and replayed before the job's own, whose rows alone are compared
+(coordinator.trust.prefix_audit). The source's FinishedJob comes from the releaser, which
+keeps it, and the source's frames on the stages, while a fork may still be audited (pins);
+a fork whose source is unknown there, or was let go (its EndJob) longer than max_job_age_s
+ago, is not audited on that epoch (`skipped_no_prefix`). Jobs are drawn in queue order, so
+a source is drawn (and kept) before its forks.
+
 It does not check receipt chains (receipt_check), choose rings, or serve HTTP.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import random
@@ -59,9 +67,9 @@ from coordinator.trust.audit_config import AuditConfig, AuditStats
 from coordinator.trust.audit_plan import AuditPlan, plan_audits
 from coordinator.trust.audit_replies import AwaitedReplies
 from coordinator.trust.dispute_desk import DisputeDesk
-from coordinator.trust.compare import (Finding, Logged, agree, compare, failed_spot, logged_frames, replay_here,
-                                       split_reply)
+from coordinator.trust.compare import Finding, Logged, agree, compare, failed_spot, replay_here, split_reply
 from coordinator.trust.frame_release import FrameReleaser
+from coordinator.trust.prefix_audit import with_source
 from coordinator.trust.receipt_check import FinishedJob
 from coordinator.trust.replay_slices import ReplaySlices
 from coordinator.trust.tolerance import TOLERANCES
@@ -148,20 +156,30 @@ class Auditor:
                         self.slices.release()
                     slots.release()
                     continue
+                plans = self._draw(job)
                 self._in_flight += 1
-                nursery.start_soon(self._audit_job, job, slots)
+                nursery.start_soon(self._audit_job, job, plans, slots)
 
-    async def _audit_job(self, job: FinishedJob, slots: trio.Semaphore) -> None:
+    def _draw(self, job: FinishedJob) -> list[AuditPlan]:
+        """The job's audits, its stages not drawn released. Done as the job is taken off the
+        queue, in queue order, so a source's FinishedJob is with the releaser (it is pinned)
+        before the plans of any job that forked from it are drawn."""
+        if time.monotonic() - job.finished_s > self.config.max_job_age_s:
+            log.warning("audit backlog: job %s waited %.0f s, its frame logs may be gone; not audited",
+                        job.job_id, time.monotonic() - job.finished_s)
+            self.stats.skipped_stale += 1
+            plans = []
+        else:
+            source = None if job.prefix is None else self.releaser.source(job.prefix[1])
+            plans = plan_audits(job, self.config.rate, self.rng, source)
+        self.releaser.release_job(job, keep={(p.peer_id, p.epoch) for p in plans}, done=False)
+        return plans
+
+    async def _audit_job(self, job: FinishedJob, plans: list[AuditPlan], slots: trio.Semaphore) -> None:
         try:
-            stale = time.monotonic() - job.finished_s > self.config.max_job_age_s
-            if stale:
-                log.warning("audit backlog: job %s waited %.0f s, its frame logs may be gone; not audited",
-                            job.job_id, time.monotonic() - job.finished_s)
-                self.stats.skipped_stale += 1
-            plans = [] if stale else plan_audits(job, self.config.rate, self.rng)
-            self.releaser.release_job(job, keep={(p.peer_id, p.epoch) for p in plans})  # the stages not drawn
             await self._audit_plans(plans)
         finally:
+            self.releaser.finished_with(job)  # no audit of it is to come: its source may go
             self._in_flight -= 1
             slots.release()
             self._settle()
@@ -180,11 +198,18 @@ class Auditor:
         """Audit one stage's frames of one job. Raises TransportError or TooSlowError only
         when the stage left the swarm before answering (then it is not accused). The stage
         is replayed under the quantisation it registered with."""
+        gone = self._source_gone(plan)
+        if gone is not None:
+            self.stats.skipped_no_prefix += 1
+            log.warning("audit of %s on job %s skipped: the job forked on epoch %d from a source %s", plan.peer_id,
+                        plan.job_id, plan.epoch, gone)
+            return None
         member = self.swarm.members.get(plan.peer_id)
         if member is not None:
-            plan = dataclasses.replace(plan, quant=member.register.quant)
+            plan = plan.under(member.register.quant)
         try:
             records = await self.fetch_all(plan)
+            source = None if plan.prefix is None else await self.fetch_all(plan.prefix)
         except (TransportError, trio.TooSlowError) as exc:
             if plan.peer_id not in self.swarm.members:
                 raise
@@ -196,8 +221,13 @@ class Auditor:
             self._accuse(plan, finding)
             return finding
         started = time.perf_counter()
-        logged = await trio.to_thread.run_sync(logged_frames, plan, records, self.swarm.control_limits,
+        logged = await trio.to_thread.run_sync(with_source, plan, records, source, self.swarm.control_limits,
                                                limiter=self._limiter)
+        if logged is None:
+            self.stats.skipped_no_prefix += 1
+            log.warning("audit of %s on job %s skipped: its frames of source job %s cannot make the K/V its fork "
+                        "started from", plan.peer_id, plan.job_id, plan.prefix and plan.prefix.job_id)
+            return None
         judged, finding = (True, logged) if isinstance(logged, Finding) else await self._judge(plan, logged)
         self.stats.replay_s += time.perf_counter() - started
         if not judged:
@@ -210,6 +240,17 @@ class Auditor:
         if finding is not None:
             self._accuse(plan, finding)
         return finding
+
+    def _source_gone(self, plan: AuditPlan) -> str | None:
+        """Why the frames a forked job started from cannot be audited now, if they cannot: its
+        source's receipts are unknown here, or its stages were told it ended longer ago than
+        max_job_age_s (their logs keep its frames grace_s after, pinned or not)."""
+        if plan.source_unknown:
+            return "whose receipts are not known here"
+        ended_s = None if plan.prefix is None else self.releaser.ended_s(plan.prefix.job_id)
+        if ended_s is not None and self.releaser.clock() - ended_s > self.config.max_job_age_s:
+            return f"let go {self.releaser.clock() - ended_s:.0f} s ago: its frames may be gone"
+        return None
 
     async def _judge(self, plan: AuditPlan, logged: Logged) -> tuple[bool, Finding | None]:
         """Gather recomputations until coordinator.trust.opinions says they suffice, settle,
@@ -284,13 +325,13 @@ class Auditor:
         one control frame goes in VerifyParts (shard.verify_parts), the reply may come so."""
         limits, cap = self.swarm.control_limits, self.replies.parts.cap
         part_bytes = min(self.config.verify_part_bytes or limits.max_frame_bytes, limits.max_frame_bytes)
-        data = b"".join(logged.input_bytes)
+        data = b"".join(logged.replayed_bytes)
         request_id = self.replies.next_id()
         req = VerifyRequest(request_id=request_id, layer_start=plan.layers.start, layer_end=plan.layers.end,
                             quant=plan.quant, wire_dtype=plan.wire_dtype, aux_dtype=plan.aux_dtype,
                             max_replay_rows=min(self.config.max_replay_rows, MAX_VERIFY_REPLAY_ROWS),
                             max_reply_bytes=cap, max_part_bytes=part_bytes,
-                            frame_bytes=tuple(map(len, logged.input_bytes)),
+                            frame_bytes=tuple(map(len, logged.replayed_bytes)),
                             frames=torch.frombuffer(bytearray(data), dtype=torch.uint8))
         try:
             parts = split(req, part_bytes, whole_limits(limits, cap))

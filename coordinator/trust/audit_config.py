@@ -61,6 +61,10 @@ class AuditStats:
     skipped_stale: int = 0  # jobs not audited: older than max_job_age_s when their turn came
     skipped_gone: int = 0  # (job, stage) audits not done: the stage left the swarm first
     skipped_no_verifier: int = 0  # audits not done: no verifier answered and the slice is not held here
+    # (job, stage) audits not done: the job forked from a source whose receipts are not known
+    # here, that ended longer than max_job_age_s ago, or whose frames on the stage cannot
+    # make the K/V the fork started from
+    skipped_no_prefix: int = 0
     by_verifiers: int = 0  # recomputations done by verifier-role nodes
     by_members: int = 0  # recomputations done by other members keeping the slice (stages, standbys)
     by_coordinator: int = 0  # recomputations done here (no verifier could)

@@ -7,8 +7,9 @@ auditor's own replay or a verifier node's) under the stage's tolerance
 (coordinator.trust.tolerance); `agree` holds two recomputations to the same tolerance,
 so the auditor can tell which verifiers side with which (coordinator.trust.opinions);
 `check_frames` is the three steps on a replay done here. A recomputation is, per frame,
-the rows replayed (shard.replay.Replayed) or None. It does not fetch, replay remotely,
-sign evidence or exclude anyone (coordinator.trust.audit does).
+the rows replayed (shard.replay.Replayed) or None; frames replayed before the logged
+ones (`Logged.lead`: a forked job's source's) are recomputed, never compared. It does not
+fetch, replay remotely, sign evidence or exclude anyone (coordinator.trust.audit does).
 """
 
 from __future__ import annotations
@@ -51,6 +52,23 @@ class Logged:
     inputs: tuple[Forward, ...]
     outputs: tuple[Forward | Result, ...]
     input_bytes: tuple[bytes, ...]  # each input's canonical bytes, as logged (what a verifier is sent)
+    # Frames recomputed before these and never compared: a forked job's source's frames on
+    # the stage, which made the K/V its first frame started from (coordinator.trust.prefix_audit).
+    lead: "Logged | None" = None
+
+    @property
+    def replayed_inputs(self) -> tuple[Forward, ...]:
+        """What a recomputation runs, in order: the lead's inputs, then these."""
+        return self.inputs if self.lead is None else self.lead.inputs + self.inputs
+
+    @property
+    def replayed_bytes(self) -> tuple[bytes, ...]:
+        """The canonical bytes of replayed_inputs (what a verifier is sent)."""
+        return self.input_bytes if self.lead is None else self.lead.input_bytes + self.input_bytes
+
+    def own(self, recomputed: list[Replayed | None]) -> list[Replayed | None]:
+        """A recomputation of replayed_inputs cut to these frames': the lead's rows dropped."""
+        return recomputed if self.lead is None else recomputed[len(self.lead.inputs):]
 
 
 def failed_spot(tolerance: Tolerance) -> SpotCheck:
@@ -182,26 +200,29 @@ def agree(plan: AuditPlan, logged: Logged, a: Sequence[Replayed | None], b: Sequ
 
 def split_reply(reply: VerifyReply, logged: Logged) -> list[Replayed | None] | None:
     """A verifier's rows, per logged frame (as shard.replay returns them); None when they do
-    not fit the frames (a count per frame, row indices within each frame, one order)."""
-    if len(reply.frame_rows) != len(logged.inputs):
+    not fit the frames it was sent (a count per frame, row indices within each frame, one
+    order). The rows of the lead's frames are dropped."""
+    frames = logged.replayed_inputs
+    if len(reply.frame_rows) != len(frames):
         return None
     out: list[Replayed | None] = []
     start = 0
-    for rows, inp in zip(reply.frame_rows, logged.inputs):
+    for rows, inp in zip(reply.frame_rows, frames):
         keep = reply.keep[start:start + rows]
         if rows and (bool((keep[1:] <= keep[:-1]).any()) or int(keep[-1]) >= inp.positions.shape[0]):
             return None
         aux = None if reply.aux is None else reply.aux[start:start + rows]
         out.append((keep, reply.hidden[start:start + rows], aux) if rows else None)
         start += rows
-    return out
+    return logged.own(out)
 
 
 def replay_here(stage: Stage, plan: AuditPlan, logged: Logged, max_replay_rows: int = 1024,
                 stats: ReplayStats | None = None) -> list[Replayed | None]:
-    """The auditor's own recomputation of the logged frames on `stage` (its slice)."""
-    return replay(stage, plan.wire_dtype, list(logged.inputs), max_replay_rows, stats, aux_dtype=plan.aux_dtype,
-                  frame_by_frame=scheme(plan.quant).quantised)
+    """The auditor's own recomputation of the logged frames on `stage` (its slice), the
+    lead's first (their rows dropped)."""
+    return logged.own(replay(stage, plan.wire_dtype, list(logged.replayed_inputs), max_replay_rows, stats,
+                             aux_dtype=plan.aux_dtype, frame_by_frame=scheme(plan.quant).quantised))
 
 
 def check_frames(stage: Stage, plan: AuditPlan, records: dict[int, tuple[bytes, bytes]], limits,

@@ -48,5 +48,6 @@ def trust_report(checker: ReceiptChecker | None, auditor: Auditor | None) -> dic
               "unsettled": s.unsettled, "lying_verifiers": s.lying_verifiers, "disputed": s.disputed,
               "skipped_stale": s.skipped_stale,
               "skipped_gone": s.skipped_gone, "skipped_no_verifier": s.skipped_no_verifier,
+              "skipped_no_prefix": s.skipped_no_prefix,
               "evidence": sum(map(len, caught.values())), "recent_evidence": evidence}
     return {"receipts": receipts, "audits": audits, "faulty": dict(auditor.swarm.faulty)}
