@@ -119,6 +119,7 @@ async def open_coordinator(config: CoordConfig, store: ModelStore, tokenizer: An
                             round_verifier=RoundVerifier(swarm, auditor, checker) if auditor is not None else None)
         if auditor is not None:  # members past the verifier-role nodes: those off probation first
             auditor.on_probation = lambda peer: probation.on_probation(engine.clean_rounds, peer, engine.probation)
+            engine.prefixes.pins = releaser  # prefix sources' frames stay until their forks' audits are over
         host.set_handler(CONTROL_PROTOCOL, swarm.handle_control)
         host.set_handler(RING_PROTOCOL, engine.handle_ring_stream)
         seeding = Seeding(swarm, store, seed, config.swarm.churn, swarm.fetches)  # weights from peers

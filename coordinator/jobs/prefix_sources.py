@@ -54,7 +54,9 @@ class PrefixSources:
         forked = fork_drafters(drafters, source.drafters, n)
         if forked is None:
             return None
-        self._pin(source.job_id)  # until the fork's audits are over (the releaser drops it)
+        # Until the fork's audits are over (the releaser drops it once the job is done with them). The
+        # job records the frame naming the source with its receipts before its first checkpoint.
+        self._pin(source.job_id)
         return (source.job_id, n), forked
 
     def keep(self, ring: RingState, job_id: str, tokens: Sequence[int], drafters: Sequence = ()) -> bool:
@@ -107,8 +109,8 @@ class PrefixSources:
                 except TransportError as exc:  # the head gone: the stages' K/V go with the ring
                     log.info("EndJob of prefix source %s not sent: %s", source.job_id, exc)
                 finally:
-                    if self.pins is not None:
-                        self.pins.unpin(source.job_id)
+                    if self.pins is not None:  # its frames now last a stage's grace_s, pinned or not
+                        self.pins.unpin(source.job_id, ended=True)
 
     def _pin(self, job_id: str) -> None:
         if self.pins is not None:

@@ -146,3 +146,19 @@ def test_eagle_jobs_fork_with_their_drafter_state(tiny_llama_store, tmp_path):
         assert job.prefix is None and fresh == first
 
     trio.run(_run, tiny_llama_store, body, 0.0, EngineConfig(draft="eagle", eagle_head=str(tmp_path / "head")))
+
+
+def test_forked_jobs_pass_their_audits_on_honest_stages(tiny_llama_store):
+    # At audit rate 1 every stage of every job is replayed; a fork's audit replays its source's
+    # frames first (coordinator.trust.prefix_audit). Replaying the fork alone would accuse all three.
+    async def body(coordinator, nodes):
+        engine = coordinator.engine
+        outs = [await generate(engine, PROMPT) for _ in range(3)]
+        await coordinator.auditor.wait_idle()
+        return [o for o, _ in outs], [j.prefix for _, j in outs], coordinator.auditor
+
+    outs, prefixes, auditor = trio.run(_run, tiny_llama_store, body, 1.0)
+    assert outs[0] == outs[1] == outs[2] and prefixes[0] is None and prefixes[1] and prefixes[2]
+    stats = auditor.stats
+    assert stats.audits == 3 * 3 and stats.skipped_no_prefix == 0
+    assert auditor.evidence == [] and auditor.swarm.faulty == {}
