@@ -197,6 +197,13 @@ class _ScrapeCollector(Collector):
                          "--max-concurrent-jobs)", slots.in_use)
             yield _gauge("shard_jobs_queued", "requests waiting in the gateway's queue for job slots "
                          "(--max-queued-jobs)", slots.waiting)
+        prefix = info.get("prefix_cache") or {}  # coordinator.jobs.prefix_cache
+        yield _counter("shard_prefix_forks", "jobs started from a kept job's K/V (prefix cache hits)", prefix.get("hits", 0))
+        yield _counter("shard_prefix_tokens_reused", "prompt tokens those forks did not compute again",
+                       prefix.get("tokens_reused", 0))
+        yield _gauge("shard_prefix_sources", "finished jobs whose K/V the stages keep for later prompts",
+                     prefix.get("sources", 0))
+        yield _gauge("shard_prefix_source_tokens", "tokens those sources hold (--prefix-cache-tokens)", prefix.get("tokens", 0))
         plan = (info.get("topology") or {}).get("plan") or {}
         hop_latency = GaugeMetricFamily("shard_hop_latency_seconds", "one-way latency of each hop of the ring "
                                         "(probe-measured; estimated=1 where no probe ran)", labels=["hop", "estimated"])

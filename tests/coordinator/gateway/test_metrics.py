@@ -59,6 +59,7 @@ def test_metric_names_are_present_and_move_after_a_request(scripted):
     engine = scripted([" one", " two", " three"])
     engine.info = lambda: {"ready": True, "members": [{"layers": [0, 2]}, {"layers": [2, 5]}], "epoch": 3,
                            "rings": [{"ring_id": 0}, {"ring_id": 1}], "jobs_moved": 2,
+                           "prefix_cache": {"hits": 5, "tokens_reused": 600, "sources": 3, "tokens": 900},
                            "topology": {"plan": {"hops": [{"latency_s": 0.01, "latency_estimated": False,
                                                            "round_send_s": 0.001, "path": p}
                                                           for p in ("direct", "relayed", None)]}}}
@@ -101,6 +102,9 @@ def test_metric_names_are_present_and_move_after_a_request(scripted):
     assert after['shard_audit_recomputations_total{by="verifier"}'] == 1
     assert after['shard_audit_recomputations_total{by="gateway"}'] == 0
     assert after['shard_audits_skipped_total{reason="no_verifier"}'] == 2
+    # The prefix cache as /v1/ring reports it (coordinator.jobs.prefix_cache).
+    assert after["shard_prefix_forks_total"] == 5 and after["shard_prefix_tokens_reused_total"] == 600
+    assert after["shard_prefix_sources"] == 3 and after["shard_prefix_source_tokens"] == 900
     # Each hop's path as /v1/ring reports it; a hop with no path yet has no series.
     assert after['shard_hop_path{hop="0",path="direct"}'] == 1 and after['shard_hop_path{hop="1",path="relayed"}'] == 1
     assert not [k for k in after if k.startswith("shard_hop_path{") and 'hop="2"' in k]
