@@ -286,8 +286,7 @@ class Node:
         return True
 
     async def _sweep_idle_jobs(self) -> None:
-        """Every few seconds, free the KV of jobs idle past job_idle_timeout_s, drop the
-        frame logs past their grace, and hand the freed heap back to the OS."""
+        """Every few seconds free idle jobs' KV, drop frame logs past their grace, return the freed heap."""
         while True:
             await trio.sleep(min(self.config.job_idle_timeout_s / 4, 10.0))
             await self.evict_idle_jobs()
@@ -349,9 +348,10 @@ class Node:
             await self._outbox.send((state, sends))  # returns at once unless OUTBOX_BATCHES wait
         return [w.job_id for w, out in zip(frames, outs) if isinstance(out, Exception)]
 
-    def _end_job(self, state: EpochState, end: Waiting, sends: list) -> None:  # its K/V freed, its end passed on
-        state.worker.end_job(end.job_id)
-        self.frame_log.end_job(end.job_id)
+    def _end_job(self, state: EpochState, end: Waiting, sends: list) -> None:  # K/V freed (kept: a prefix source), passed on
+        if not end.msg.keep:
+            state.worker.end_job(end.job_id)
+            self.frame_log.end_job(end.job_id)
         if state.assignment.successor is not None:
             sends.append((encode(end.msg), None))
 

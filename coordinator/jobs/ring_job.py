@@ -390,8 +390,8 @@ class RingJob:
                                           self.drafters))
         if self.receipts is not None:
             self.receipts.finish(self.committed[len(self.prompt_ids):])
-        if ring is not None and ring.epoch == self.ring_epoch and not kept:
+        if ring is not None and ring.epoch == self.ring_epoch:  # a source's end keeps its K/V there
             try:
-                await self.port.send_body(ring, encode(EndJob(job_id=self.job_id, epoch=ring.epoch)))
+                await self.port.send_body(ring, encode(EndJob(job_id=self.job_id, epoch=ring.epoch, keep=int(kept))))
             except TransportError:
                 pass

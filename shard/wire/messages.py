@@ -156,11 +156,13 @@ class Result:
 
 @dataclass(frozen=True, kw_only=True)
 class EndJob:
-    """Coordinator -> stages: the job is over; free its KV cache."""
+    """Coordinator -> stages: the job is over; free its KV cache (keep = 1: keep it, and its
+    logged frames, for later jobs to fork from: a prefix source, docs/prefix_cache.md)."""
 
     KIND: ClassVar[str] = "end_job"
     job_id: str = spec(JOB_ID)
     epoch: int = spec(EPOCH)
+    keep: int = spec(Int(0, 1), default=0)
 
     def check(self, limits: Limits) -> None:
         pass

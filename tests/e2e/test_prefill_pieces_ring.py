@@ -42,7 +42,9 @@ def test_answers_with_prefill_pieces_at_every_stage_equal_their_answer_alone(tin
     short, long = short_then_long()
 
     async def main():
-        async with open_local_ring(tiny_llama_store, 3, engine=EngineConfig(draft="ngram"),
+        # No prefix cache: the long prompts sent again would fork from their first run and
+        # prefill one token, leaving nothing to cut (tests/e2e/test_prefix_cache_ring.py).
+        async with open_local_ring(tiny_llama_store, 3, engine=EngineConfig(draft="ngram", prefix_cache_tokens=0),
                                    node_config={"prefill_piece_tokens": 4}) as ring:
             ring.engine.model_id = "tiny"
             async with trio.open_nursery() as nursery:

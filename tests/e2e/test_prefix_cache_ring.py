@@ -7,7 +7,8 @@ greedy output differs from the same prompt computed from scratch (wrong slots co
 prefix fed twice or not at all, positions off); a conversation's next turn (the earlier
 prompt, the reply, more tokens) not reusing the reply's K/V; a source a stage lost making
 its fork fail the request or wait for the ring to re-form instead of re-prefilling at once;
-a source let go whose K/V stays on the stages (no EndJob); a job that forked kept as a
+a source let go whose K/V stays on the stages (no EndJob); a source still counted as
+decoding by the stages' schedulers (a lone prompt after it would be cut into pieces); a job that forked kept as a
 source itself; an EAGLE drafter that does not start from the source's state (it would
 draft from nothing: no forks, or drafts out of step with the ring).
 """
@@ -83,7 +84,11 @@ def test_repeated_and_continued_prompts_fork_and_equal_a_fresh_prefill(tiny_llam
         engine = coordinator.engine
         index = engine.prefixes.index
         first, source = await generate(engine, PROMPT)
-        assert source.prefix is None and held(nodes, source.job_id) == [True] * 3  # kept: no EndJob
+        with trio.fail_after(10):  # its EndJob (keep) ends it in each stage's scheduler, not its K/V
+            while not all((source.ring_epoch, source.job_id) in n.scheduler.ended for n in nodes):
+                await trio.sleep(0.05)
+        assert source.prefix is None and held(nodes, source.job_id) == [True] * 3
+        assert not any(source.job_id in n.scheduler.decoding for n in nodes)  # a lone prompt next runs whole
         again, job = await generate(engine, PROMPT)
         assert job.prefix == (source.job_id, len(PROMPT) - 1) and again == first
         assert job.job_id not in index.sources  # a fork is no source: it gets its EndJob

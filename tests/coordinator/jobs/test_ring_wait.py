@@ -60,6 +60,15 @@ class EchoPort:
     def record_traversal(self, t) -> None:
         pass
 
+    def prefix_for(self, ring, prompt, drafters):
+        return None  # no prefix cache here
+
+    def fork_failed(self, source: str) -> None:
+        pass
+
+    def keep_source(self, ring, job_id: str, tokens, drafters) -> bool:
+        return False
+
     def round_timer(self, ring: RingState, shape):
         return trio.fail_after(4.0 * shape.frames)
 
