@@ -54,6 +54,12 @@ STEP_ROWS = 64
 # A step waits for the node's stage to be idle (no frame waiting or running: `idle`) at
 # most this long, so that audits still progress, a step at a time, on a stage that never is.
 IDLE_WAIT_S = 1.0
+# After each step a node's replays pause this many times the step's CPU time, so they take
+# at most 1 / (1 + PAUSE_RATIO) of its time: on a loaded ring the audits of jobs that end
+# together (a closed loop's clients finish in clusters) no longer take ~1.5 of the 2 cores
+# for seconds at a time (the 16-stream ring then fell from ~130 to ~40 tok/s, the ITL tail),
+# and the same CPU is spread over a few seconds more. An audit waits; no token does.
+PAUSE_RATIO = 4.0
 # Loaded slices kept for later replays, past the one in use, while their weights fit this.
 # A ring stage verifies the other stages' slices, drawn at random per audit (which one
 # answers is unpredictable: coordinator.trust.opinions), so keeping only one reloaded it
@@ -116,14 +122,17 @@ class Verifier:
 
     def __init__(self, store: ModelStore, device: str, limiter: trio.CapacityLimiter,
                  fetch: Callable[[LayerRange], Awaitable[object]] | None = None, cache_bytes: int = CACHE_BYTES,
-                 step_rows: int = STEP_ROWS, idle: Callable[[float], Awaitable[None]] | None = None) -> None:
+                 step_rows: int = STEP_ROWS, idle: Callable[[float], Awaitable[None]] | None = None,
+                 pause_ratio: float = PAUSE_RATIO) -> None:
         """`fetch(r)`: make the files of layers `r` present in `store` (raising ShardError when
         it cannot); None: the store has what it has. `step_rows`: most rows a replay forward
         holds the node's compute limiter for (the request's max_replay_rows if fewer).
         `idle(max_wait_s)`: returns when the node's own stage has no frame waiting or running
         (shard.stage_scheduler.StageScheduler.idle), or after max_wait_s: replay steps and
-        slice loads are background work, started only then (None: at once)."""
+        slice loads are background work, started only then (None: at once). `pause_ratio`: after
+        each step the node's replays wait that many times its CPU time (PAUSE_RATIO)."""
         self.store, self.device, self.limiter, self.fetch, self.step_rows = store, device, limiter, fetch, step_rows
+        self.pause_ratio = pause_ratio
         self.idle = idle
         self._background = trio.Lock()  # one replay step or slice load at a time, each begun on an idle stage
         self._fetching = trio.Lock()  # one fetch of missing files at a time
@@ -187,6 +196,8 @@ class Verifier:
                     await self._wait_idle()
                     replayed, step_s = await trio.to_thread.run_sync(lambda: thread_cpu(lambda: _step(steps)),
                                                                      limiter=self.limiter)
+                    if replayed is None:  # paced: every replay on this node waits (the lock is held)
+                        await trio.sleep(step_s * self.pause_ratio)
                 cpu_s += step_s
             reply = reply_of(req.request_id, replayed)
             self.replayed_rows, self.replay_cpu_s = self.replayed_rows + sum(reply.frame_rows), self.replay_cpu_s + cpu_s
