@@ -207,7 +207,7 @@ class RingJob:
                 # Whatever happened, the ring may no longer hold this job's K/V: start over
                 # from the committed tokens on whichever ring is current next time round.
                 log.warning("job %s: round failed on ring epoch %d (%s); resuming", self.job_id, ring.epoch, exc)
-                forked, self.clean = self.prefix is not None and not self.counts.traversals, False
+                forked, self.clean = self.prefix is not None and not self.counts.traversals and self.clean, False
                 if forked:
                     self.port.fork_failed(self.prefix[0])
                 if isinstance(exc, trio.TooSlowError):  # a stage holds it: the port blames one, the ring re-forms
