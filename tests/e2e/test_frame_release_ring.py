@@ -13,6 +13,7 @@ stranger, leaves the frames where they were.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import random
@@ -38,13 +39,14 @@ PROMPT = [1, 3 + ord("h"), 3 + ord("i"), 3 + ord("!"), 5, 9, 17]
 TOKENS = 8
 
 
-async def _run(store, rate: float, body):
-    """Start a 3-stage ring auditing at `rate` and run `body(coordinator, nodes)`."""
+async def _run(store, rate: float, body, engine: EngineConfig = EngineConfig(draft="none")):
+    """Start a 3-stage ring auditing at `rate` (the engine as `engine`, no probation) and run
+    `body(coordinator, nodes)`."""
     config = CoordConfig(listen=LOOPBACK_ANY_PORT, min_nodes=3,
                          swarm=SwarmConfig(ready_timeout_s=30, planner="all_nodes"),
-                         engine=EngineConfig(draft="none", frame_timeout_s=10, probation_rounds=0),
+                         engine=dataclasses.replace(engine, frame_timeout_s=10, probation_rounds=0),
                          audit=AuditConfig(rate=rate, reply_timeout_s=10))
-    with trio.fail_after(60):
+    with trio.fail_after(90):
         async with open_coordinator(config, store, _tokenizer(), keypair_from_seed(os.urandom(32)),
                                     audit_rng=random.Random(0)) as coordinator:
             nodes = []

@@ -15,46 +15,20 @@ draft from nothing: no forks, or drafts out of step with the ring).
 
 from __future__ import annotations
 
-import dataclasses
-import os
-import random
-
 import trio
 
-from coordinator.assembly import open_coordinator
-from coordinator.config import LOOPBACK_ANY_PORT, CoordConfig
 from coordinator.jobs.engine_config import EngineConfig
 from coordinator.spec.sampling import SamplingParams
-from coordinator.swarm.formation import SwarmConfig
-from coordinator.trust.audit import AuditConfig
-from shard.identity import keypair_from_seed
-from shard.node import Node, NodeConfig
+from tests.e2e.test_frame_release_ring import _run as run_ring
 from tests.e2e.test_spec_ring import random_eagle_head
-from tests.e2e.test_stalling_stage import _serve_host, _tokenizer
 
 PROMPT = [1] + [3 + (i * 7) % 50 for i in range(45)]  # 46 tokens: past the 32 a fork needs
 TOKENS = 8
 
 
 async def _run(store, body, rate: float = 0.0, engine: EngineConfig = EngineConfig(draft="none")):
-    config = CoordConfig(listen=LOOPBACK_ANY_PORT, min_nodes=3,
-                         swarm=SwarmConfig(ready_timeout_s=30, planner="all_nodes"),
-                         engine=dataclasses.replace(engine, frame_timeout_s=10, probation_rounds=0),
-                         audit=AuditConfig(rate=rate, reply_timeout_s=10))
-    with trio.fail_after(90):
-        async with open_coordinator(config, store, _tokenizer(), keypair_from_seed(os.urandom(32)),
-                                    audit_rng=random.Random(0)) as coordinator:
-            nodes = []
-            for _ in range(3):
-                seed = os.urandom(32)
-                host = await coordinator.nursery.start(_serve_host, seed)
-                node = Node(NodeConfig(coordinator=coordinator.addr), host, store, signing_seed=seed)
-                await coordinator.nursery.start(node.serve)
-                nodes.append(node)
-            swarm = coordinator.swarm
-            while swarm.ring is None or len(swarm.ring.stages) < 3:
-                await swarm.wait_ring()
-            return await body(coordinator, nodes)
+    """A 3-stage in-process ring auditing at `rate` (test_frame_release_ring's) running `body`."""
+    return await run_ring(store, rate, body, engine)
 
 
 async def generate(engine, prompt: list[int], n: int = TOKENS) -> tuple[list[int], object]:

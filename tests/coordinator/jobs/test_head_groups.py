@@ -91,3 +91,36 @@ def test_auto_bounds_groups_only_where_local_nodes_and_the_gateway_outnumber_the
     assert local_groups(-1, 3, emulated=True, cores=2) == 0  # emulated WAN links: separate machines
     assert local_groups(-1, 0, cores=2) == 0  # remote nodes: their own machines
     assert local_groups(4, 0, cores=2) == 4 and local_groups(0, 3, cores=2) == 0  # as asked
+
+
+def test_jobs_that_end_are_not_waited_for():
+    # Bug guarded: a job that ended still counted among the jobs asking for ACTIVE_WINDOW_S, so
+    # the products of the jobs left each waited the whole group_wait_s for asks never to come.
+    for forget in (False, True):
+        head = Head()
+        batcher = HeadBatcher(head, burst_wait_s=0.002, groups=2, group_wait_s=WAIT_S)
+        finished: list[float] = []
+
+        async def job(i: int, rounds: int) -> None:
+            for r in range(rounds):
+                note_arrived((), f"j{i}")
+                await batcher.logits(torch.zeros(1, 4))
+                if r == rounds - 1:
+                    break
+                await trio.sleep(RING_S)
+            if forget:  # as the engine does when a job closes (RingEngine.close_job)
+                batcher.forget(f"j{i}")
+            finished.append(trio.current_time())
+
+        async def main():
+            async with trio.open_nursery() as n:
+                for i in range(8):  # one group of 8; six of them end after their second answer
+                    n.start_soon(job, i, 2 if i < 6 else 4)
+            return max(finished)
+
+        ended = trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+        unhindered = 3 * RING_S  # the two left ask every RING_S, answered at once
+        if forget:
+            assert ended == pytest.approx(unhindered, abs=0.01), ended
+        else:
+            assert ended >= unhindered + WAIT_S - 0.01, ended
