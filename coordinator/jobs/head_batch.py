@@ -225,6 +225,12 @@ class HeadBatcher:
             self._asked.set()
             self._asked = trio.Event()
 
+    def forget(self, job_id: str) -> None:
+        """`job_id` ended: it asks no more, so no product waits for it (the group bound counted
+        it for ACTIVE_WINDOW_S after its last ask: products in a cluster of jobs ending
+        together each waited the whole group_wait_s for asks that never came)."""
+        self._last_ask.pop(job_id, None)
+
     def _note(self, burst: tuple[int, ...], job_id: str) -> None:
         self._asked.set()
         self._asked = trio.Event()

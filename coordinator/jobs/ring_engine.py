@@ -371,5 +371,6 @@ class RingEngine:
         self.liveness.job_ended(job_id)
         self.jobs_ended += channel is not None
         self.router.forget(job_id)
+        self.head_batch.forget(job_id)  # no LM-head product waits for its next ask
         if channel is not None:
             channel.close()
