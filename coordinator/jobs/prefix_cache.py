@@ -2,7 +2,7 @@
 
 Chat traffic resends what a ring has already computed: the template's system prompt, the
 same document, and every earlier turn of a conversation. A job that ends on a ring can be
-kept as a *source*: the gateway sends its stages no EndJob, so each keeps the job's K/V,
+kept as a *source*: its EndJob says keep (shard.wire.messages), so each stage keeps its K/V,
 and a later job whose prompt starts with the same tokens on the same ring epoch names it
 in its first frame (Forward.prefix_job, prefix_len): every stage copies those slots and the
 job prefills only the rest (shard.kvcache.KVCache.fork). This index decides which sources

@@ -60,8 +60,8 @@ class PrefixSources:
         return (source.job_id, n), forked
 
     def keep(self, ring: RingState, job_id: str, tokens: Sequence[int], drafters: Sequence = ()) -> bool:
-        """Whether the job that just ended on `ring` stays as a source of `tokens` (then no EndJob
-        goes from the job itself); its `drafters` reading the target's features are kept to fork."""
+        """Whether the job that just ended on `ring` stays as a source of `tokens` (then the job's
+        own EndJob says keep); its `drafters` reading the target's features are kept to fork."""
         if not self.index.enabled or self._on_probation(ring):
             return False
         readers = tuple(d for d in drafters if getattr(d, "aux_layers", ()))
