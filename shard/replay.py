@@ -218,9 +218,9 @@ def _joined(pieces: list[Replayed | None], origin: list[tuple[int, int]], n: int
 
 def replay_steps(stage: Stage, wire_dtype: str, frames: list[Forward], max_rows: int = 1024,
                  stats: ReplayStats | None = None, *, aux_dtype: str | None = None,
-                 frame_by_frame: bool = False) -> Generator[None, None, list[Replayed | None]]:
+                 frame_by_frame: bool = False) -> Generator[bool, None, list[Replayed | None]]:
     """`replay`, one forward (a segment of at most max_rows rows, or one frame) per step:
-    the generator yields after each and returns replay's list. A caller that shares its
+    the generator yields after each (whether another forward follows) and returns replay's list. A caller that shares its
     CPU with other work (a ring stage answering an audit: shard.verifier) runs the steps
     one at a time and lets that work in between. Frames longer than max_rows replay in
     pieces (`split_long`) unless frame_by_frame. Advance it from one thread at a time."""
@@ -246,7 +246,7 @@ def replay_steps(stage: Stage, wire_dtype: str, frames: list[Forward], max_rows:
                                              max_kv_bytes=1 << 40,
                                              max_context_tokens=max(slots - DRAFT_SLACK_SLOTS, 1)))
     out: list[Replayed | None] = [None] * len(frames)
-    for fwd, seg in zip(merged, segments):
+    for n, (fwd, seg) in enumerate(zip(merged, segments), start=1):
         res = worker.process(fwd)
         hidden = from_wire(res.hidden, res.hidden_scale, torch.float32)  # (sum K, H)
         aux = None if res.aux is None else from_wire(res.aux, res.aux_scale, torch.float32)
@@ -258,6 +258,6 @@ def replay_steps(stage: Stage, wire_dtype: str, frames: list[Forward], max_rows:
         if stats is not None:
             stats.forwards += 1
             stats.rows += start
-        yield
+        yield n < len(segments)
     worker.end_job(REPLAY_JOB_ID)
     return _joined(out, origin, whole)

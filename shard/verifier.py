@@ -100,13 +100,14 @@ def reply_of(request_id: int, replayed: list[Replayed | None]) -> VerifyReply:
                        hidden=torch.cat(hiddens).to(torch.float32).contiguous(), aux=aux)
 
 
-def _step(steps: Generator[None, None, list[Replayed | None]]) -> list[Replayed | None] | None:
-    """One forward of a replay; its result once it is done (None: more steps)."""
+def _step(steps: Generator[bool, None, list[Replayed | None]]) -> tuple[list[Replayed | None] | None, bool]:
+    """One forward of a replay: (its result once it is done, else None; whether another
+    forward follows)."""
     try:
-        next(steps)
+        more = next(steps)
     except StopIteration as done:
-        return done.value
-    return None
+        return done.value, False
+    return None, more
 
 
 def thread_cpu(fn: Callable[[], T]) -> tuple[T, float]:
@@ -194,9 +195,9 @@ class Verifier:
             while replayed is None:  # one forward per hold of the limiter: the node's own frames run between
                 async with self._background:
                     await self._wait_idle()
-                    replayed, step_s = await trio.to_thread.run_sync(lambda: thread_cpu(lambda: _step(steps)),
-                                                                     limiter=self.limiter)
-                    if replayed is None:  # paced: every replay on this node waits (the lock is held)
+                    (replayed, more), step_s = await trio.to_thread.run_sync(lambda: thread_cpu(lambda: _step(steps)),
+                                                                             limiter=self.limiter)
+                    if more:  # paced between forwards, the lock held; a one-forward replay (a speed probe) never
                         await trio.sleep(step_s * self.pause_ratio)
                 cpu_s += step_s
             reply = reply_of(req.request_id, replayed)

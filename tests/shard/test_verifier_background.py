@@ -198,3 +198,26 @@ def test_a_fetch_waiting_on_peers_does_not_hold_up_another_audits_replay(middle)
 
     trio.run(main)
     assert order == [("warm", None), ("loads", None)]
+
+
+def test_replays_pause_between_their_forwards_and_a_one_forward_replay_never(middle):
+    # Bug guarded: the pause after every step (PAUSE_RATIO) also followed a replay's only
+    # forward, so a newcomer's speed probe (one timed VerifyRequest of one frame) read its
+    # compute 1 + PAUSE_RATIO times slow and formation seated the ring on it. Sound: the
+    # pauses are trio sleeps on a mock clock (the forwards run in real time in a thread).
+    store, stage = middle
+    plan, records = logged_job(stage)
+    limits = Limits.for_model(store.config, max_tokens_per_frame=2048)
+    logged = logged_frames(plan, records, limits)
+
+    def paused(step_rows: int) -> float:
+        async def main():
+            verifier = Verifier(store, "cpu", trio.CapacityLimiter(1), step_rows=step_rows, pause_ratio=1000.0)
+            start = trio.current_time()
+            reply = await verifier.answer(request_for(plan, logged), limits, (stage, plan.quant))
+            assert reply.error is None
+            return trio.current_time() - start
+        return trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+    assert paused(4096) == 0.0  # one forward: no pause
+    assert paused(4) > 0.0  # many: paused between them
