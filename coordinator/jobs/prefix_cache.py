@@ -114,6 +114,10 @@ class PrefixIndex:
         now = self.clock()
         return self._remove([s for s in self.sources.values() if now - s.last_used_s > self.idle_s])
 
+    def drop(self, job_id: str) -> list[Source]:
+        """Source `job_id` (if kept), removed: a stage no longer holds it."""
+        return self._remove([s for s in self.sources.values() if s.job_id == job_id])
+
     def drop_ring(self, ring_id: int) -> list[Source]:
         """Every source on ring `ring_id`, removed (its stages need the room)."""
         return self._remove([s for s in self.sources.values() if s.ring_id == ring_id])

@@ -75,10 +75,7 @@ class PrefixSources:
 
     def failed(self, job_id: str) -> None:
         """A fork from `job_id` failed on a stage: it is no source any more."""
-        gone = self.index.sources.pop(job_id, None)
-        if gone is not None:
-            self.index.stats.evicted += 1
-            self.end([gone])
+        self.end(self.index.drop(job_id))
 
     def free(self, ring_id: int) -> bool:
         """Let every source on ring `ring_id` go (a job needs their K/V room); whether any was there."""
