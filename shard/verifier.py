@@ -30,6 +30,7 @@ import trio
 
 from shard.errors import ShardError
 from shard.layers import LayerRange
+from shard.low_priority import LowPriorityThread
 from shard.quant import layer_bytes, quantise_stage, scheme
 from shard.replay import Replayed, replay_steps
 from shard.stage import Stage
@@ -42,8 +43,9 @@ from shard.wire.verify import TIMING_ERROR, VerifyPart, VerifyReply, VerifyReque
 
 log = logging.getLogger("shard.node")
 T = TypeVar("T")
-# Rows per replay forward on a node that also serves a ring stage: the replay holds the
-# compute limiter one forward at a time, so the stage's own frames run between. A whole
+# Rows per replay forward on a node that also serves a ring stage: the replay runs one
+# forward at a time (holding the compute limiter, or at the lowest CPU priority: Verifier.
+# _in_background), so the stage's own frames run between. A whole
 # audited job in one forward (1931 rows of a 10-layer SmolLM2 slice: 3.3 CPU-s, ~10 s at
 # load 4) stalled every job on the ring behind it (issue 21: ITL p95 12 s at 16 streams),
 # and so did steps of 256 rows (~0.3-0.5 s each on the 2-core dev VM): at 16 streams the
@@ -124,18 +126,22 @@ class Verifier:
     def __init__(self, store: ModelStore, device: str, limiter: trio.CapacityLimiter,
                  fetch: Callable[[LayerRange], Awaitable[object]] | None = None, cache_bytes: int = CACHE_BYTES,
                  step_rows: int = STEP_ROWS, idle: Callable[[float], Awaitable[None]] | None = None,
-                 pause_ratio: float = PAUSE_RATIO) -> None:
+                 pause_ratio: float = PAUSE_RATIO, low_priority: bool = True) -> None:
         """`fetch(r)`: make the files of layers `r` present in `store` (raising ShardError when
         it cannot); None: the store has what it has. `step_rows`: most rows a replay forward
         holds the node's compute limiter for (the request's max_replay_rows if fewer).
         `idle(max_wait_s)`: returns when the node's own stage has no frame waiting or running
         (shard.stage_scheduler.StageScheduler.idle), or after max_wait_s: replay steps and
         slice loads are background work, started only then (None: at once). `pause_ratio`: after
-        each step the node's replays wait that many times its CPU time (PAUSE_RATIO)."""
+        each step the node's replays wait that many times its CPU time (PAUSE_RATIO).
+        `low_priority`: on a CPU node, a replay longer than one step runs on a thread at the OS's
+        lowest priority (shard.low_priority) alongside the node's own forwards instead of holding
+        the compute limiter (`_in_background`)."""
         self.store, self.device, self.limiter, self.fetch, self.step_rows = store, device, limiter, fetch, step_rows
         self.pause_ratio = pause_ratio
         self.idle = idle
         self._background = trio.Lock()  # one replay step or slice load at a time, each begun on an idle stage
+        self._low = LowPriorityThread() if low_priority and torch.device(device).type == "cpu" else None
         self._fetching = trio.Lock()  # one fetch of missing files at a time
         self.cache_bytes = cache_bytes
         self._slices: OrderedDict[tuple[LayerRange, str], Stage] = OrderedDict()
@@ -178,9 +184,9 @@ class Verifier:
     async def answer(self, req: VerifyRequest, limits: Limits, warm: tuple[Stage, str] | None = None) -> VerifyReply:
         """Recompute `req` and return the reply (an error reply for anything wrong with it).
         `warm`: the slice this node keeps loaded and the quantisation it was loaded under,
-        used when it is exactly the slice asked for in f32. Runs the replay in a worker
-        thread under the node's compute limiter (never alongside one of its own forwards),
-        each step once the stage is idle (`idle`).
+        used when it is exactly the slice asked for in f32. Runs the replay a forward at a
+        time, each once the stage is idle (`idle`), on the low-priority thread or in a worker
+        thread under the node's compute limiter (`_in_background`).
         A timing request (shard.wire.verify.is_timing: the speed probe's, every probe) is
         answered with its error at once and logged at debug, not as a refusal."""
         if is_timing(req):
@@ -192,11 +198,13 @@ class Verifier:
             steps = replay_steps(stage, req.wire_dtype, frames, min(req.max_replay_rows, self.step_rows),
                                  aux_dtype=req.aux_dtype, frame_by_frame=scheme(req.quant).quantised)
             replayed, cpu_s = None, 0.0
-            while replayed is None:  # one forward per hold of the limiter: the node's own frames run between
+            background = self._in_background(frames, stage, min(req.max_replay_rows, self.step_rows))
+            while replayed is None:  # one forward at a time: the node's own frames run between
                 async with self._background:
                     await self._wait_idle()
-                    (replayed, more), step_s = await trio.to_thread.run_sync(lambda: thread_cpu(lambda: _step(steps)),
-                                                                             limiter=self.limiter)
+                    step = lambda: thread_cpu(lambda: _step(steps))  # noqa: E731
+                    (replayed, more), step_s = await (background.run(step) if background is not None else
+                                                      trio.to_thread.run_sync(step, limiter=self.limiter))
                     if more:  # paced between forwards, the lock held; a one-forward replay (a speed probe) never
                         await trio.sleep(step_s * self.pause_ratio)
                 cpu_s += step_s
@@ -247,6 +255,21 @@ class Verifier:
                 for k in self._slices}
         while len(self._slices) > 1 and sum(size[k] for k in self._slices) > self.cache_bytes:
             self._slices.popitem(last=False)
+
+    def _in_background(self, frames: list[Forward], stage: Stage, step_rows: int) -> LowPriorityThread | None:
+        """Where a replay's forwards run: on the low-priority thread, not holding the node's
+        compute limiter, when the replay is background work there (None: in a worker thread
+        under the limiter, never alongside one of the node's own forwards). Background: on a
+        CPU node whose thread the OS let lower (a GPU's time is not the OS's to share), a
+        replay of more rows than one step (a request of one step's rows is answered in the
+        foreground: a newcomer's speed probe times such requests), on a slice of the
+        verifier's own (the node's warm slice is its forwards' own objects, used by one
+        thread at a time). Measured in shard.low_priority's docstring."""
+        if self._low is None or stage not in self._slices.values():
+            return None
+        if sum(f.positions.shape[0] for f in frames) <= step_rows:
+            return None
+        return self._low if self._low.start() else None
 
     async def _wait_idle(self) -> None:
         if self.idle is not None:
