@@ -24,6 +24,7 @@ Run by the auditor on its own slice (coordinator.trust.audit) and by a verifier 
 from __future__ import annotations
 
 import dataclasses
+from collections import OrderedDict
 from collections.abc import Generator
 from dataclasses import dataclass
 
@@ -91,9 +92,12 @@ def _trace(frames: list[Forward]) -> tuple[list[int], list[list[int]]] | None:
     return parent_of, contexts
 
 
-def plan_replay(frames: list[Forward], max_rows: int) -> list[Segment] | None:
+def plan_replay(frames: list[Forward], max_rows: int, cut: int = 0) -> list[Segment] | None:
     """Segments that reproduce `frames` (the stage's frames of one epoch, from the first,
-    in processing order), or None if their rows do not form one tree. Pure.
+    in processing order), or None if their rows do not form one tree. Pure. `cut` > 0: a
+    segment starts at frame `cut` (no segment holds frames on both sides of it), so the
+    segments before it, and the replay cache they leave, depend only on the frames before
+    it and on which of their rows the later frames read (`LeadState`).
 
     Kept rows: every row a later frame attends to as context (prompt rows, roots, accepted
     draft nodes: everything a token or a later K/V depends on) and every row of the last
@@ -123,7 +127,8 @@ def plan_replay(frames: list[Forward], max_rows: int) -> list[Segment] | None:
         if not keep:
             continue
         extends = not base or (len(ctx) >= len(base) and ctx[len(base) - 1] == base[-1])
-        if not seg_frames or not extends or _merge_key(f) != key or len(seg_parents) + len(keep) > max_rows:
+        if (not seg_frames or not extends or _merge_key(f) != key or len(seg_parents) + len(keep) > max_rows
+                or (cut and fi >= cut > seg_frames[-1])):
             if any(g not in cache_slot for g in ctx):
                 return None
             if seg_frames:
@@ -167,6 +172,54 @@ class ReplayStats:
 
 # Per frame: (rows recomputed, as indices within the frame (K,); hidden (K, H); aux (K, k*H) or None).
 Replayed = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
+
+
+@dataclass(frozen=True)
+class LeadState:
+    """What replaying a fork's lead frames (its source's, before the job's own: the forked
+    job's audit, coordinator.trust.prefix_audit) left: the replay cache's K/V, slots [0, S)
+    after the lead's segments (planned with a cut at the job's first frame), and the rows
+    each lead piece recomputed. The same lead frames, prefix length, slice and formats
+    replay to the same state, so a verifier keeps it for the next fork of that source
+    (shard.verifier) and replays only the job's own frames then."""
+
+    k: torch.Tensor  # (layers, kv_heads, S, head_dim)
+    v: torch.Tensor
+    out: tuple[Replayed | None, ...]  # per lead piece (split_long's), in order
+    segments: int  # lead segments it stands for (a check that the plan is the one it came from)
+
+    @property
+    def nbytes(self) -> int:
+        rows = sum(t.numel() * t.element_size() for r in self.out if r is not None for t in r if t is not None)
+        return self.k.numel() * self.k.element_size() * 2 + rows
+
+
+class LeadCache:
+    """LeadStates kept for later replays, least recently used first out, while they fit
+    `max_bytes` (0: none kept). Keys: the caller's digest of the lead frames, prefix and
+    formats, with the lead's segments (which rows of it the job reads: replay_steps)."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes, self.held = max_bytes, 0
+        self._states: OrderedDict[tuple, LeadState] = OrderedDict()
+        self.hits = self.misses = 0
+
+    def get(self, key: tuple) -> LeadState | None:
+        state = self._states.get(key)
+        self.hits, self.misses = self.hits + (state is not None), self.misses + (state is None)
+        if state is not None:
+            self._states.move_to_end(key)
+        return state
+
+    def put(self, key: tuple, state: LeadState) -> None:
+        if state.nbytes > self.max_bytes or key in self._states:
+            return
+        self._states[key], self.held = state, self.held + state.nbytes
+        while self.held > self.max_bytes:
+            self.held -= self._states.popitem(last=False)[1].nbytes
+
+    def __len__(self) -> int:
+        return len(self._states)
 
 
 def replay(stage: Stage, wire_dtype: str, frames: list[Forward], max_rows: int = 1024,
@@ -217,16 +270,25 @@ def _joined(pieces: list[Replayed | None], origin: list[tuple[int, int]], n: int
 
 
 def replay_steps(stage: Stage, wire_dtype: str, frames: list[Forward], max_rows: int = 1024,
-                 stats: ReplayStats | None = None, *, aux_dtype: str | None = None,
-                 frame_by_frame: bool = False) -> Generator[bool, None, list[Replayed | None]]:
+                 stats: ReplayStats | None = None, *, aux_dtype: str | None = None, frame_by_frame: bool = False,
+                 lead: int = 0, lead_key: bytes = b"",
+                 lead_cache: LeadCache | None = None) -> Generator[bool, None, list[Replayed | None]]:
     """`replay`, one forward (a segment of at most max_rows rows, or one frame) per step:
     the generator yields after each (whether another forward follows) and returns replay's list. A caller that shares its
     CPU with other work (a ring stage answering an audit: shard.verifier) runs the steps
     one at a time and lets that work in between. Frames longer than max_rows replay in
-    pieces (`split_long`) unless frame_by_frame. Advance it from one thread at a time."""
+    pieces (`split_long`) unless frame_by_frame. Advance it from one thread at a time.
+    `lead`: frames before the job's own (a fork's source's): the segments are cut there, and
+    with `lead_cache` what those frames left in an earlier replay under the same `lead_key`
+    (the caller's digest of them and of everything else their result depends on) and the
+    same lead segments stands in for replaying them (`LeadState`), or what they leave now
+    is kept there. Not for a replay frame by frame (the lead is replayed then as any frame)."""
     whole = len(frames)
     frames, origin = split_long(frames, max_rows) if not frame_by_frame else (frames, [(i, 0) for i in range(whole)])
-    segments = None if frame_by_frame else plan_replay(frames, max_rows)
+    cut = next((n for n, (i, _) in enumerate(origin) if i >= lead), len(frames)) if lead else 0
+    segments = None if frame_by_frame else plan_replay(frames, max_rows, cut)
+    leading = 0 if segments is None or not cut else sum(seg.frames[-1] < cut for seg in segments)
+    key = (lead_key, tuple(segments[:leading])) if leading and lead_cache is not None and segments else None
     if segments is None:  # one forward per frame, exactly as the stage ran them
         segments = [Segment((i,), (tuple(range(f.positions.shape[0])),), (), ()) for i, f in enumerate(frames)]
         merged = [dataclasses.replace(f, job_id=REPLAY_JOB_ID, receipts=(), compute_s=(), prefix_job=None, prefix_len=0)
@@ -246,7 +308,17 @@ def replay_steps(stage: Stage, wire_dtype: str, frames: list[Forward], max_rows:
                                              max_kv_bytes=1 << 40,
                                              max_context_tokens=max(slots - DRAFT_SLACK_SLOTS, 1)))
     out: list[Replayed | None] = [None] * len(frames)
+    done = 0
+    lead_state = None if key is None or lead_cache is None else lead_cache.get(key)
+    if lead_state is not None and lead_state.segments == leading and len(lead_state.out) == cut:
+        job = worker.cache.open(REPLAY_JOB_ID, slots)
+        held = lead_state.k.shape[2]
+        job.ensure(held)
+        job.k[:, :, :held], job.v[:, :, :held] = lead_state.k, lead_state.v
+        out[:cut], done = list(lead_state.out), leading
     for n, (fwd, seg) in enumerate(zip(merged, segments), start=1):
+        if n <= done:
+            continue
         res = worker.process(fwd)
         hidden = from_wire(res.hidden, res.hidden_scale, torch.float32)  # (sum K, H)
         aux = None if res.aux is None else from_wire(res.aux, res.aux_scale, torch.float32)
@@ -258,6 +330,11 @@ def replay_steps(stage: Stage, wire_dtype: str, frames: list[Forward], max_rows:
         if stats is not None:
             stats.forwards += 1
             stats.rows += start
+        if n == leading and key is not None and lead_cache is not None:
+            job, held = worker.cache.get(REPLAY_JOB_ID), max(m.ctx_len + m.positions.shape[0] for m in merged[:n])
+            rows = tuple(None if r is None else (r[0].clone(), r[1].clone(), None if r[2] is None else r[2].clone())
+                         for r in out[:cut])
+            lead_cache.put(key, LeadState(job.k[:, :, :held].clone(), job.v[:, :, :held].clone(), rows, leading))
         yield n < len(segments)
     worker.end_job(REPLAY_JOB_ID)
     return _joined(out, origin, whole)

@@ -19,6 +19,7 @@ the size the coordinator accepts) is that request's one-line error reply.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from collections import OrderedDict
@@ -32,7 +33,7 @@ from shard.errors import ShardError
 from shard.layers import LayerRange
 from shard.low_priority import LowPriorityThread
 from shard.quant import layer_bytes, quantise_stage, scheme
-from shard.replay import Replayed, replay_steps
+from shard.replay import LeadCache, Replayed, replay_steps
 from shard.stage import Stage
 from shard.store import ModelStore
 from shard.verify_parts import Uploads, assemble, split, upload_cap, whole_limits
@@ -68,6 +69,12 @@ PAUSE_RATIO = 4.0
 # whenever the draw alternated: 0.25-0.7 CPU-s a load for a 10-layer SmolLM2 slice (140 MB
 # in f32) on the dev VM, as much as the replay, at 16 streams most audits.
 CACHE_BYTES = 512 << 20
+# What replaying forked jobs' sources left (shard.replay.LeadState), kept for the next fork
+# of the same source on the same slice: a fork's audit replays its source's frames first
+# (coordinator.trust.prefix_audit), ~40% of the rows replayed at 16 streams of the short
+# mix, the same rows at every audit of a fork of that source. A 200-token prompt's state on a
+# 10-layer SmolLM2 slice is ~3.5 MB (its K/V in f32 and the rows it recomputed).
+LEAD_CACHE_BYTES = 64 << 20
 WARN_EVERY_S = 60.0  # refusals logged at WARNING at most this often (the rest at INFO)
 
 
@@ -83,6 +90,19 @@ def request_frames(req: VerifyRequest, limits: Limits) -> list[Forward]:
         frames.append(msg)
         at += n
     return frames
+
+
+def lead_key(req: VerifyRequest, lead: int, own_slice: bool) -> bytes:
+    """A digest of what the replay of `req`'s first `lead` frames depends on besides which
+    of their rows the job reads (replay_steps keys on the lead's segments for that): their
+    bytes, the slice, its quantisation and the wire formats, and whether the slice is the
+    verifier's own copy or the node's warm one (other kernels)."""
+    if not lead:
+        return b""
+    h = hashlib.sha256(repr((req.layer_start, req.layer_end, req.quant, req.wire_dtype, req.aux_dtype, own_slice,
+                             req.frame_bytes[:lead])).encode())
+    h.update(req.frames[:sum(req.frame_bytes[:lead])].numpy().tobytes())
+    return h.digest()
 
 
 def reply_of(request_id: int, replayed: list[Replayed | None]) -> VerifyReply:
@@ -126,7 +146,8 @@ class Verifier:
     def __init__(self, store: ModelStore, device: str, limiter: trio.CapacityLimiter,
                  fetch: Callable[[LayerRange], Awaitable[object]] | None = None, cache_bytes: int = CACHE_BYTES,
                  step_rows: int = STEP_ROWS, idle: Callable[[float], Awaitable[None]] | None = None,
-                 pause_ratio: float = PAUSE_RATIO, low_priority: bool = True) -> None:
+                 pause_ratio: float = PAUSE_RATIO, low_priority: bool = True,
+                 lead_cache_bytes: int = LEAD_CACHE_BYTES) -> None:
         """`fetch(r)`: make the files of layers `r` present in `store` (raising ShardError when
         it cannot); None: the store has what it has. `step_rows`: most rows a replay forward
         holds the node's compute limiter for (the request's max_replay_rows if fewer).
@@ -136,7 +157,8 @@ class Verifier:
         each step the node's replays wait that many times its CPU time (PAUSE_RATIO).
         `low_priority`: on a CPU node, a replay longer than one step runs on a thread at the OS's
         lowest priority (shard.low_priority) alongside the node's own forwards instead of holding
-        the compute limiter (`_in_background`)."""
+        the compute limiter (`_in_background`). `lead_cache_bytes`: forks' lead states kept
+        (LEAD_CACHE_BYTES)."""
         self.store, self.device, self.limiter, self.fetch, self.step_rows = store, device, limiter, fetch, step_rows
         self.pause_ratio = pause_ratio
         self.idle = idle
@@ -144,6 +166,7 @@ class Verifier:
         self._low = LowPriorityThread() if low_priority and torch.device(device).type == "cpu" else None
         self._fetching = trio.Lock()  # one fetch of missing files at a time
         self.cache_bytes = cache_bytes
+        self.leads = LeadCache(lead_cache_bytes)
         self._slices: OrderedDict[tuple[LayerRange, str], Stage] = OrderedDict()
         self.answered = 0  # requests answered with rows (not errors)
         self.refused = 0  # requests answered with an error (timing requests aside)
@@ -195,8 +218,11 @@ class Verifier:
         try:
             frames = request_frames(req, limits)
             stage, load_s = await self._stage(LayerRange(req.layer_start, req.layer_end), req.quant, warm)
+            lead = next((i for i, f in enumerate(frames) if f.prefix_job is not None), 0)
             steps = replay_steps(stage, req.wire_dtype, frames, min(req.max_replay_rows, self.step_rows),
-                                 aux_dtype=req.aux_dtype, frame_by_frame=scheme(req.quant).quantised)
+                                 aux_dtype=req.aux_dtype, frame_by_frame=scheme(req.quant).quantised, lead=lead,
+                                 lead_key=lead_key(req, lead, warm is None or stage is not warm[0]),
+                                 lead_cache=self.leads)
             replayed, cpu_s = None, 0.0
             background = self._in_background(frames, stage, min(req.max_replay_rows, self.step_rows))
             while replayed is None:  # one forward at a time: the node's own frames run between

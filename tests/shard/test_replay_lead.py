@@ -1,0 +1,133 @@
+"""A forked job's audit replays its source's frames once per verifier (shard.replay.LeadState).
+
+Bug guarded (issue 21): every audit of a fork replayed the source's prompt before the job's
+own rows (coordinator.trust.prefix_audit), ~40% of the rows a 16-stream ring's verifiers
+replayed, the same rows for every fork of one source. Now a verifier keeps what those rows
+left (the replay cache's K/V and their recomputed rows) under a digest of the source's frames,
+the prefix length, slice and formats, and under the lead's segments (which rows of it the
+job reads), and replays only the job's own frames on the next fork. Wrong would be: a state
+used for another prefix or other frames (wrong K/V: an honest stage accused), or outputs that
+differ from replaying everything. Sound: the replies are compared bitwise with a replay of
+every frame, and with the stage's own outputs; the replayed rows are counted.
+"""
+
+from __future__ import annotations
+
+import torch
+import trio
+
+from shard.layers import LayerRange
+from shard.replay import LeadCache, LeadState, ReplayStats, replay_steps
+from shard.stage_worker import StageWorker, WorkerConfig
+from shard.verifier import Verifier
+from shard.wire.codec import encode_body
+from shard.wire.limits import Limits
+from shard.wire.verify import VerifyRequest
+from tests.shard.test_stage_prefix_fork import frame, stage_of
+
+PROMPT = [5, 9, 7, 4, 11, 3, 8, 2, 6, 10, 13, 1]
+
+
+def fork_frames(stage, prefix_len: int, job: str = "j"):
+    """The source's frames through the one that writes the prefix (the lead), then a fork of
+    it at `prefix_len` and two decodes, each as the stage ran it, and the stage's outputs."""
+    worker = StageWorker(stage, WorkerConfig())
+    lead = [frame("src", PROMPT[:9]), frame("src", [1], ctx=9, round_=2)]
+    lead = lead[:1] if prefix_len <= 9 else lead
+    ours = [frame(job, PROMPT[prefix_len:] + [2], ctx=prefix_len, prefix="src"),
+            frame(job, [12], ctx=len(PROMPT) + 1, round_=2), frame(job, [4], ctx=len(PROMPT) + 2, round_=3)]
+    for f in lead:
+        worker.process(f)
+    outs = [worker.process(f) for f in ours]
+    return lead, ours, outs
+
+
+def run(stage, frames, lead=0, key=b"k", cache=None, max_rows=4):
+    stats = ReplayStats()
+    steps = replay_steps(stage, "f32", frames, max_rows, stats, lead=lead, lead_key=key, lead_cache=cache)
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value, stats
+
+
+def same(a, b) -> bool:
+    return all((x is None) == (y is None) and (x is None or all(
+        (p is None and q is None) or torch.equal(p, q) for p, q in zip(x, y))) for x, y in zip(a, b))
+
+
+def test_a_second_fork_of_a_source_replays_only_its_own_rows_and_the_same_outputs(tiny_llama_store):
+    stage = stage_of(tiny_llama_store, LayerRange(0, tiny_llama_store.num_layers))
+    lead, ours, outs = fork_frames(stage, 7)
+    frames = lead + ours
+    whole, whole_stats = run(stage, frames, lead=len(lead))  # no cache: everything replayed
+    cache = LeadCache(1 << 30)
+    first, first_stats = run(stage, frames, lead=len(lead), cache=cache)
+    second, second_stats = run(stage, frames, lead=len(lead), cache=cache)
+    assert (cache.misses, cache.hits, len(cache)) == (1, 1, 1)
+    assert same(first, whole) and same(second, whole)  # bitwise: the kept K/V is what the lead left
+    assert first_stats.rows == whole_stats.rows
+    assert second_stats.rows < whole_stats.rows and second_stats.forwards < whole_stats.forwards
+    for (keep, hidden, _), out in zip(second[len(lead):], outs):  # and it is what the stage computed
+        assert (hidden[-1:] - out.hidden.float()[-1:]).abs().max().item() <= 1e-4
+
+
+def test_a_state_serves_another_prefix_only_where_the_job_reads_the_same_lead_rows(tiny_llama_store):
+    # The same lead frames under the same caller key, forked at 7 and then at 5. Whole (rows
+    # <= 16), the lead's one frame keeps only the rows the job reads (7 against 5): other
+    # segments, so the kept state is not used. In pieces of 4, its last piece reads rows 0-7
+    # whatever the fork reads: the same segments and the same state, used, same outputs.
+    stage = stage_of(tiny_llama_store, LayerRange(0, tiny_llama_store.num_layers))
+    at7, at5 = fork_frames(stage, 7), fork_frames(stage, 5)
+    for max_rows, hits in ((16, 0), (4, 1)):
+        cache = LeadCache(1 << 30)
+        run(stage, at7[0] + at7[1], lead=1, cache=cache, max_rows=max_rows)
+        got, _ = run(stage, at5[0] + at5[1], lead=1, cache=cache, max_rows=max_rows)
+        want, _ = run(stage, at5[0] + at5[1], lead=1, max_rows=max_rows)
+        assert cache.hits == hits and same(got, want)
+
+
+def test_the_kept_states_stay_within_their_bytes_oldest_out_first():
+    def state(n):
+        return LeadState(torch.zeros(1, 1, n, 4), torch.zeros(1, 1, n, 4), (None,), 1)
+
+    size = state(8).nbytes
+    cache = LeadCache(2 * size)
+    for i in range(3):
+        cache.put((b"%d" % i, ()), state(8))
+    assert len(cache) == 2 and cache.held == 2 * size and cache.get((b"0", ())) is None
+    cache.put((b"big", ()), state(100))  # larger than the whole bound: not kept
+    assert len(cache) == 2 and cache.get((b"1", ())) is not None
+    assert LeadCache(0).max_bytes == 0 and (LeadCache(0).put((b"x", ()), state(1)) or True)
+
+
+def test_a_verifier_keeps_a_sources_lead_across_requests_and_not_across_prefixes(tiny_llama_store):
+    store = tiny_llama_store
+    stage = stage_of(store, LayerRange(0, store.num_layers))
+    limits = Limits.for_model(store.config, max_tokens_per_frame=2048)
+
+    def request(frames):
+        data = [encode_body(f) for f in frames]
+        return VerifyRequest(request_id=1, layer_start=0, layer_end=store.num_layers, wire_dtype="f32",
+                             frame_bytes=tuple(map(len, data)),
+                             frames=torch.frombuffer(bytearray(b"".join(data)), dtype=torch.uint8))
+
+    lead, ours, _ = fork_frames(stage, 7)
+    _, other, _ = fork_frames(stage, 7, job="k")  # another fork of the same source
+    _, at5, _ = fork_frames(stage, 5)
+
+    async def main():
+        verifier = Verifier(store, "cpu", trio.CapacityLimiter(1), step_rows=4, pause_ratio=0.0)
+        a = await verifier.answer(request(lead + ours), limits)
+        b = await verifier.answer(request(lead + other), limits)
+        c = await verifier.answer(request(lead[:1] + at5), limits)  # forked at 5: its lead is the same frame
+        fresh = await Verifier(store, "cpu", trio.CapacityLimiter(1), step_rows=4, lead_cache_bytes=0).answer(
+            request(lead + other), limits)
+        return verifier.leads, a, b, c, fresh
+
+    leads, a, b, c, fresh = trio.run(main)
+    assert all(r.error is None for r in (a, b, c, fresh))
+    assert (leads.hits, leads.misses) == (2, 1)  # b and c reused a's lead (c reads the same rows of it)
+    assert b.frame_rows == fresh.frame_rows and torch.equal(b.hidden, fresh.hidden) and torch.equal(b.keep, fresh.keep)
+    assert a.frame_rows == b.frame_rows
