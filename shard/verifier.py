@@ -223,7 +223,7 @@ class Verifier:
                                  aux_dtype=req.aux_dtype, frame_by_frame=scheme(req.quant).quantised, lead=lead,
                                  lead_key=lead_key(req, lead, warm is None or stage is not warm[0]),
                                  lead_cache=self.leads)
-            replayed, cpu_s = None, 0.0
+            replayed, cpu_s, hits = None, 0.0, self.leads.hits
             background = self._in_background(frames, stage, min(req.max_replay_rows, self.step_rows))
             while replayed is None:  # one forward at a time: the node's own frames run between
                 async with self._background:
@@ -238,7 +238,8 @@ class Verifier:
             self.replayed_rows, self.replay_cpu_s = self.replayed_rows + sum(reply.frame_rows), self.replay_cpu_s + cpu_s
             log.info("verify request %d: %d rows of %d frames replayed on layers [%d, %d) in %.2f CPU-s%s", req.request_id,
                      sum(reply.frame_rows), len(frames), req.layer_start, req.layer_end, cpu_s,
-                     "" if load_s is None else f", after loading the slice ({load_s:.2f} CPU-s)")
+                     ("" if load_s is None else f", after loading the slice ({load_s:.2f} CPU-s)")
+                     + (f", the first {lead} (a fork's source) kept from an earlier replay" if self.leads.hits > hits else ""))
             size = len(encode(reply, whole_limits(limits, 1 << 32)))
         except ShardError as exc:
             return self._refuse(req.request_id, str(exc), req)
