@@ -74,8 +74,18 @@ def middle(tiny_llama_store):
     return store, Stage(store.config, r, store.load_layers(r))
 
 
-def answered(store, stage, plan, logged, limits, monkeypatch, *, step_rows, warm, low_priority=True):
+@pytest.fixture(scope="module")
+def job(middle):
+    """A stage's logged job and what a verify request of it needs."""
+    store, stage = middle
+    plan, records = logged_job(stage)
+    limits = Limits.for_model(store.config, max_tokens_per_frame=2048)
+    return store, stage, plan, logged_frames(plan, records, limits), limits
+
+
+def answered(job, monkeypatch, *, step_rows, warm, low_priority=True):
     """The reply, the limiter's log and the nice value each replay forward ran at."""
+    store, stage, plan, logged, limits = job
     log: list[str] = []
     nices: list[int] = []
     step = verifier_mod._step
@@ -95,35 +105,25 @@ def answered(store, stage, plan, logged, limits, monkeypatch, *, step_rows, warm
 
 
 @linux
-def test_a_long_replay_runs_at_the_lowest_priority_without_the_limiter_and_equals_the_foreground(middle, monkeypatch):
-    store, stage = middle
-    plan, records = logged_job(stage)
-    limits = Limits.for_model(store.config, max_tokens_per_frame=2048)
-    logged = logged_frames(plan, records, limits)
-    rows = sum(f.positions.shape[0] for f in logged.inputs)
-    assert rows > 4
-    back, back_log, back_nices = answered(store, stage, plan, logged, limits, monkeypatch, step_rows=4, warm=False)
+def test_a_long_replay_runs_at_the_lowest_priority_without_the_limiter_and_equals_the_foreground(job, monkeypatch):
+    assert sum(f.positions.shape[0] for f in job[3].inputs) > 4
+    back, back_log, back_nices = answered(job, monkeypatch, step_rows=4, warm=False)
     assert back.error is None and len(back_nices) >= 2
     assert set(back_nices) == {LOWEST_NICE} and back_log == []  # never held the node's compute limiter
-    fore, fore_log, fore_nices = answered(store, stage, plan, logged, limits, monkeypatch, step_rows=4, warm=False,
-                                          low_priority=False)
+    fore, fore_log, fore_nices = answered(job, monkeypatch, step_rows=4, warm=False, low_priority=False)
     assert LOWEST_NICE not in fore_nices and len(fore_log) == len(fore_nices)  # each forward held it
     assert back.frame_rows == fore.frame_rows
     assert torch.equal(back.keep, fore.keep) and torch.equal(back.hidden, fore.hidden)
 
 
 @linux
-def test_a_one_step_request_and_a_replay_on_the_warm_slice_stay_in_the_foreground(middle, monkeypatch):
+def test_a_one_step_request_and_a_replay_on_the_warm_slice_stay_in_the_foreground(job, monkeypatch):
     # A newcomer's speed probe is one timed request of one step's rows: at nice 19 on a busy
     # machine it would read the machine's load, not the node's speed. The warm slice is the
     # node's own Stage, which its forwards use from one thread at a time.
-    store, stage = middle
-    plan, records = logged_job(stage)
-    limits = Limits.for_model(store.config, max_tokens_per_frame=2048)
-    logged = logged_frames(plan, records, limits)
-    one, log, nices = answered(store, stage, plan, logged, limits, monkeypatch, step_rows=4096, warm=False)
+    one, log, nices = answered(job, monkeypatch, step_rows=4096, warm=False)
     assert one.error is None and LOWEST_NICE not in nices and len(log) == len(nices) >= 1
-    warm, log, nices = answered(store, stage, plan, logged, limits, monkeypatch, step_rows=4, warm=True)
+    warm, log, nices = answered(job, monkeypatch, step_rows=4, warm=True)
     assert warm.error is None and LOWEST_NICE not in nices and len(log) == len(nices) >= 2
 
 
