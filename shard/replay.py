@@ -179,9 +179,9 @@ class LeadState:
     """What replaying a fork's lead frames (its source's, before the job's own: the forked
     job's audit, coordinator.trust.prefix_audit) left: the replay cache's K/V, slots [0, S)
     after the lead's segments (planned with a cut at the job's first frame), and the rows
-    each lead piece recomputed. The same lead frames, prefix length, slice and formats
-    replay to the same state, so a verifier keeps it for the next fork of that source
-    (shard.verifier) and replays only the job's own frames then."""
+    each lead piece recomputed. The same lead frames, lead segments (which of their rows the
+    job reads), slice and formats replay to the same state, so a verifier keeps it for the
+    next fork of that source (shard.verifier) and replays only the job's own frames then."""
 
     k: torch.Tensor  # (layers, kv_heads, S, head_dim)
     v: torch.Tensor
@@ -196,7 +196,7 @@ class LeadState:
 
 class LeadCache:
     """LeadStates kept for later replays, least recently used first out, while they fit
-    `max_bytes` (0: none kept). Keys: the caller's digest of the lead frames, prefix and
+    `max_bytes` (0: none kept). Keys: the caller's digest of the lead frames, slice and
     formats, with the lead's segments (which rows of it the job reads: replay_steps)."""
 
     def __init__(self, max_bytes: int) -> None:
