@@ -186,7 +186,6 @@ class LeadState:
     k: torch.Tensor  # (layers, kv_heads, S, head_dim)
     v: torch.Tensor
     out: tuple[Replayed | None, ...]  # per lead piece (split_long's), in order
-    segments: int  # lead segments it stands for (a check that the plan is the one it came from)
 
     @property
     def nbytes(self) -> int:
@@ -197,7 +196,7 @@ class LeadState:
 class LeadCache:
     """LeadStates kept for later replays, least recently used first out, while they fit
     `max_bytes` (0: none kept). Keys: the caller's digest of the lead frames, slice and
-    formats, with the lead's segments (which rows of it the job reads: replay_steps)."""
+    formats, with the lead's pieces and segments (which rows of it the job reads: replay_steps)."""
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes, self.held = max_bytes, 0
@@ -288,7 +287,7 @@ def replay_steps(stage: Stage, wire_dtype: str, frames: list[Forward], max_rows:
     cut = next((n for n, (i, _) in enumerate(origin) if i >= lead), len(frames)) if lead else 0
     segments = None if frame_by_frame else plan_replay(frames, max_rows, cut)
     leading = 0 if segments is None or not cut else sum(seg.frames[-1] < cut for seg in segments)
-    key = (lead_key, tuple(segments[:leading])) if leading and lead_cache is not None and segments else None
+    key = (lead_key, cut, tuple(segments[:leading])) if leading and segments and lead_cache is not None else None
     if segments is None:  # one forward per frame, exactly as the stage ran them
         segments = [Segment((i,), (tuple(range(f.positions.shape[0])),), (), ()) for i, f in enumerate(frames)]
         merged = [dataclasses.replace(f, job_id=REPLAY_JOB_ID, receipts=(), compute_s=(), prefix_job=None, prefix_len=0)
@@ -310,7 +309,7 @@ def replay_steps(stage: Stage, wire_dtype: str, frames: list[Forward], max_rows:
     out: list[Replayed | None] = [None] * len(frames)
     done = 0
     lead_state = None if key is None or lead_cache is None else lead_cache.get(key)
-    if lead_state is not None and lead_state.segments == leading and len(lead_state.out) == cut:
+    if lead_state is not None:  # the key holds the lead's pieces (cut) and segments: it is this plan's
         job = worker.cache.open(REPLAY_JOB_ID, slots)
         held = lead_state.k.shape[2]
         job.ensure(held)
@@ -334,7 +333,7 @@ def replay_steps(stage: Stage, wire_dtype: str, frames: list[Forward], max_rows:
             job, held = worker.cache.get(REPLAY_JOB_ID), max(m.ctx_len + m.positions.shape[0] for m in merged[:n])
             rows = tuple(None if r is None else (r[0].clone(), r[1].clone(), None if r[2] is None else r[2].clone())
                          for r in out[:cut])
-            lead_cache.put(key, LeadState(job.k[:, :, :held].clone(), job.v[:, :, :held].clone(), rows, leading))
+            lead_cache.put(key, LeadState(job.k[:, :, :held].clone(), job.v[:, :, :held].clone(), rows))
         yield n < len(segments)
     worker.end_job(REPLAY_JOB_ID)
     return _joined(out, origin, whole)

@@ -90,7 +90,7 @@ def test_a_state_serves_another_prefix_only_where_the_job_reads_the_same_lead_ro
 
 def test_the_kept_states_stay_within_their_bytes_oldest_out_first():
     def state(n):
-        return LeadState(torch.zeros(1, 1, n, 4), torch.zeros(1, 1, n, 4), (None,), 1)
+        return LeadState(torch.zeros(1, 1, n, 4), torch.zeros(1, 1, n, 4), (None,))
 
     size = state(8).nbytes
     cache = LeadCache(2 * size)
