@@ -22,7 +22,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Generator
 from typing import TypeVar
 
@@ -32,8 +31,9 @@ import trio
 from shard.errors import ShardError
 from shard.layers import LayerRange
 from shard.low_priority import LowPriorityThread
-from shard.quant import layer_bytes, quantise_stage, scheme
+from shard.quant import scheme
 from shard.replay import LeadCache, Replayed, replay_steps
+from shard.slice_cache import SliceCache
 from shard.stage import Stage
 from shard.store import ModelStore
 from shard.verify_parts import Uploads, assemble, split, upload_cap, whole_limits
@@ -167,13 +167,12 @@ class Verifier:
         self._fetching = trio.Lock()  # one fetch of missing files at a time
         self.cache_bytes = cache_bytes
         self.leads = LeadCache(lead_cache_bytes)
-        self._slices: OrderedDict[tuple[LayerRange, str], Stage] = OrderedDict()
+        self.slices = SliceCache(store, device, cache_bytes)
         self.answered = 0  # requests answered with rows (not errors)
         self.refused = 0  # requests answered with an error (timing requests aside)
         self._warned_s = -WARN_EVERY_S  # when a refusal was last logged at WARNING (trio's clock)
         self.uploads: Uploads | None = None  # requests arriving in parts (made on the first part)
         self.replayed_rows, self.replay_cpu_s = 0, 0.0  # rows recomputed, and the CPU (thread) seconds it took
-        self.loads, self.load_cpu_s, self.load_cpu_s_last = 0, 0.0, 0.0  # slices loaded for requests, their CPU-s
 
     def receive(self, msg: VerifyRequest | VerifyPart, limits: Limits, warm: tuple[Stage, str] | None,
                 nursery: trio.Nursery, send: Callable[[Message], Awaitable[None]]) -> None:
@@ -267,21 +266,11 @@ class Verifier:
         if warm is not None and warm[0].layers == r and warm[1] == quant and warm[0].dtype == torch.float32:
             return warm[0], None
         key = (r, quant)
-        if key not in self._slices and self.fetch is not None:
+        if self.slices.get(key) is None and self.fetch is not None:
             async with self._fetching:  # not under _background: a fetch waits on peers, not on the CPU
                 await self.fetch(r)
         async with self._background:
-            return await self._cached(key, r, quant)
-
-    def _evict(self) -> None:
-        """Drop the oldest slices until the rest fit cache_bytes (the newest stays). A head
-        slice counts its token embedding too (loaded in f32: vocab x hidden x 4 bytes)."""
-        cfg = self.store.config
-        size = {k: sum(layer_bytes(cfg, i, scheme(k[1])) for i in k[0]) + (4 * cfg.vocab_size * cfg.hidden_size
-                                                                           if k[0].start == 0 else 0)
-                for k in self._slices}
-        while len(self._slices) > 1 and sum(size[k] for k in self._slices) > self.cache_bytes:
-            self._slices.popitem(last=False)
+            return await self._cached(key)
 
     def _in_background(self, frames: list[Forward], stage: Stage, step_rows: int) -> LowPriorityThread | None:
         """Where a replay's forwards run: on the low-priority thread, not holding the node's
@@ -292,7 +281,7 @@ class Verifier:
         foreground: a newcomer's speed probe times such requests), on a slice of the
         verifier's own (the node's warm slice is its forwards' own objects, used by one
         thread at a time). Measured in shard.low_priority's docstring."""
-        if self._low is None or stage not in self._slices.values():
+        if self._low is None or not self.slices.owns(stage):
             return None
         if sum(f.positions.shape[0] for f in frames) <= step_rows:
             return None
@@ -302,22 +291,12 @@ class Verifier:
         if self.idle is not None:
             await self.idle(IDLE_WAIT_S)
 
-    async def _cached(self, key: tuple[LayerRange, str], r: LayerRange, quant: str) -> tuple[Stage, float | None]:
+    async def _cached(self, key: tuple[LayerRange, str]) -> tuple[Stage, float | None]:
         """The slice from the cache, else loaded once the stage is idle, in a worker thread but
         not under the compute limiter: a load (~0.3-0.7 CPU-s for a 10-layer SmolLM2 slice on
         the dev VM) touches none of the node's state, and held the stage's frames up behind it."""
-        stage, load_s = self._slices.get(key), None
-        if stage is None:
-            def load() -> Stage:
-                weights = self.store.load_layers(r, torch.float32, self.device)
-                emb = self.store.load_embedding(torch.float32, self.device) if r.start == 0 else None
-                return quantise_stage(Stage(self.store.config, r, weights, dtype=torch.float32, device=self.device,
-                                            embedding=emb), scheme(quant))
-
-            await self._wait_idle()
-            stage, self.load_cpu_s_last = await trio.to_thread.run_sync(lambda: thread_cpu(load))
-            self._slices[key] = stage
-            self.loads, self.load_cpu_s, load_s = self.loads + 1, self.load_cpu_s + self.load_cpu_s_last, self.load_cpu_s_last
-            self._evict()
-        self._slices.move_to_end(key)
-        return stage, load_s
+        stage = self.slices.get(key)
+        if stage is not None:
+            return stage, None
+        await self._wait_idle()
+        return await trio.to_thread.run_sync(self.slices.load, key)

@@ -12,48 +12,35 @@ the system too (shard.heap). Loads run on a worker thread under the caller's lim
 from __future__ import annotations
 
 import gc
-from collections import OrderedDict
 
-import torch
 import trio
 
 from shard.heap import return_freed_heap
 from shard.layers import LayerRange
-from shard.quant import quantise_stage, scheme
+from shard.slice_cache import SliceCache
 from shard.stage import Stage
 from shard.store import ModelStore
 
 
 class ReplaySlices:
     def __init__(self, store: ModelStore, max_slices: int, limiter: trio.CapacityLimiter) -> None:
-        self.store, self.max_slices, self._limiter = store, max_slices, limiter
-        self._slices: OrderedDict[tuple[LayerRange, str], Stage] = OrderedDict()  # (layers, quant) -> slice
+        self._cache = SliceCache(store, "cpu", 1 << 62, max_slices)  # bounded by the count alone
+        self._limiter = limiter
         self._loading = trio.Lock()  # one load at a time: concurrent audits of one slice load it once
 
     def __len__(self) -> int:
-        return len(self._slices)
+        return len(self._cache)
 
     async def get(self, r: LayerRange, quant: str = "none") -> Stage:
         """Layers `r` under quantisation `quant`, loaded from the store if not kept."""
-        key = (r, quant)
         async with self._loading:
-            stage = self._slices.get(key)
+            stage = self._cache.get((r, quant))
             if stage is None:
-                store = self.store
-
-                def load() -> Stage:
-                    emb = store.load_embedding() if r.start == 0 else None
-                    stage = Stage(store.config, r, store.load_layers(r), dtype=torch.float32, device="cpu", embedding=emb)
-                    return quantise_stage(stage, scheme(quant))
-
-                stage = self._slices[key] = await trio.to_thread.run_sync(load, limiter=self._limiter)
-                while len(self._slices) > self.max_slices:
-                    self._slices.popitem(last=False)
-            self._slices.move_to_end(key)
+                stage, _ = await trio.to_thread.run_sync(self._cache.load, (r, quant), limiter=self._limiter)
         return stage
 
     def release(self) -> None:
         """Drop every kept slice and hand the freed memory back to the system."""
-        self._slices.clear()
+        self._cache.clear()
         gc.collect()
         return_freed_heap()

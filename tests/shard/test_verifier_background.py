@@ -25,6 +25,7 @@ from shard.quant import layer_bytes, scheme
 from shard.replay import replay, split_long
 from shard.stage import Stage
 from shard.stage_scheduler import StageScheduler
+from shard.slice_cache import SliceCache
 from shard.verifier import IDLE_WAIT_S, Verifier
 from shard.wire.limits import Limits
 from tests.coordinator.trust.test_audit_replay import engine_like_frames
@@ -136,19 +137,20 @@ def test_slices_loaded_for_audits_stay_while_they_fit_the_cache(middle):
     store, _ = middle
     a, b = LayerRange(0, 1), LayerRange(1, store.config.num_layers)
 
-    async def alternate(cache_bytes):
-        verifier = Verifier(store, "cpu", trio.CapacityLimiter(1), cache_bytes=cache_bytes)
+    def alternate(cache_bytes):
+        cache = SliceCache(store, "cpu", cache_bytes)
         for r in (a, b, a, b):
-            await verifier._stage(r, "none", None)
-        return verifier.loads, len(verifier._slices)
+            if cache.get((r, "none")) is None:
+                cache.load((r, "none"))
+        return cache.loads, len(cache)
 
-    assert trio.run(alternate, 1 << 30) == (2, 2)  # both fit: each loaded once
-    assert trio.run(alternate, 0) == (4, 1)  # none fits: only the one in use is kept
+    assert alternate(1 << 30) == (2, 2)  # both fit: each loaded once
+    assert alternate(0) == (4, 1)  # none fits: only the one in use is kept
     cfg = store.config
     layers = sum(layer_bytes(cfg, i, scheme("none")) for i in range(cfg.num_layers))
     # the head slice's embedding counts too: a budget of the layers alone holds one slice
-    assert trio.run(alternate, layers) == (4, 1)
-    assert trio.run(alternate, layers + 4 * cfg.vocab_size * cfg.hidden_size) == (2, 2)
+    assert alternate(layers) == (4, 1)
+    assert alternate(layers + 4 * cfg.vocab_size * cfg.hidden_size) == (2, 2)
 
 
 def test_split_long_leaves_trees_and_commits_whole(middle):
