@@ -3,10 +3,9 @@ kept while their weights fit a budget of bytes, or of slices.
 
 A ring stage verifies the other stages' slices, drawn at random per audit, so keeping only
 the one in use reloaded it whenever the draw alternated (0.25-0.7 CPU-s for a 10-layer
-SmolLM2 slice on the dev VM, as much as the replay). Used by shard.verifier (in the node's
-process), shard.replay_process (the node's replay process) and coordinator.trust.
-replay_slices (a gateway's own replays): the load is synchronous, its caller decides which
-thread runs it and when.
+SmolLM2 slice on the dev VM, as much as the replay). Used by shard.verifier (a node's
+replays, bounded by bytes) and coordinator.trust.replay_slices (a gateway's own, bounded by
+count): the load is synchronous, its caller decides which thread runs it and when.
 """
 
 from __future__ import annotations
@@ -40,9 +39,6 @@ class SliceCache:
 
     def owns(self, stage: Stage) -> bool:
         return any(s is stage for s in self._slices.values())
-
-    def keys(self) -> list[Key]:
-        return list(self._slices)
 
     def __len__(self) -> int:
         return len(self._slices)

@@ -165,7 +165,6 @@ class Verifier:
         self._background = trio.Lock()  # one replay step or slice load at a time, each begun on an idle stage
         self._low = LowPriorityThread() if low_priority and torch.device(device).type == "cpu" else None
         self._fetching = trio.Lock()  # one fetch of missing files at a time
-        self.cache_bytes = cache_bytes
         self.leads = LeadCache(lead_cache_bytes)
         self.slices = SliceCache(store, device, cache_bytes)
         self.answered = 0  # requests answered with rows (not errors)

@@ -137,8 +137,8 @@ def test_slices_loaded_for_audits_stay_while_they_fit_the_cache(middle):
     store, _ = middle
     a, b = LayerRange(0, 1), LayerRange(1, store.config.num_layers)
 
-    def alternate(cache_bytes):
-        cache = SliceCache(store, "cpu", cache_bytes)
+    def alternate(cache_bytes, max_slices=None):
+        cache = SliceCache(store, "cpu", cache_bytes, max_slices)
         for r in (a, b, a, b):
             if cache.get((r, "none")) is None:
                 cache.load((r, "none"))
@@ -151,6 +151,8 @@ def test_slices_loaded_for_audits_stay_while_they_fit_the_cache(middle):
     # the head slice's embedding counts too: a budget of the layers alone holds one slice
     assert alternate(layers) == (4, 1)
     assert alternate(layers + 4 * cfg.vocab_size * cfg.hidden_size) == (2, 2)
+    assert alternate(1 << 30, max_slices=1) == (4, 1)  # a count bound (the gateway's own replays) too
+    assert alternate(1 << 30, max_slices=2) == (2, 2)
 
 
 def test_split_long_leaves_trees_and_commits_whole(middle):
