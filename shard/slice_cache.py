@@ -26,16 +26,21 @@ Key = tuple[LayerRange, str]  # (layers, weight quantisation)
 class SliceCache:
     """Loaded slices, least recently used first; the newest always stays."""
 
-    def __init__(self, store: ModelStore, device: str, max_bytes: int, max_slices: int | None = None) -> None:
+    def __init__(self, store: ModelStore, device: str, max_bytes: int | None = None,
+                 max_slices: int | None = None) -> None:
+        """`max_bytes`, `max_slices`: the bounds (None: none of that kind)."""
         self.store, self.device, self.max_bytes, self.max_slices = store, device, max_bytes, max_slices
         self._slices: OrderedDict[Key, Stage] = OrderedDict()
-        self.loads, self.load_cpu_s = 0, 0.0  # slices loaded, and the CPU (thread) seconds it took
+        self.loads = 0  # slices loaded
 
     def get(self, key: Key) -> Stage | None:
         stage = self._slices.get(key)
         if stage is not None:
             self._slices.move_to_end(key)
         return stage
+
+    def __contains__(self, key: Key) -> bool:
+        return key in self._slices
 
     def owns(self, stage: Stage) -> bool:
         return any(s is stage for s in self._slices.values())
@@ -58,16 +63,20 @@ class SliceCache:
                                      embedding=emb), scheme(quant))
         cpu_s = time.thread_time() - started
         self._slices[key] = stage
-        self.loads, self.load_cpu_s = self.loads + 1, self.load_cpu_s + cpu_s
+        self.loads += 1
         self._evict()
         return stage, cpu_s
 
     def _evict(self) -> None:
+        if self.max_slices is not None:
+            while len(self._slices) > max(self.max_slices, 1):
+                self._slices.popitem(last=False)
+        if self.max_bytes is not None:
+            while len(self._slices) > 1 and sum(map(self._nbytes, self._slices)) > self.max_bytes:
+                self._slices.popitem(last=False)
+
+    def _nbytes(self, key: Key) -> int:
         """A head slice counts its token embedding too (loaded in f32: vocab x hidden x 4 bytes)."""
-        cfg = self.store.config
-        size = {k: sum(layer_bytes(cfg, i, scheme(k[1])) for i in k[0]) + (4 * cfg.vocab_size * cfg.hidden_size
-                                                                           if k[0].start == 0 else 0)
-                for k in self._slices}
-        most = len(self._slices) if self.max_slices is None else self.max_slices
-        while len(self._slices) > 1 and (sum(size[k] for k in self._slices) > self.max_bytes or len(self._slices) > most):
-            self._slices.popitem(last=False)
+        cfg, (r, quant) = self.store.config, key
+        embedding = 4 * cfg.vocab_size * cfg.hidden_size if r.start == 0 else 0
+        return sum(layer_bytes(cfg, i, scheme(quant)) for i in r) + embedding

@@ -265,7 +265,7 @@ class Verifier:
         if warm is not None and warm[0].layers == r and warm[1] == quant and warm[0].dtype == torch.float32:
             return warm[0], None
         key = (r, quant)
-        if self.slices.get(key) is None and self.fetch is not None:
+        if key not in self.slices and self.fetch is not None:
             async with self._fetching:  # not under _background: a fetch waits on peers, not on the CPU
                 await self.fetch(r)
         async with self._background:

@@ -24,7 +24,7 @@ from shard.store import ModelStore
 
 class ReplaySlices:
     def __init__(self, store: ModelStore, max_slices: int, limiter: trio.CapacityLimiter) -> None:
-        self._cache = SliceCache(store, "cpu", 1 << 62, max_slices)  # bounded by the count alone
+        self._cache = SliceCache(store, "cpu", max_slices=max_slices)
         self._limiter = limiter
         self._loading = trio.Lock()  # one load at a time: concurrent audits of one slice load it once
 
