@@ -198,9 +198,7 @@ class Node:
             elif isinstance(msg, ProbePeers):
                 self._tasks.start_soon(self.links.report, msg, self.coordinator_id)
             elif isinstance(msg, (AuditRequest, ReleaseFrames)):  # the coordinator's alone: only it has this stream
-                reply = audit_answers.answer(self.frame_log, msg)
-                if reply is not None:
-                    await self._send_control(reply)
+                await audit_answers.reply(self.frame_log, msg, self._send_control)
             elif isinstance(msg, (VerifyRequest, VerifyPart)):  # an audit's recomputation, whole or in parts
                 self._verify(msg)
             elif isinstance(msg, Refused):
@@ -215,9 +213,9 @@ class Node:
         warm = (self._warm, self.config.quant) if self._warm is not None else None
         self.verifier.receive(msg, self.limits, warm, self._tasks, self._send_control)  # answers in its own task
 
-    async def _send_control(self, msg) -> None:
+    async def _send_control(self, msg) -> None:  # a Message, or one already encoded
         async with self.control_lock:
-            await self.control.send_frame(encode(msg))
+            await self.control.send_frame(msg if isinstance(msg, bytes) else encode(msg))
 
     async def _assume(self, a: Assignment) -> None:
         """Take `a` (shard.assignment_rules decides) and answer Ready. Raises ShardError,

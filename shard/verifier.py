@@ -105,6 +105,12 @@ def lead_key(req: VerifyRequest, lead: int, own_slice: bool) -> bytes:
     return h.digest()
 
 
+def sized_reply(request_id: int, replayed: list[Replayed | None], limits: Limits) -> tuple[VerifyReply, int]:
+    """reply_of, and the bytes it encodes to (held to the request's max_reply_bytes)."""
+    reply = reply_of(request_id, replayed)
+    return reply, len(encode(reply, whole_limits(limits, 1 << 32)))
+
+
 def reply_of(request_id: int, replayed: list[Replayed | None]) -> VerifyReply:
     """The rows `replay` recomputed, per frame in order, as one VerifyReply."""
     keeps, hiddens, auxes, rows = [], [], [], []
@@ -214,13 +220,16 @@ class Verifier:
             log.debug("verify request %d: a timing request, answered at once", req.request_id)
             return VerifyReply(request_id=req.request_id, error=TIMING_ERROR)
         try:
-            frames = request_frames(req, limits)
+            # Decoding a request's frames (~0.1-0.5 ms each, hundreds of them) and hashing a lead's
+            # bytes run in worker threads: on the node's trio thread they stopped its ring frames
+            # for up to 64 ms at 16 streams (issue 21).
+            frames = await trio.to_thread.run_sync(request_frames, req, limits)
             stage, load_s = await self._stage(LayerRange(req.layer_start, req.layer_end), req.quant, warm)
             lead = next((i for i, f in enumerate(frames) if f.prefix_job is not None), 0)
+            key = await trio.to_thread.run_sync(lead_key, req, lead, warm is None or stage is not warm[0]) if lead else b""
             steps = replay_steps(stage, req.wire_dtype, frames, min(req.max_replay_rows, self.step_rows),
                                  aux_dtype=req.aux_dtype, frame_by_frame=scheme(req.quant).quantised, lead=lead,
-                                 lead_key=lead_key(req, lead, warm is None or stage is not warm[0]),
-                                 lead_cache=self.leads)
+                                 lead_key=key, lead_cache=self.leads)
             replayed, cpu_s, hits = None, 0.0, self.leads.hits
             background = self._in_background(frames, stage, min(req.max_replay_rows, self.step_rows))
             while replayed is None:  # one forward at a time: the node's own frames run between
@@ -232,13 +241,12 @@ class Verifier:
                     if more:  # paced between forwards, the lock held; a one-forward replay (a speed probe) never
                         await trio.sleep(step_s * self.pause_ratio)
                 cpu_s += step_s
-            reply = reply_of(req.request_id, replayed)
+            reply, size = await trio.to_thread.run_sync(sized_reply, req.request_id, replayed, limits)
             self.replayed_rows, self.replay_cpu_s = self.replayed_rows + sum(reply.frame_rows), self.replay_cpu_s + cpu_s
             log.info("verify request %d: %d rows of %d frames replayed on layers [%d, %d) in %.2f CPU-s%s", req.request_id,
                      sum(reply.frame_rows), len(frames), req.layer_start, req.layer_end, cpu_s,
                      ("" if load_s is None else f", after loading the slice ({load_s:.2f} CPU-s)")
                      + (f", the first {lead} (a fork's source) kept from an earlier replay" if self.leads.hits > hits else ""))
-            size = len(encode(reply, whole_limits(limits, 1 << 32)))
         except ShardError as exc:
             return self._refuse(req.request_id, str(exc), req)
         except Exception as exc:  # a check we missed: this request's error, never the node's

@@ -325,18 +325,13 @@ class Auditor:
         one control frame goes in VerifyParts (shard.verify_parts), the reply may come so."""
         limits, cap = self.swarm.control_limits, self.replies.parts.cap
         part_bytes = min(self.config.verify_part_bytes or limits.max_frame_bytes, limits.max_frame_bytes)
-        data = b"".join(logged.replayed_bytes)
         request_id = self.replies.next_id()
-        req = VerifyRequest(request_id=request_id, layer_start=plan.layers.start, layer_end=plan.layers.end,
-                            quant=plan.quant, wire_dtype=plan.wire_dtype, aux_dtype=plan.aux_dtype,
-                            max_replay_rows=min(self.config.max_replay_rows, MAX_VERIFY_REPLAY_ROWS),
-                            max_reply_bytes=cap, max_part_bytes=part_bytes,
-                            frame_bytes=tuple(map(len, logged.replayed_bytes)),
-                            frames=torch.frombuffer(bytearray(data), dtype=torch.uint8))
-        try:
-            parts = split(req, part_bytes, whole_limits(limits, cap))
+        try:  # the frames' bytes joined and encoded, and the reply cut per frame, in worker threads (up
+            # to 1 MiB and hundreds of frames: on the gateway's trio thread they held up every job's tokens)
+            parts = await trio.to_thread.run_sync(_verify_parts, request_id, plan, logged, self.config.max_replay_rows,
+                                                  cap, part_bytes, whole_limits(limits, cap))
         except ShardError as exc:
-            log.info("job %s's frames (%d bytes) cannot go to a verifier: %s", plan.job_id, len(data), exc)
+            log.info("job %s's frames cannot go to a verifier: %s", plan.job_id, exc)
             return None
         try:
             reply = await self.replies.ask(peer, request_id, parts, VerifyReply, self.config.verify_timeout_s,
@@ -347,7 +342,7 @@ class Auditor:
         if reply.error is not None:
             log.info("verifier %s could not recompute layers %s: %s", peer, plan.layers, reply.error)
             return None
-        expected = split_reply(reply, logged)
+        expected = await trio.to_thread.run_sync(split_reply, reply, logged)
         if expected is None:
             log.warning("verifier %s sent rows that do not fit job %s's frames", peer, plan.job_id)
         return expected
@@ -391,3 +386,14 @@ class Auditor:
     @property
     def slices_loaded(self) -> int:
         return len(self.slices)
+
+
+def _verify_parts(request_id: int, plan: AuditPlan, logged: Logged, max_replay_rows: int, max_reply_bytes: int,
+                  part_bytes: int, limits) -> list:
+    """The VerifyRequest for the logged frames, cut to control frames (shard.verify_parts: ShardError if it cannot be)."""
+    req = VerifyRequest(request_id=request_id, layer_start=plan.layers.start, layer_end=plan.layers.end, quant=plan.quant,
+                        wire_dtype=plan.wire_dtype, aux_dtype=plan.aux_dtype, max_reply_bytes=max_reply_bytes,
+                        max_replay_rows=min(max_replay_rows, MAX_VERIFY_REPLAY_ROWS), max_part_bytes=part_bytes,
+                        frame_bytes=tuple(map(len, logged.replayed_bytes)),
+                        frames=torch.frombuffer(bytearray(b"".join(logged.replayed_bytes)), dtype=torch.uint8))
+    return split(req, part_bytes, limits)

@@ -9,11 +9,14 @@ item or more than were asked is refused by the coordinator's reader.
 
 from __future__ import annotations
 
+import threading
+
 import msgpack
 import pytest
 import torch
+import trio
 
-from shard.audit_answers import answer
+from shard.audit_answers import answer, reply
 from shard.errors import WireError
 from shard.frame_log import FrameLog
 from shard.wire.audit_frames import MAX_AUDIT_ITEMS, AuditReply, AuditRequest, items, read_reply
@@ -90,6 +93,35 @@ def test_records_not_kept_are_size_zero_and_read_as_none():
     assert read_reply(req, reply) == [b"\x66" * 500, None, b"\x03" * 300]
     gone = answer(log, _request([1], job_id="other"))
     assert gone.sizes == (0,) and gone.frames is None
+
+
+def test_a_round_logged_twice_is_answered_with_its_last_record():
+    log = _log()
+    log.record("job", 1, 3, b"again" * 60, b"AGAIN" * 100)  # a round run again on the epoch: the last counts
+    got = answer(log, _request([3, 3, 4], ["input", "output", "input"], max_bytes=1 << 20))
+    assert got.sizes == (300, 500, 300)
+    assert bytes(got.frames.numpy()) == b"again" * 60 + b"AGAIN" * 100 + b"\x04" * 300
+
+
+def test_the_reply_is_built_off_the_trio_thread_and_sent_as_answer_encodes_it():
+    log, sent, threads = _log(), [], set()
+    record = log.frames  # the node's log is read in a worker thread (and, for a release, its heap trimmed)
+
+    def frames(*args):
+        threads.add(threading.current_thread() is threading.main_thread())
+        return record(*args)
+
+    log.frames = frames
+    req = _request([1, 2], ["input", "output"], max_bytes=1 << 20)
+
+    async def send(body: bytes) -> None:
+        sent.append(body)
+
+    trio.run(reply, log, req, send)
+    assert threads == {False}  # read only off the trio thread
+    assert sent == [encode(answer(log, req))]
+    trio.run(reply, log, _request([9]), send)  # nothing kept: still one reply, of size 0
+    assert decode(sent[-1], Limits()).sizes == (0,)
 
 
 def test_a_reply_covering_no_item_or_more_than_asked_is_refused():
