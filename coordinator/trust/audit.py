@@ -2,38 +2,37 @@
 
 Receipts prove consistency, not correct computation: a stage can sign garbage. After a
 job is finished (so no stage can tell an audited frame from any other, and no user token
-waits), `plan_audits` selects each (job, epoch, stage) with probability `rate`. For a
+waits), `plan_audits` selects each (job, epoch, stage) with probability `rate`; a job that
+ends while others are being audited starts its audits at a random time within `spread_s`
+(jobs end in clusters; their audits together took the ring's CPU in bursts). For a
 selected stage the auditor fetches every frame it logged for that job and epoch
 (AuditRequests over the control stream, each answered with many frames:
 shard.wire.audit_frames) and checks each against the digests in that stage's signed
-receipt (so the stage cannot substitute bytes after the fact). Then the
-stage's input frames go to a verifier node (VerifyRequest: a spot-check verifier other
-than the stage, drawn at random, one that keeps that slice warm first; when none is left,
-any other member, not faulty, whose node keeps every layer of the slice, off probation
-first, in random order: coordinator.trust.opinions.candidates, as probation's checks ask,
-so in a ring whose every node is a stage the stages audit each other), which recomputes
-them (shard.verifier: all frames, tree and verify frames and commits included, as one
-tree-masked forward) and sends back its rows; the auditor compares them with the stage's
-outputs (coordinator.trust.compare). A verifier that disagrees with the stage gets a
-second opinion, and verifiers that disagree with each other a third
-(coordinator.trust.opinions settles who is right; where a verifier off probation answered,
-newcomers do not outvote it: settle_trusted). Only when no verifier can answer does
-the auditor recompute the slice itself, and only if its own store holds those layers
-(`replay_here`); a gateway with no layers audits through verifiers alone. So a selected
-stage is caught if it cheated on any verified frame of the job, and an audit costs about
-one prefill of the job's rows on that slice, on a verifier. A stage that declared a
-weight quantisation (shard.quant) is replayed on the same weights quantised the same
-way, frame by frame, and held to the kernels' bf16 step (stage_tolerance).
+receipt (so the stage cannot substitute bytes after the fact). Then the stage's input
+frames go to a verifier node (VerifyRequest: a spot-check verifier other than the stage,
+drawn at random, one that keeps that slice warm first; else any other member, not faulty,
+whose node keeps every layer of the slice, off probation first, in random order:
+coordinator.trust.opinions.candidates, so in a ring whose every node is a stage the stages
+audit each other), which recomputes them (shard.verifier: all frames, trees and commits
+included, as one tree-masked forward) and sends back its rows; the auditor compares them
+with the stage's outputs (coordinator.trust.compare). A verifier that disagrees with the
+stage gets a second opinion, and verifiers that disagree with each other a third
+(coordinator.trust.opinions settles who is right; newcomers do not outvote a verifier off
+probation: settle_trusted). Only when no verifier can answer does the auditor recompute
+the slice itself, if its own store holds those layers (`replay_here`). So a selected stage
+is caught if it cheated on any verified frame of the job, and an audit costs about one
+prefill of the job's rows on that slice. A stage that declared a weight quantisation
+(shard.quant) is replayed on the same weights quantised the same way, frame by frame, and
+held to the kernels' bf16 step (stage_tolerance).
 
 A mismatch, a missing record, a record that does not hash to the receipt, or no reply at
 all from a stage that is still connected (so going silent is no way out of an audit)
 yields an EvidenceRecord signed by the coordinator and marks the stage faulty in the
 swarm, which excludes it from the next ring formation. A verifier outvoted by the other
 opinions is marked faulty too (no evidence record: it signed nothing). Where the verdict
-would rest on a newcomer verifier's word alone (no verifier off probation took part, no two
-parties agree against one: coordinator.trust.disputes.lone_word), nobody is accused: the
-parties are in dispute (coordinator.trust.dispute_desk, the book probation's checks keep
-too), they sit out for a while, and the one the book names the liar is marked faulty. A stage that left
+would rest on a newcomer verifier's word alone (coordinator.trust.disputes.lone_word),
+nobody is accused: the parties are in dispute (coordinator.trust.dispute_desk, the book
+probation's checks keep too), and the one the book names the liar is marked faulty. A stage that left
 the swarm before answering is not accused (its records left with it; see docs/receipts.md).
 Once a job's audits are drawn, every stage not drawn is told to drop its frames of the job,
 and a drawn one once its audit is over (coordinator.trust.frame_release).
@@ -82,7 +81,7 @@ from shard.replay import Replayed
 from shard.store import ModelStore
 from shard.transport import TransportError
 from shard.wire.audit_frames import MAX_AUDIT_ITEMS, AuditReply, AuditRequest, items, read_reply
-from shard.verify_parts import Uploads, split, whole_limits
+from shard.verify_parts import split, whole_limits
 from shard.wire.verify import MAX_VERIFY_REPLAY_ROWS, VerifyReply, VerifyRequest
 
 log = logging.getLogger("shard.coordinator")
@@ -176,17 +175,28 @@ class Auditor:
         return plans
 
     async def _audit_job(self, job: FinishedJob, plans: list[AuditPlan], slots: trio.Semaphore) -> None:
+        held = True
         try:
-            await self._audit_plans(plans)
+            if plans and self._in_flight > 1 and self.config.spread_s > 0:  # one of a cluster: AuditConfig.spread_s
+                slots.release()
+                held = False
+                await trio.sleep(self.rng.uniform(0, self.config.spread_s))
+                await slots.acquire()
+                held = True
+            await self._audit_plans(plans, job.finished_s)
         finally:
             self.releaser.finished_with(job)  # no audit of it is to come: its source may go
             self._in_flight -= 1
-            slots.release()
+            if held:
+                slots.release()
             self._settle()
 
-    async def _audit_plans(self, plans: list[AuditPlan]) -> None:
+    async def _audit_plans(self, plans: list[AuditPlan], finished_s: float) -> None:
         for plan in plans:
             try:
+                if time.monotonic() - finished_s > self.config.max_job_age_s:  # it waited for a slot past the logs'
+                    self.stats.skipped_stale += plan is plans[0]  # grace: not audited (AuditConfig.spread_s)
+                    continue
                 await self.audit(plan)
             except (TransportError, trio.TooSlowError) as exc:
                 self.stats.skipped_gone += 1
@@ -377,15 +387,6 @@ class Auditor:
         frames = dict(zip(wanted, got))
         return {r: (frames[r, "input"], frames[r, "output"]) for r in plan.rounds   # type: ignore[misc]
                 if frames.get((r, "input")) is not None and frames.get((r, "output")) is not None}
-
-    @property
-    def reply_parts(self) -> Uploads:
-        """Verify replies past one control frame being put back together (only those awaited)."""
-        return self.replies.parts
-
-    @property
-    def slices_loaded(self) -> int:
-        return len(self.slices)
 
 
 def _verify_parts(request_id: int, plan: AuditPlan, logged: Logged, max_replay_rows: int, max_reply_bytes: int,

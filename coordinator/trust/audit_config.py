@@ -30,6 +30,14 @@ class AuditConfig:
     # recomputation), and one at a time fell behind at 16 streams (1 audit in a 40 s window,
     # the rest skipped as stale). The gateway's own CPU work stays one at a time (its limiter).
     max_concurrent_audits: int = 4
+    # A job that ends while other jobs' audits are in flight or waiting starts its own at a
+    # random time within this many seconds, its audit slot free meanwhile: clients' requests
+    # end in clusters (a closed loop's every ~10 s at 16 streams), and their audits, begun
+    # together, took the ring's CPU in bursts (fetches, verify requests, replays on the
+    # stages' cores) in the seconds when the cluster's next requests were starting: the
+    # 16-stream ITL tail and TTFT (issue 21; docs/batching.md). A job alone starts at once.
+    # Each stage's audit is skipped as stale if it would begin past max_job_age_s.
+    spread_s: float = 10.0
     max_cached_slices: int = 4  # slices kept loaded for replays
     # Slices loaded for replays are dropped after this long with no audit to run: a
     # 10-layer SmolLM2 slice is 140 MB in f32, which a gateway kept for good after one

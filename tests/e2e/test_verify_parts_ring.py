@@ -91,7 +91,7 @@ def test_a_long_prompt_on_probation_is_verified_in_parts_and_a_liar_caught(tiny_
                 out["answers"] = [await generate(engine, 8) for _ in range(2)]
                 out["uploads"] = [n.verifier.uploads.completed if n.verifier and n.verifier.uploads else 0
                                   for n in nodes[:2]]
-                out["reply_parts"] = c.auditor.reply_parts.completed
+                out["reply_parts"] = c.auditor.replies.parts.completed
                 out["catches"] = engine.round_verifier.catches
                 nursery.cancel_scope.cancel()
                 out["swarm"] = swarm
@@ -138,7 +138,7 @@ def test_a_long_prompt_is_audited_in_parts_and_a_liar_past_probation_caught(tiny
                 nodes[2].turned = True
                 out["answer"] = await generate(engine, 8)
                 await auditor.wait_idle()
-                out["reply_parts"] = auditor.reply_parts.completed
+                out["reply_parts"] = auditor.replies.parts.completed
                 nursery.cancel_scope.cancel()
                 out.update(swarm=swarm, stats=auditor.stats)
                 return out

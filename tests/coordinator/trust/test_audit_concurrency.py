@@ -6,7 +6,7 @@ and the rest of the queue aged past max_job_age_s into `skipped_stale`. Sound: r
 timing; each stage answers its audit requests only after DELAY_S (then has left the swarm:
 TransportError, so nobody is accused and no receipts are needed); the peak of jobs whose
 requests are outstanding at once is the bound, never more, and N jobs take about
-N / bound delays, not N.
+N / bound delays, not N. (Starts spread over AuditConfig.spread_s: test_audit_spread.py.)
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def run_audits(bound: int) -> tuple[Auditor, int, float]:
     async def main():
         finished_in, finished = trio.open_memory_channel(JOBS)
         _, replies = trio.open_memory_channel(0)
-        auditor = Auditor(swarm, None, bytes(32), AuditConfig(rate=1.0, max_concurrent_audits=bound),
+        auditor = Auditor(swarm, None, bytes(32), AuditConfig(rate=1.0, max_concurrent_audits=bound, spread_s=0.0),
                           rng=random.Random(0), finished=finished, audit_replies=replies)
         for job in jobs:
             finished_in.send_nowait(job)
