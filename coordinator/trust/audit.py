@@ -71,6 +71,7 @@ from coordinator.trust.frame_release import FrameReleaser
 from coordinator.trust.prefix_audit import with_source
 from coordinator.trust.receipt_check import FinishedJob
 from coordinator.trust.replay_slices import ReplaySlices
+from coordinator.trust.source_frames import SourceFrames
 from coordinator.trust.tolerance import TOLERANCES
 from receipts import NodeKey, sign_evidence
 from ring import PeerId
@@ -101,19 +102,18 @@ class Auditor:
         self.swarm, self.store, self.config = swarm, store, config
         self.releaser = releaser or FrameReleaser(swarm.send_control)
         self._finished, self._replies = finished, audit_replies
-        self.key = NodeKey.from_private_bytes(coordinator_seed)
-        self.rng = rng or random.SystemRandom()
+        self.key, self.rng = NodeKey.from_private_bytes(coordinator_seed), rng or random.SystemRandom()
         self.evidence: list = []  # EvidenceRecord, newest last
         self.stats = AuditStats()
         self.disputes = DisputeDesk(swarm)  # newcomers' lone words, with probation's checks
         self.replies = AwaitedReplies(swarm.send_control, lambda: swarm.control_limits)
         self._limiter = trio.CapacityLimiter(1)
         self.slices = ReplaySlices(store, config.max_cached_slices, self._limiter)  # for replays here
+        self.sources = SourceFrames(config.source_frames_mb << 20)  # forks' sources' frames, fetched once a stage
         # Whether a member is on probation (the engine's book, set by coordinator.assembly):
         # members asked past the verifier-role nodes are asked off probation first.
         self.on_probation: Callable[[PeerId], bool] = lambda peer: False
-        self._settled = trio.Event()  # set each time an audit ends or serve() waits for a job
-        self._in_flight = 0  # jobs being audited
+        self._settled, self._in_flight = trio.Event(), 0  # set as an audit ends or serve() waits; jobs drawn, not done
 
     async def wait_idle(self) -> None:
         """Return once every finished job handed over has been audited (tests and benchmarks).
@@ -219,7 +219,7 @@ class Auditor:
             plan = plan.under(member.register.quant)
         try:
             records = await self.fetch_all(plan)
-            source = None if plan.prefix is None else await self.fetch_all(plan.prefix)
+            source = None if plan.prefix is None else await self.sources.records(plan.prefix, self.fetch_all)
         except (TransportError, trio.TooSlowError) as exc:
             if plan.peer_id not in self.swarm.members:
                 raise

@@ -39,6 +39,9 @@ class AuditConfig:
     # Each stage's audit is skipped as stale if it would begin past max_job_age_s.
     spread_s: float = 10.0
     max_cached_slices: int = 4  # slices kept loaded for replays
+    # Forked jobs' sources' frames fetched from a stage, kept for the next fork's audit there
+    # (coordinator.trust.source_frames): a 200-token prompt's are ~1 MB a stage at f32.
+    source_frames_mb: int = 32
     # Slices loaded for replays are dropped after this long with no audit to run: a
     # 10-layer SmolLM2 slice is 140 MB in f32, which a gateway kept for good after one
     # audit it recomputed itself (bench_hostile_ring read it as the attack's growth).

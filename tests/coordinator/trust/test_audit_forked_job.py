@@ -107,6 +107,12 @@ class _Swarm:
 
 def _audit(store, log: FrameLog, plan: AuditPlan):
     """(finding, auditor, swarm) of the real Auditor's audit of `plan`, replayed here."""
+    findings, auditor, swarm = _audits(store, log, [plan])
+    return findings[0], auditor, swarm
+
+
+def _audits(store, log: FrameLog, plans: list[AuditPlan]):
+    """([finding of each plan], auditor, swarm): one Auditor audits `plans` in turn."""
 
     async def main():
         replies_in, replies = trio.open_memory_channel(16)
@@ -117,9 +123,9 @@ def _audit(store, log: FrameLog, plan: AuditPlan):
         async with trio.open_nursery() as nursery:
             await nursery.start(auditor.serve)
             with trio.fail_after(30):
-                finding = await auditor.audit(plan)
+                findings = [await auditor.audit(plan) for plan in plans]
             nursery.cancel_scope.cancel()
-        return finding, auditor, swarm
+        return findings, auditor, swarm
 
     return trio.run(main)
 
@@ -136,6 +142,22 @@ def test_an_honest_stage_passes_the_audit_of_a_fork_that_its_frames_alone_would_
     finding, _, swarm = _audit(tiny_llama_store, log, alone)
     assert finding is not None and finding.check == "output_mismatch" and finding.round == 1
     assert "stage" in swarm.faulty
+
+
+def test_the_next_fork_of_a_source_on_the_stage_is_audited_on_its_frames_fetched_once(tiny_llama_store):
+    # Guards the source-frames cache (coordinator.trust.source_frames): a source's frames are
+    # fetched from a stage once, not at every audit of a fork of it, and still checked and
+    # replayed at each.
+    log, plans = _stage_log(tiny_llama_store)
+    findings, auditor, swarm = _audits(tiny_llama_store, log, [plans["fork"], plans["fork"]])
+    assert findings == [None, None] and swarm.faulty == {} and auditor.stats.audits == 2
+    assert swarm.asked.count(("src", 1)) == 2  # its input and output, once
+    assert swarm.asked.count(("fork", 1)) == 4  # the fork's own frames at each audit
+    assert (auditor.sources.fetches, auditor.sources.hits) == (1, 1)
+    # A stage that ran the fork on other K/V is caught on the kept frames as on fetched ones.
+    poisoned, plans = _stage_log(tiny_llama_store, poison_fork=True)
+    findings, _, swarm = _audits(tiny_llama_store, poisoned, [plans["fork"], plans["fork"]])
+    assert [f.check for f in findings] == ["output_mismatch"] * 2 and "stage" in swarm.faulty
 
 
 def test_a_stage_that_runs_the_fork_on_other_kv_than_the_source_made_is_caught(tiny_llama_store):
