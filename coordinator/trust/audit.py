@@ -57,7 +57,6 @@ import random
 import time
 from collections.abc import Callable
 
-import torch
 import trio
 
 from coordinator.swarm.swarm import Swarm
@@ -66,7 +65,8 @@ from coordinator.trust.audit_config import AuditConfig, AuditStats
 from coordinator.trust.audit_plan import AuditPlan, plan_audits
 from coordinator.trust.audit_replies import AwaitedReplies
 from coordinator.trust.dispute_desk import DisputeDesk
-from coordinator.trust.compare import Finding, Logged, agree, compare, failed_spot, replay_here, split_reply
+from coordinator.trust.compare import (Finding, Logged, agree, compare, failed_spot, replay_here, split_reply,
+                                      verify_parts)
 from coordinator.trust.frame_release import FrameReleaser
 from coordinator.trust.prefix_audit import with_source
 from coordinator.trust.receipt_check import FinishedJob
@@ -82,8 +82,8 @@ from shard.replay import Replayed
 from shard.store import ModelStore
 from shard.transport import TransportError
 from shard.wire.audit_frames import MAX_AUDIT_ITEMS, AuditReply, AuditRequest, items, read_reply
-from shard.verify_parts import split, whole_limits
-from shard.wire.verify import MAX_VERIFY_REPLAY_ROWS, VerifyReply, VerifyRequest
+from shard.verify_parts import whole_limits
+from shard.wire.verify import VerifyReply
 
 log = logging.getLogger("shard.coordinator")
 
@@ -102,7 +102,8 @@ class Auditor:
         self.swarm, self.store, self.config = swarm, store, config
         self.releaser = releaser or FrameReleaser(swarm.send_control)
         self._finished, self._replies = finished, audit_replies
-        self.key, self.rng = NodeKey.from_private_bytes(coordinator_seed), rng or random.SystemRandom()
+        self.key = NodeKey.from_private_bytes(coordinator_seed)
+        self.rng = rng or random.SystemRandom()
         self.evidence: list = []  # EvidenceRecord, newest last
         self.stats = AuditStats()
         self.disputes = DisputeDesk(swarm)  # newcomers' lone words, with probation's checks
@@ -113,7 +114,8 @@ class Auditor:
         # Whether a member is on probation (the engine's book, set by coordinator.assembly):
         # members asked past the verifier-role nodes are asked off probation first.
         self.on_probation: Callable[[PeerId], bool] = lambda peer: False
-        self._settled, self._in_flight = trio.Event(), 0  # set as an audit ends or serve() waits; jobs drawn, not done
+        self._settled = trio.Event()  # set each time an audit ends or serve() waits for a job
+        self._in_flight = 0  # jobs drawn and not done (waiting for their start, or being audited)
 
     async def wait_idle(self) -> None:
         """Return once every finished job handed over has been audited (tests and benchmarks).
@@ -177,7 +179,9 @@ class Auditor:
     async def _audit_job(self, job: FinishedJob, plans: list[AuditPlan], slots: trio.Semaphore) -> None:
         held = True
         try:
-            if plans and self._in_flight > 1 and self.config.spread_s > 0:  # one of a cluster: AuditConfig.spread_s
+            # One of a cluster (other jobs drawn, not done): it starts at a random time within
+            # AuditConfig.spread_s, its slot free meanwhile; a backlog past max_queued_jobs is not spread.
+            if plans and 1 < self._in_flight <= self.config.max_queued_jobs and self.config.spread_s > 0:
                 slots.release()
                 held = False
                 await trio.sleep(self.rng.uniform(0, self.config.spread_s))
@@ -194,8 +198,8 @@ class Auditor:
     async def _audit_plans(self, plans: list[AuditPlan], finished_s: float) -> None:
         for plan in plans:
             try:
-                if time.monotonic() - finished_s > self.config.max_job_age_s:  # it waited for a slot past the logs'
-                    self.stats.skipped_stale += plan is plans[0]  # grace: not audited (AuditConfig.spread_s)
+                if time.monotonic() - finished_s > self.config.max_job_age_s:  # its start came too late: the
+                    self.stats.skipped_stale += plan is plans[0]  # stages' logs may be gone (counted if none began)
                     continue
                 await self.audit(plan)
             except (TransportError, trio.TooSlowError) as exc:
@@ -338,7 +342,7 @@ class Auditor:
         request_id = self.replies.next_id()
         try:  # the frames' bytes joined and encoded, and the reply cut per frame, in worker threads (up
             # to 1 MiB and hundreds of frames: on the gateway's trio thread they held up every job's tokens)
-            parts = await trio.to_thread.run_sync(_verify_parts, request_id, plan, logged, self.config.max_replay_rows,
+            parts = await trio.to_thread.run_sync(verify_parts, request_id, plan, logged, self.config.max_replay_rows,
                                                   cap, part_bytes, whole_limits(limits, cap))
         except ShardError as exc:
             log.info("job %s's frames cannot go to a verifier: %s", plan.job_id, exc)
@@ -387,14 +391,3 @@ class Auditor:
         frames = dict(zip(wanted, got))
         return {r: (frames[r, "input"], frames[r, "output"]) for r in plan.rounds   # type: ignore[misc]
                 if frames.get((r, "input")) is not None and frames.get((r, "output")) is not None}
-
-
-def _verify_parts(request_id: int, plan: AuditPlan, logged: Logged, max_replay_rows: int, max_reply_bytes: int,
-                  part_bytes: int, limits) -> list:
-    """The VerifyRequest for the logged frames, cut to control frames (shard.verify_parts: ShardError if it cannot be)."""
-    req = VerifyRequest(request_id=request_id, layer_start=plan.layers.start, layer_end=plan.layers.end, quant=plan.quant,
-                        wire_dtype=plan.wire_dtype, aux_dtype=plan.aux_dtype, max_reply_bytes=max_reply_bytes,
-                        max_replay_rows=min(max_replay_rows, MAX_VERIFY_REPLAY_ROWS), max_part_bytes=part_bytes,
-                        frame_bytes=tuple(map(len, logged.replayed_bytes)),
-                        frames=torch.frombuffer(bytearray(b"".join(logged.replayed_bytes)), dtype=torch.uint8))
-    return split(req, part_bytes, limits)

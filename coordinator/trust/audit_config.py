@@ -36,7 +36,8 @@ class AuditConfig:
     # together, took the ring's CPU in bursts (fetches, verify requests, replays on the
     # stages' cores) in the seconds when the cluster's next requests were starting: the
     # 16-stream ITL tail and TTFT (issue 21; docs/batching.md). A job alone starts at once.
-    # Each stage's audit is skipped as stale if it would begin past max_job_age_s.
+    # Each stage's audit is skipped as stale if it would begin past max_job_age_s; past
+    # max_queued_jobs jobs in flight (a backlog), jobs start as slots free, unspread.
     spread_s: float = 10.0
     max_cached_slices: int = 4  # slices kept loaded for replays
     # Forked jobs' sources' frames fetched from a stage, kept for the next fork's audit there

@@ -8,7 +8,9 @@ auditor's own replay or a verifier node's) under the stage's tolerance
 so the auditor can tell which verifiers side with which (coordinator.trust.opinions);
 `check_frames` is the three steps on a replay done here. A recomputation is, per frame,
 the rows replayed (shard.replay.Replayed) or None; frames replayed before the logged
-ones (`Logged.lead`: a forked job's source's) are recomputed, never compared. It does not
+ones (`Logged.lead`: a forked job's source's) are recomputed, never compared.
+`verify_parts` is the request a verifier node is asked with, `split_reply` its reply
+back per frame. It does not
 fetch, replay remotely, sign evidence or exclude anyone (coordinator.trust.audit does).
 """
 
@@ -29,7 +31,8 @@ from shard.replay import Replayed, ReplayStats, replay
 from shard.stage import Stage
 from shard.wire.codec import decode
 from shard.wire.messages import Forward, Result
-from shard.wire.verify import VerifyReply
+from shard.verify_parts import split
+from shard.wire.verify import MAX_VERIFY_REPLAY_ROWS, VerifyReply, VerifyRequest
 
 
 
@@ -232,3 +235,14 @@ def check_frames(stage: Stage, plan: AuditPlan, records: dict[int, tuple[bytes, 
     if isinstance(logged, Finding):
         return logged
     return compare(plan, logged, replay_here(stage, plan, logged, max_replay_rows, stats))
+
+
+def verify_parts(request_id: int, plan: AuditPlan, logged: Logged, max_replay_rows: int, max_reply_bytes: int,
+                 part_bytes: int, limits) -> list:
+    """The VerifyRequest for the logged frames, cut to control frames (shard.verify_parts: ShardError if it cannot be)."""
+    req = VerifyRequest(request_id=request_id, layer_start=plan.layers.start, layer_end=plan.layers.end, quant=plan.quant,
+                        wire_dtype=plan.wire_dtype, aux_dtype=plan.aux_dtype, max_reply_bytes=max_reply_bytes,
+                        max_replay_rows=min(max_replay_rows, MAX_VERIFY_REPLAY_ROWS), max_part_bytes=part_bytes,
+                        frame_bytes=tuple(map(len, logged.replayed_bytes)),
+                        frames=torch.frombuffer(bytearray(b"".join(logged.replayed_bytes)), dtype=torch.uint8))
+    return split(req, part_bytes, limits)

@@ -6,8 +6,9 @@ requests were starting (the 16-stream ITL tail and TTFT, issue 21). Sound: trio'
 and a seeded rng; each stage answers an audit request by leaving the swarm 0.2 s later
 (TransportError: nobody is accused and no receipts are needed), so a job's audit start is
 the time its first AuditRequest is sent. Checked: a job alone starts at once; of a cluster, the first at once
-and the others at distinct times within spread_s, every one audited; a start that waited past
-max_job_age_s is skipped as stale, its drawn stages told to drop their frames.
+and the others at distinct times within spread_s, every one audited; a backlog past
+max_queued_jobs is not spread; a start that waited past max_job_age_s is skipped as stale,
+its drawn stages told to drop their frames.
 """
 
 from __future__ import annotations
@@ -81,6 +82,15 @@ def test_a_cluster_starts_its_audits_spread_over_spread_s_and_audits_every_job()
     _, together, _ = run_cluster(8, AuditConfig(rate=1.0, spread_s=0.0, max_concurrent_audits=4),
                                  trio.testing.MockClock(autojump_threshold=0))
     assert sorted(together.values())[:4] == [0.0] * 4
+
+
+def test_a_backlog_past_max_queued_jobs_is_not_spread():
+    # Sleeping starts are bounded: past max_queued_jobs jobs in flight, a job starts as a slot frees.
+    auditor, started, _ = run_cluster(8, AuditConfig(rate=1.0, spread_s=10.0, max_concurrent_audits=4,
+                                                     max_queued_jobs=2), trio.testing.MockClock(autojump_threshold=0))
+    times = sorted(started.values())
+    assert len(started) == 8 and auditor.stats.skipped_gone == 8
+    assert times[:4] == [0.0] * 4 and sum(t < 1.0 for t in times) >= 6  # spread only while <= 2 are in flight
 
 
 def test_a_start_that_waited_past_max_job_age_s_is_skipped_as_stale_and_its_frames_released():
