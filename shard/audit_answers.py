@@ -28,7 +28,7 @@ from shard.wire.release_frames import ReleaseFrames
 async def reply(frame_log: FrameLog, msg: AuditRequest | ReleaseFrames, send: Callable[[bytes], Awaitable[None]]) -> None:
     """Answer `msg`, the reply's bytes built in a worker thread, then `send` them. A reply
     holds up to 1 MiB of frames (AuditConfig.fetch_reply_bytes): built and encoded on the
-    node's trio thread, it stopped the ring's frames there for up to 10 ms at 16 streams
+    node's trio thread, it stopped the ring's frames there for up to 13 ms at 16 streams
     (issue 21); the log is thread-safe, and a release's heap trim runs there too."""
     body = await trio.to_thread.run_sync(_encoded_answer, frame_log, msg)
     if body is not None:
