@@ -34,8 +34,8 @@ would rest on a newcomer verifier's word alone (coordinator.trust.disputes.lone_
 nobody is accused: the parties are in dispute (coordinator.trust.dispute_desk, the book
 probation's checks keep too), and the one the book names the liar is marked faulty. A stage that left
 the swarm before answering is not accused (its records left with it; see docs/receipts.md).
-Once a job's audits are drawn, every stage not drawn is told to drop its frames of the job,
-and a drawn one once its audit is over (coordinator.trust.frame_release).
+A job's audits are drawn as it arrives, and every stage not drawn is told at once to drop its
+frames of the job, a drawn one once its audit is over (coordinator.trust.frame_release).
 
 A forked job (its first frame started from a source job's K/V on each stage) is audited
 with the source's frames on the same stage fetched too, checked against the source's
@@ -63,7 +63,7 @@ from coordinator.swarm.swarm import Swarm
 from coordinator.trust import disputes, opinions
 from coordinator.trust.audit_config import AuditConfig, AuditStats
 from coordinator.trust.audit_plan import AuditPlan, plan_audits
-from coordinator.trust.audit_replies import AwaitedReplies
+from coordinator.trust.audit_replies import AwaitedReplies, fetch_logged
 from coordinator.trust.dispute_desk import DisputeDesk
 from coordinator.trust.compare import (Finding, Logged, agree, compare, failed_spot, replay_here, split_reply,
                                       verify_parts)
@@ -75,13 +75,13 @@ from coordinator.trust.source_frames import SourceFrames
 from coordinator.trust.tolerance import TOLERANCES
 from receipts import NodeKey, sign_evidence
 from ring import PeerId
-from shard.errors import ShardError, WireError
+from shard.errors import ShardError
 from shard.layers import LayerRange
 from shard.manifest import layer_file
 from shard.replay import Replayed
 from shard.store import ModelStore
 from shard.transport import TransportError
-from shard.wire.audit_frames import MAX_AUDIT_ITEMS, AuditReply, AuditRequest, items, read_reply
+from shard.wire.audit_frames import AuditReply
 from shard.verify_parts import whole_limits
 from shard.wire.verify import VerifyReply
 
@@ -116,12 +116,16 @@ class Auditor:
         self.on_probation: Callable[[PeerId], bool] = lambda peer: False
         self._settled = trio.Event()  # set each time an audit ends or serve() waits for a job
         self._in_flight = 0  # jobs drawn and not done (waiting for their start, or being audited)
+        # Jobs drawn with audits to do, in arrival order, waiting for a slot (_draw_arrivals).
+        self._drawn_in, self._drawn = trio.open_memory_channel[tuple[FinishedJob, list[AuditPlan]]](
+            max(1, config.max_queued_jobs))
 
     async def wait_idle(self) -> None:
         """Return once every finished job handed over has been audited (tests and benchmarks).
-        serve() waiting on an empty `finished` channel is exactly that: it parks there only
-        with nothing queued (a job handed straight to it unparks it), and no audit running."""
-        while not self._finished.statistics().tasks_waiting_receive or self._in_flight:
+        serve() waiting on empty `finished` and drawn queues is exactly that: it parks there
+        only with nothing queued (a job handed straight to it unparks it), and no audit running."""
+        while (not self._finished.statistics().tasks_waiting_receive or self._in_flight
+               or not self._drawn.statistics().tasks_waiting_receive):
             await self._settled.wait()
 
     def _settle(self) -> None:
@@ -146,25 +150,38 @@ class Auditor:
     async def _serve_audits(self) -> None:
         slots = trio.Semaphore(max(1, self.config.max_concurrent_audits))
         async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._draw_arrivals)
             while True:
-                await slots.acquire()  # a job is taken off the queue only when it can start now
+                await slots.acquire()  # a drawn job is taken off the queue only when it can start now
                 self._settle()
-                job = None
+                drawn = None
                 with trio.move_on_after(self.config.slice_idle_s if len(self.slices) else math.inf):
-                    job = await self._finished.receive()
-                if job is None:  # no audit for a while: the slices loaded for replays go back
+                    drawn = await self._drawn.receive()
+                if drawn is None:  # no audit for a while: the slices loaded for replays go back
                     if not self._in_flight:
                         self.slices.release()
                     slots.release()
                     continue
-                plans = self._draw(job)
                 self._in_flight += 1
-                nursery.start_soon(self._audit_job, job, plans, slots)
+                nursery.start_soon(self._audit_job, *drawn, slots)
+
+    async def _draw_arrivals(self) -> None:
+        """Draw each finished job's audits as it arrives: its stages not drawn drop its frames
+        at once, a job with none is done, and only drawn ones wait for a slot. (Drawn as a slot
+        freed, a backlog of audits kept every queued job's frames on every stage: at 32 streams
+        of the full mix, 250 ended jobs, ~110 MB a stage, let go in bursts; issue 21.)"""
+        async for job in self._finished:
+            plans = self._draw(job)
+            if plans:
+                await self._drawn_in.send((job, plans))  # a full queue holds the next jobs in _finished
+            else:
+                self.releaser.finished_with(job)
+                self._settle()
 
     def _draw(self, job: FinishedJob) -> list[AuditPlan]:
-        """The job's audits, its stages not drawn released. Done as the job is taken off the
-        queue, in queue order, so a source's FinishedJob is with the releaser (it is pinned)
-        before the plans of any job that forked from it are drawn."""
+        """The job's audits, its stages not drawn released. Done as the job arrives, in queue
+        order, so a source's FinishedJob is with the releaser (it is pinned) before the plans
+        of any job that forked from it are drawn."""
         if time.monotonic() - job.finished_s > self.config.max_job_age_s:
             log.warning("audit backlog: job %s waited %.0f s, its frame logs may be gone; not audited",
                         job.job_id, time.monotonic() - job.finished_s)
@@ -370,24 +387,6 @@ class Auditor:
         self.swarm.mark_faulty(plan.peer_id, f"audit {finding.check}: job {plan.job_id}, {finding.detail}")
 
     async def fetch_all(self, plan: AuditPlan) -> dict[int, tuple[bytes, bytes]]:
-        """Both logged frames of every planned round: ranged AuditRequests, each answered with
-        as many frames as fit AuditConfig.fetch_reply_bytes, until every item is answered. A
-        malformed reply leaves the rest unfetched (the stage kept no record of them, as far as
-        the audit is concerned). Error handling: TransportError or TooSlowError is re-raised."""
-        wanted, got = items(plan.rounds), []
-        while len(got) < len(wanted):
-            batch = wanted[len(got):len(got) + MAX_AUDIT_ITEMS]
-            req = AuditRequest(request_id=self.replies.next_id(), job_id=plan.job_id, epoch=plan.epoch,
-                               rounds=tuple(r for r, _ in batch), sides=tuple(side for _, side in batch),
-                               max_bytes=self.config.fetch_reply_bytes)
-            try:
-                reply = await self.replies.ask(plan.peer_id, req.request_id, [req], AuditReply,
-                                               self.config.reply_timeout_s)
-                got += read_reply(req, reply)
-            except WireError as exc:
-                log.warning("audit of %s on job %s: %s; its other frames count as not kept", plan.peer_id,
-                            plan.job_id, exc)
-                break
-        frames = dict(zip(wanted, got))
-        return {r: (frames[r, "input"], frames[r, "output"]) for r in plan.rounds   # type: ignore[misc]
-                if frames.get((r, "input")) is not None and frames.get((r, "output")) is not None}
+        """Both logged frames of every planned round (coordinator.trust.audit_replies.fetch_logged).
+        Error handling: TransportError or TooSlowError is re-raised."""
+        return await fetch_logged(self.replies, plan, self.config.fetch_reply_bytes, self.config.reply_timeout_s)

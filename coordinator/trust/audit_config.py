@@ -25,7 +25,7 @@ class AuditConfig:
     # decode job's frames at f32 are ~0.8 MB, so most audits take one round trip; a reply
     # holds the stage's control stream ~0.2 s on a 50 Mbit/s uplink.
     fetch_reply_bytes: int = 1 << 20
-    max_queued_jobs: int = 256  # finished jobs waiting for audit; more are not audited
+    max_queued_jobs: int = 256  # finished jobs waiting to be drawn, and drawn ones for a slot; more are not audited
     # Jobs audited at once: an audit mostly waits (on the stage's records, on a verifier's
     # recomputation), and one at a time fell behind at 16 streams (1 audit in a 40 s window,
     # the rest skipped as stale). The gateway's own CPU work stays one at a time (its limiter).

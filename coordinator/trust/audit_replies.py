@@ -5,26 +5,31 @@ recomputation (VerifyRequest, past one control frame in VerifyParts: shard.verif
 Replies arrive on the swarm's control streams, read by one task, which hands each to
 `on_reply`: it goes to the request waiting for it by (peer, request id), a reply in parts
 once put back together. Replies nobody awaits (late, from another peer, or of another
-kind than the request's) are dropped unread. It builds no request and reads no reply's content (coordinator.trust.audit does).
+kind than the request's) are dropped unread. `fetch_logged` is the audit's ranged fetch of a
+stage's logged frames; it builds no other request and reads no verify reply's content
+(coordinator.trust.audit does).
 """
 
 from __future__ import annotations
 
 import collections
 import itertools
+import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
 import trio
 
+from coordinator.trust.audit_plan import AuditPlan
 from ring import PeerId
-from shard.errors import ShardError
+from shard.errors import ShardError, WireError
 from shard.verify_parts import Uploads, assemble, upload_cap
-from shard.wire.audit_frames import AuditReply
+from shard.wire.audit_frames import MAX_AUDIT_ITEMS, AuditReply, AuditRequest, items, read_reply
 from shard.wire.limits import Limits
 from shard.wire.verify import VerifyPart, VerifyReply
 
 R = TypeVar("R", AuditReply, VerifyReply)
+log = logging.getLogger("shard.coordinator")
 
 
 class AwaitedReplies:
@@ -89,3 +94,27 @@ class AwaitedReplies:
         if slot is not None and isinstance(reply, slot[2]):  # others nobody asked for: dropped
             slot[1] = reply
             slot[0].set()
+
+
+async def fetch_logged(replies: AwaitedReplies, plan: AuditPlan, reply_bytes: int,
+                       timeout_s: float) -> dict[int, tuple[bytes, bytes]]:
+    """Both logged frames of every round of `plan` from its stage: ranged AuditRequests, each
+    answered with as many frames as fit `reply_bytes`, until every item is answered. A
+    malformed reply leaves the rest unfetched (the stage kept no record of them, as far as
+    the audit is concerned). Error handling: TransportError or TooSlowError is re-raised."""
+    wanted, got = items(plan.rounds), []
+    while len(got) < len(wanted):
+        batch = wanted[len(got):len(got) + MAX_AUDIT_ITEMS]
+        req = AuditRequest(request_id=replies.next_id(), job_id=plan.job_id, epoch=plan.epoch,
+                           rounds=tuple(r for r, _ in batch), sides=tuple(side for _, side in batch),
+                           max_bytes=reply_bytes)
+        try:
+            reply = await replies.ask(plan.peer_id, req.request_id, [req], AuditReply, timeout_s)
+            got += read_reply(req, reply)
+        except WireError as exc:
+            log.warning("audit of %s on job %s: %s; its other frames count as not kept", plan.peer_id,
+                        plan.job_id, exc)
+            break
+    frames = dict(zip(wanted, got))
+    return {r: (frames[r, "input"], frames[r, "output"]) for r in plan.rounds   # type: ignore[misc]
+            if frames.get((r, "input")) is not None and frames.get((r, "output")) is not None}
