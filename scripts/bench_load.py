@@ -16,7 +16,8 @@ on, a prompt seen before forks from the K/V its last request left on the stages.
 
 Reported per ring and C: aggregate tok/s (content chunks received in the window: with no
 drafter each is one token), CPU ms per token (all four processes' CPU in the window over
-its tokens), p50/p95 time to first token and inter-token gap, errors,
+its tokens), p50/p95 time to first token and inter-token gap, errors, the gateway's (job, stage) audits
+done and skipped (stale: drawn, but their turn came too late),
 and whether every request that finished equals the same request served alone (served
 once each, one at a time, first, on a ring without the prefix cache); the prefix cache's
 forks and the prompt tokens they did not compute again; and the window's timeline (tokens and prompt tokens
@@ -172,11 +173,18 @@ class Ring:
 
 def head_counts(base: str) -> dict:
     """From the gateway's /metrics: LM-head products run and ring rounds committed so far
-    (their ratio over a level: rounds per product, how much the head batched)."""
+    (their ratio over a level: rounds per product, how much the head batched), and the
+    (job, stage) audits done and not done (all reasons; stale: drawn, their turn too late)."""
     text = httpx.get(f"{base.rsplit('/v1', 1)[0]}/metrics", timeout=30).text
     total = lambda name: sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()  # noqa: E731
                              if line.startswith(name) and not line.startswith("#"))
-    return {"products": total("shard_lm_head_seconds_count"), "rounds": total("shard_traversals_total")}
+    return {"products": total("shard_lm_head_seconds_count"), "rounds": total("shard_traversals_total"),
+            "audits": total("shard_audits_total"), "audits_skipped": total("shard_audits_skipped_total"),
+            "audits_stale": total('shard_audits_skipped_total{reason="stale"}')}
+
+
+def audits_between(before: dict, after: dict) -> dict:
+    return {k: after[k] - before[k] for k in ("audits", "audits_skipped", "audits_stale")}
 
 
 def prefix_counts(base: str) -> dict:
@@ -255,7 +263,7 @@ def against_targets(levels: list[dict]) -> dict:
 
 async def sustained(ring: Ring, mix: list[dict], clients: int, seconds: float, refs: list[str]) -> dict:
     samples = [{"t_s": 0.0, **ring.rss(by_mapping=True)}]
-    t0 = time.monotonic()
+    t0, counts = time.monotonic(), head_counts(ring.base)
 
     async def sample():
         while True:
@@ -268,7 +276,7 @@ async def sustained(ring: Ring, mix: list[dict], clients: int, seconds: float, r
         nursery.cancel_scope.cancel()
     await trio.sleep(5)
     samples.append({"t_s": time.monotonic() - t0, "after_idle_5s": True, **ring.rss(by_mapping=True)})
-    return {**result, "rss": samples}
+    return {**result, "rss": samples, "audits": audits_between(counts, head_counts(ring.base))}
 
 
 def main(argv=None) -> int:
@@ -347,6 +355,7 @@ def main(argv=None) -> int:
                     after = head_counts(ring.base)
                     products = after["products"] - heads["products"]
                     row["head_rounds_per_product"] = (after["rounds"] - heads["rounds"]) / products if products else None
+                    row["audits"] = audits_between(heads, after)  # of jobs ended in the window and the 2 s after
                     print(f"{name:28s} C={c:3d}  {row['tok_per_s']:6.1f} tok/s  TTFT p50/p95 "
                           f"{row['ttft_p50_s'] or 0:.2f}/{row['ttft_p95_s'] or 0:.2f} s  ITL p50/p95 "
                           f"{row['itl_p50_s'] or 0:.3f}/{row['itl_p95_s'] or 0:.3f} s  errors {row['errors']}  "
@@ -358,7 +367,7 @@ def main(argv=None) -> int:
                           f"({row['prefix_cache']['hits']} forks)  "
                           f"between prompts {row['quiet_tok_per_s'] or 0:.1f} tok/s  "
                           f"(ramp {row['ramp_s_taken']:.0f} s, {row['ramp_tok_per_s'] or 0:.1f} tok/s)  "
-                          f"load {row['load_average'][0]:.1f}",
+                          f"load {row['load_average'][0]:.1f}  audits {row['audits']}",
                           flush=True)
                     run["levels"].append(row)
                 run["rss_end"] = ring.rss()
@@ -367,8 +376,8 @@ def main(argv=None) -> int:
                     s = run["sustained"]["rss"]
                     print(f"{name}: sustained {args.sustain_s:.0f} s at C={max(levels)}: coordinator "
                           f"{s[0]['coordinator_mb']:.0f} -> {s[-1]['coordinator_mb']:.0f} MB, nodes "
-                          f"{[round(x) for x in s[0]['nodes_mb']]} -> {[round(x) for x in s[-1]['nodes_mb']]} MB",
-                          flush=True)
+                          f"{[round(x) for x in s[0]['nodes_mb']]} -> {[round(x) for x in s[-1]['nodes_mb']]} MB, "
+                          f"audits {run['sustained']['audits']}", flush=True)
                 run["targets"] = against_targets(run["levels"])
                 print(f"{name}: {run['targets']}", flush=True)
                 if "sustained" in run:
