@@ -80,7 +80,9 @@ async def closed_loop(base: str, mix: list[dict], clients: int, window_s: float,
     t0 = time.monotonic()
     opens, deadline, opened_at = [math.inf], [math.inf], [None]
 
-    def on_chunk(ttft, gap):
+    by_kind: dict[int, list[float]] = {}  # the window's inter-token gaps per kind of the mix
+
+    def on_chunk(ttft, gap, kind=None):
         now = time.monotonic()
         if now < opens[0]:
             ramp_chunks[0] += 1
@@ -92,6 +94,7 @@ async def closed_loop(base: str, mix: list[dict], clients: int, window_s: float,
             ttfts.append(ttft)
         if gap is not None:
             gaps.append(gap)
+            by_kind.setdefault(kind, []).append(gap)
 
     async def client_loop(i: int, client: httpx.AsyncClient):
         k = 0
@@ -104,7 +107,7 @@ async def closed_loop(base: str, mix: list[dict], clients: int, window_s: float,
                 if now < deadline[0]:
                     per_s_prompt[min(int(now - opens[0]), len(per_s_prompt) - 1)] += len(mix[kind]["prompt"])
             try:
-                text = await stream_one(client, mix[kind], on_chunk)
+                text = await stream_one(client, mix[kind], lambda ttft, gap, kind=kind: on_chunk(ttft, gap, kind))
             except Exception as exc:  # noqa: BLE001 - every failure is a counted error
                 errors.append(f"{type(exc).__name__}: {exc}"[:300])
                 continue
@@ -145,6 +148,7 @@ async def closed_loop(base: str, mix: list[dict], clients: int, window_s: float,
             "error_samples": errors[:3], "outputs_equal_alone": None if refs is None else not mismatches,
             "mismatched_kinds": sorted(set(mismatches)), "ttft_p50_s": pct(ttfts, 0.5), "ttft_p95_s": pct(ttfts, 0.95),
             "itl_p50_s": pct(gaps, 0.5), "itl_p95_s": pct(gaps, 0.95), "load_average": list(os.getloadavg()),
+            "itl_p95_s_by_kind": {k: pct(v, 0.95) for k, v in sorted(by_kind.items())},
             "timeline": {"tokens_per_s": per_s_tokens, "prompt_tokens_started_per_s": per_s_prompt},
             "quiet_tok_per_s": quiet_rate(per_s_tokens, per_s_prompt)}
 
