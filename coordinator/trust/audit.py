@@ -175,7 +175,6 @@ class Auditor:
             if plans:
                 await self._drawn_in.send((job, plans))  # a full queue holds the next jobs in _finished
             else:
-                self.releaser.finished_with(job)
                 self._settle()
 
     def _draw(self, job: FinishedJob) -> list[AuditPlan]:
@@ -190,7 +189,7 @@ class Auditor:
         else:
             source = None if job.prefix is None else self.releaser.source(job.prefix[1])
             plans = plan_audits(job, self.config.rate, self.rng, source)
-        self.releaser.release_job(job, keep={(p.peer_id, p.epoch) for p in plans}, done=False)
+        self.releaser.release_job(job, keep={(p.peer_id, p.epoch) for p in plans}, done=not plans)
         return plans
 
     async def _audit_job(self, job: FinishedJob, plans: list[AuditPlan], slots: trio.Semaphore) -> None:
@@ -198,7 +197,7 @@ class Auditor:
         try:
             # One of a cluster (other jobs drawn, not done): it starts at a random time within
             # AuditConfig.spread_s, its slot free meanwhile; a backlog past max_queued_jobs is not spread.
-            if plans and 1 < self._in_flight <= self.config.max_queued_jobs and self.config.spread_s > 0:
+            if 1 < self._in_flight <= self.config.max_queued_jobs and self.config.spread_s > 0:
                 slots.release()
                 held = False
                 await trio.sleep(self.rng.uniform(0, self.config.spread_s))
