@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import math
 import mmap
+import platform
+import sys
 from dataclasses import dataclass, field
 
 import torch
@@ -18,18 +20,39 @@ import torch
 from shard.errors import CacheError, CacheFullError
 
 INITIAL_SLOTS = 256
+# mmap.MAP_NORESERVE arrives in Python 3.13; Linux's value on x86-64 and arm64 before that.
+_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform == "linux" and platform.machine() in ("x86_64", "aarch64") else 0)
 
 
 def _kv_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-    """Zeros for K or V. On CPU each block is its own anonymous mmap: the kernel hands out
-    zero pages as slots are first written, so a job is resident only for the slots it
-    touched (torch.zeros wrote all 256 slots of a new job: 11.8 MB for SmolLM2, whatever
+    """Zeros for K or V. On CPU each block is its own private anonymous mmap: the kernel
+    hands out zero pages as slots are first written, so a job is resident only for the slots
+    it touched (torch.zeros wrote all 256 slots of a new job: 11.8 MB for SmolLM2, whatever
     its length), and dropping the tensor unmaps it, so a freed job's memory leaves the
-    process at once instead of staying in the allocator's heap."""
+    process at once instead of staying in the allocator's heap. Private, not shared: a
+    first write to a shared anonymous page cost ~1.5x as much (14.6 MB of fresh K copied in:
+    9.2 against 6.3 ms, this VM)."""
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if torch.device(device).type != "cpu" or nbytes == 0:
         return torch.zeros(shape, dtype=dtype, device=device)
-    pages = mmap.mmap(-1, nbytes)  # the tensor keeps it mapped; unmapped with it
+    pages = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # the tensor keeps it mapped
+    return torch.frombuffer(pages, dtype=torch.uint8, count=nbytes).view(dtype).reshape(shape)
+
+
+def _kv_room(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor | None:
+    """Address space for K or V at a job's most slots, nothing resident (CPU only; None
+    elsewhere, or where the kernel refuses the reservation): growing the job is then a
+    longer view of it, not a copy into fresh pages. A prefix fork of a 1.9k-token prompt
+    grew its job twice (to the prefix, then past it for the frame's own rows), copying and
+    first-touching ~58 MB of a 10-layer SmolLM2 stage: 46 ms of a forward that every other
+    job in the batch waited for (docs/batching.md, "Forks and the forwards beside them")."""
+    if torch.device(device).type != "cpu":
+        return None
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    try:  # NORESERVE: only the pages written count against the machine's memory
+        pages = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _NORESERVE)
+    except (OSError, ValueError, OverflowError):
+        return None
     return torch.frombuffer(pages, dtype=torch.uint8, count=nbytes).view(dtype).reshape(shape)
 
 
@@ -56,6 +79,9 @@ class JobCache:
     v: torch.Tensor
     budget: _Budget
     bytes_per_slot: int
+    # K and V's address space at max_slots (_kv_room), of which k and v view [0, capacity);
+    # None: growing allocates and copies.
+    room: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def capacity(self) -> int:
@@ -71,6 +97,9 @@ class JobCache:
         new_cap = min(self.max_slots, max(slots, 2 * self.capacity))
         self.budget.take(f"KV bytes to grow job {self.job_id!r} to {new_cap} slots",
                          (new_cap - self.capacity) * self.bytes_per_slot)
+        if self.room is not None:  # slots past the capacity were never written: still zero pages
+            self.k, self.v = (part[:, :, :new_cap] for part in self.room)
+            return
         shape = (*self.k.shape[:2], new_cap, self.k.shape[3])
         k = _kv_zeros(shape, self.k.dtype, self.k.device)
         v = _kv_zeros(shape, self.v.dtype, self.v.device)
@@ -138,9 +167,16 @@ class KVCache:
             raise CacheError(f"job {job_id!r} asked for {max_slots} slots")
         cap = min(max_slots, INITIAL_SLOTS)
         self._budget.take(f"KV bytes to admit job {job_id!r}", cap * self.bytes_per_slot)
-        shape = (self.num_layers, self.num_kv_heads, cap, self.head_dim)
-        job = JobCache(job_id, max_slots, _kv_zeros(shape, self.dtype, self.device),
-                       _kv_zeros(shape, self.dtype, self.device), self._budget, self.bytes_per_slot)
+        room_shape = (self.num_layers, self.num_kv_heads, max_slots, self.head_dim)
+        k_room = _kv_room(room_shape, self.dtype, self.device)
+        v_room = _kv_room(room_shape, self.dtype, self.device) if k_room is not None else None
+        if k_room is not None and v_room is not None:
+            job = JobCache(job_id, max_slots, k_room[:, :, :cap], v_room[:, :, :cap], self._budget,
+                           self.bytes_per_slot, room=(k_room, v_room))
+        else:
+            shape = (self.num_layers, self.num_kv_heads, cap, self.head_dim)
+            job = JobCache(job_id, max_slots, _kv_zeros(shape, self.dtype, self.device),
+                           _kv_zeros(shape, self.dtype, self.device), self._budget, self.bytes_per_slot)
         self.jobs[job_id] = job
         return job
 

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from shard.errors import CacheError, CacheFullError
+from shard import kvcache
 from shard.kvcache import KVCache
 
 
@@ -23,7 +24,16 @@ def test_admission_refuses_past_the_bound_with_figures():
     c.open("b", 100)  # freed reservation is reusable
 
 
-def test_growth_keeps_contents_and_stops_at_max_slots():
+@pytest.fixture(params=["room", "copy"])
+def growth(request, monkeypatch):
+    """Both ways a job grows: a longer view of its reserved address space (CPU), or fresh
+    blocks and a copy (other devices, or a kernel that refuses the reservation)."""
+    if request.param == "copy":
+        monkeypatch.setattr(kvcache, "_kv_room", lambda *a: None)
+    return request.param
+
+
+def test_growth_keeps_contents_and_stops_at_max_slots(growth):
     c = cache(1 << 30)
     job = c.open("a", 600)
     k = torch.randn(2, 10, 4)
@@ -35,7 +45,25 @@ def test_growth_keeps_contents_and_stops_at_max_slots():
         job.ensure(601)
 
 
-def test_growth_past_the_bound_is_refused_and_keeps_the_job_intact():
+def test_growth_on_cpu_is_a_longer_view_not_a_copy():
+    # Bug guarded: a prefix fork of a 1.9k-token prompt grew its job twice, each time into
+    # fresh pages with a copy (46 ms of a 10-layer SmolLM2 stage's forward, which every job
+    # batched beside it waited for). Sound: the job's K keeps its address when it grows
+    # (the same reserved block, viewed longer), its contents stay, and the slots it opens
+    # read as zeros.
+    c = cache(1 << 30)
+    job = c.open("a", 4000)
+    job.write(0, 0, torch.ones(2, 3, 4), torch.full((2, 3, 4), 2.0))
+    before = job.k.data_ptr()
+    job.ensure(3000)
+    assert job.capacity == 3000 and job.k.data_ptr() == before
+    assert torch.equal(job.v[0, :, :3], torch.full((2, 3, 4), 2.0)) and job.k[:, :, 3:].abs().sum() == 0
+    forked = c.fork("b", "a", 3, 4000)
+    forked.ensure(2000)
+    assert torch.equal(forked.k[0, :, :3], torch.ones(2, 3, 4)) and forked.k[:, :, 3:].abs().sum() == 0
+
+
+def test_growth_past_the_bound_is_refused_and_keeps_the_job_intact(growth):
     # Bug guarded: a job growing into memory another job needs (or past the stage's
     # bound) must fail that job's frame with the figures, not allocate, not corrupt.
     c = cache(max_bytes=128 * 400)
