@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import math
 import mmap
-import platform
-import sys
+import os
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -20,8 +21,6 @@ import torch
 from shard.errors import CacheError, CacheFullError
 
 INITIAL_SLOTS = 256
-# mmap.MAP_NORESERVE arrives in Python 3.13; Linux's value on x86-64 and arm64 before that.
-_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform == "linux" and platform.machine() in ("x86_64", "aarch64") else 0)
 
 
 def _kv_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
@@ -39,21 +38,43 @@ def _kv_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device |
     return torch.frombuffer(pages, dtype=torch.uint8, count=nbytes).view(dtype).reshape(shape)
 
 
-def _kv_room(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor | None:
-    """Address space for K or V at a job's most slots, nothing resident (CPU only; None
-    elsewhere, or where the kernel refuses the reservation): growing the job is then a
-    longer view of it, not a copy into fresh pages. A prefix fork of a 1.9k-token prompt
-    grew its job twice (to the prefix, then past it for the frame's own rows), copying and
-    first-touching ~58 MB of a 10-layer SmolLM2 stage: 46 ms of a forward that every other
-    job in the batch waited for (docs/batching.md, "Forks and the forwards beside them")."""
-    if torch.device(device).type != "cpu":
-        return None
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    try:  # NORESERVE: only the pages written count against the machine's memory
-        pages = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _NORESERVE)
-    except (OSError, ValueError, OverflowError):
-        return None
-    return torch.frombuffer(pages, dtype=torch.uint8, count=nbytes).view(dtype).reshape(shape)
+@dataclass
+class _Room:
+    """A CPU job's K and V at its most slots, (layers, kv_heads, max_slots, head_dim) each,
+    nothing resident until written: growing the job is a longer view of it, not a copy into
+    fresh pages. Both live in one memory file (`fd`, closed with the room) that the job maps
+    shared, so a prefix fork can map it privately: copy-on-write, the source's pages read in
+    place and only the pages the fork writes copied (`fd` None: such a private map). A 1.9k-token
+    prefix fork grew its job twice, copying and first-touching ~58 MB of a 10-layer SmolLM2
+    stage, 46 ms of a forward that every job batched beside it waited for; a copy into a room,
+    ~15 ms; a private map, none (docs/batching.md, "Forks and the forwards beside them")."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    fd: int | None
+    release: Callable[[], None] = lambda: None
+
+    @classmethod
+    def make(cls, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str,
+             source: _Room | None = None) -> _Room | None:
+        """A fresh room, or with `source` a private map of its file; None off CPU, without
+        memory files (not Linux), or where the kernel refuses the mapping."""
+        if torch.device(device).type != "cpu" or not hasattr(os, "memfd_create") or source is not None and source.fd is None:
+            return None
+        numel, fd = math.prod(shape), None if source is None else source.fd
+        try:
+            if source is None:
+                fd = os.memfd_create("shard-kv", os.MFD_CLOEXEC)
+                os.ftruncate(fd, 2 * numel * torch.empty((), dtype=dtype).element_size())
+            both = torch.from_file(f"/proc/self/fd/{fd}", shared=source is None, size=2 * numel, dtype=dtype)
+        except (OSError, RuntimeError, ValueError):
+            if source is None and fd is not None:
+                os.close(fd)
+            return None
+        room = cls(both[:numel].view(shape), both[numel:].view(shape), fd if source is None else None)
+        if room.fd is not None:
+            room.release = weakref.finalize(room, os.close, room.fd)  # at the job's close, or its collection
+        return room
 
 
 @dataclass
@@ -79,9 +100,9 @@ class JobCache:
     v: torch.Tensor
     budget: _Budget
     bytes_per_slot: int
-    # K and V's address space at max_slots (_kv_room), of which k and v view [0, capacity);
-    # None: growing allocates and copies.
-    room: tuple[torch.Tensor, torch.Tensor] | None = None
+    # K and V at max_slots (_Room), of which k and v view [0, capacity); None: growing
+    # allocates and copies.
+    room: _Room | None = None
 
     @property
     def capacity(self) -> int:
@@ -98,7 +119,7 @@ class JobCache:
         self.budget.take(f"KV bytes to grow job {self.job_id!r} to {new_cap} slots",
                          (new_cap - self.capacity) * self.bytes_per_slot)
         if self.room is not None:  # slots past the capacity were never written: still zero pages
-            self.k, self.v = (part[:, :, :new_cap] for part in self.room)
+            self.k, self.v = self.room.k[:, :, :new_cap], self.room.v[:, :, :new_cap]
             return
         shape = (*self.k.shape[:2], new_cap, self.k.shape[3])
         k = _kv_zeros(shape, self.k.dtype, self.k.device)
@@ -160,19 +181,22 @@ class KVCache:
     def reserved_bytes(self) -> int:
         return self._budget.used_bytes
 
-    def open(self, job_id: str, max_slots: int) -> JobCache:
+    def open(self, job_id: str, max_slots: int, source: JobCache | None = None) -> JobCache:
+        """Job `job_id`'s cache, `min(max_slots, INITIAL_SLOTS)` slots to start; with `source`
+        (a job of the same max_slots) a copy-on-write map of its slots where it can (its
+        room's `fd` None; else a room or blocks of its own, and the caller copies)."""
         if job_id in self.jobs:
             raise CacheError(f"job {job_id!r} already has a cache on this stage")
         if max_slots <= 0:
             raise CacheError(f"job {job_id!r} asked for {max_slots} slots")
         cap = min(max_slots, INITIAL_SLOTS)
         self._budget.take(f"KV bytes to admit job {job_id!r}", cap * self.bytes_per_slot)
-        room_shape = (self.num_layers, self.num_kv_heads, max_slots, self.head_dim)
-        k_room = _kv_room(room_shape, self.dtype, self.device)
-        v_room = _kv_room(room_shape, self.dtype, self.device) if k_room is not None else None
-        if k_room is not None and v_room is not None:
-            job = JobCache(job_id, max_slots, k_room[:, :, :cap], v_room[:, :, :cap], self._budget,
-                           self.bytes_per_slot, room=(k_room, v_room))
+        shape = (self.num_layers, self.num_kv_heads, max_slots, self.head_dim)
+        room = None if source is None or source.room is None else _Room.make(shape, self.dtype, self.device, source.room)
+        room = room or _Room.make(shape, self.dtype, self.device)
+        if room is not None:
+            job = JobCache(job_id, max_slots, room.k[:, :, :cap], room.v[:, :, :cap], self._budget,
+                           self.bytes_per_slot, room=room)
         else:
             shape = (self.num_layers, self.num_kv_heads, cap, self.head_dim)
             job = JobCache(job_id, max_slots, _kv_zeros(shape, self.dtype, self.device),
@@ -190,15 +214,17 @@ class KVCache:
         if slots > source.capacity:
             raise CacheError(f"prefix of {slots} slots from job {source_id!r}, which holds {source.capacity}")
         opened = job_id not in self.jobs
-        job = self.jobs[job_id] if not opened else self.open(job_id, max_slots)
+        mapped = opened and source.max_slots == max_slots  # same room shape: copy-on-write
+        job = self.jobs[job_id] if not opened else self.open(job_id, max_slots, source if mapped else None)
         try:
             job.ensure(slots)
         except CacheFullError:
             if opened:
                 self.close(job_id)
             raise
-        job.k[:, :, :slots] = source.k[:, :, :slots]
-        job.v[:, :, :slots] = source.v[:, :, :slots]
+        if not (mapped and job.room is not None and job.room.fd is None):  # not a private map of the source's
+            job.k[:, :, :slots] = source.k[:, :, :slots]
+            job.v[:, :, :slots] = source.v[:, :, :slots]
         return job
 
     def get(self, job_id: str) -> JobCache:
@@ -211,3 +237,5 @@ class KVCache:
         job = self.jobs.pop(job_id, None)
         if job is not None:
             self._budget.used_bytes -= job.capacity * self.bytes_per_slot
+            if job.room is not None:
+                job.room.release()  # its memory file; the pages go with the last map of them
