@@ -232,8 +232,9 @@ def base_conditions(store) -> dict:
 def rss_by_mapping_mb(pid: int) -> dict[str, float]:
     """A process's RSS split by what holds it (/proc/PID/smaps): [heap] (glibc's main
     arena), anonymous mappings starting on a 64 MiB boundary (glibc's thread arenas),
-    1 MiB ones (CPython's object arenas), other anonymous ones (big blocks, stacks) and files."""
-    kinds = {"heap": 0, "thread_arenas": 0, "py_arenas": 0, "anon": 0, "file": 0}
+    1 MiB ones (CPython's object arenas), other anonymous ones (big blocks, stacks), the
+    stages' K/V memory files (shard.kvcache, `/memfd:shard-kv`) and other files."""
+    kinds = {"heap": 0, "thread_arenas": 0, "py_arenas": 0, "anon": 0, "kv": 0, "file": 0}
     kind = "anon"
     with open(f"/proc/{pid}/smaps") as f:
         for line in f:
@@ -241,7 +242,8 @@ def rss_by_mapping_mb(pid: int) -> dict[str, float]:
             if "-" in head[0] and len(head) >= 5 and not head[0].endswith(":"):  # a mapping's header line
                 name = head[5] if len(head) > 5 else ""
                 lo, hi = (int(x, 16) for x in head[0].split("-"))
-                kind = ("heap" if name == "[heap]" else "file" if name.startswith("/") else "anon" if name else
+                kind = ("heap" if name == "[heap]" else "kv" if name.startswith("/memfd:shard-kv") else
+                        "file" if name.startswith("/") else "anon" if name else
                         "thread_arenas" if lo % (64 << 20) == 0 else "py_arenas" if hi - lo == 1 << 20 else "anon")
             elif head[0] == "Rss:":
                 kinds[kind] += int(head[1])
