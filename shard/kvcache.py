@@ -47,7 +47,9 @@ class _Room:
     place and only the pages the fork writes copied (`fd` None: such a private map). A 1.9k-token
     prefix fork grew its job twice, copying and first-touching ~58 MB of a 10-layer SmolLM2
     stage, 46 ms of a forward that every job batched beside it waited for; a copy into a room,
-    ~15 ms; a private map, none (docs/batching.md, "Forks and the forwards beside them")."""
+    ~15 ms; a private map, none (docs/batching.md, "Forks and the forwards beside them"). The
+    price: a first write to a memory file's page costs what a shared page does (~1.5x a
+    private one, _kv_zeros), ~15 KB of K/V a token on such a stage."""
 
     k: torch.Tensor
     v: torch.Tensor
@@ -118,7 +120,7 @@ class JobCache:
         new_cap = min(self.max_slots, max(slots, 2 * self.capacity))
         self.budget.take(f"KV bytes to grow job {self.job_id!r} to {new_cap} slots",
                          (new_cap - self.capacity) * self.bytes_per_slot)
-        if self.room is not None:  # slots past the capacity were never written: still zero pages
+        if self.room is not None:  # slots past the capacity: zero pages (a fork's, its source's, written before read)
             self.k, self.v = self.room.k[:, :, :new_cap], self.room.v[:, :, :new_cap]
             return
         shape = (*self.k.shape[:2], new_cap, self.k.shape[3])
@@ -207,7 +209,10 @@ class KVCache:
     def fork(self, job_id: str, source_id: str, slots: int, max_slots: int) -> JobCache:
         """Job `job_id`'s cache (opened if new) with slots [0, slots) copied from job
         `source_id`'s: a prefix cache hit. Raises CacheError when the source holds no cache
-        here or fewer slots, CacheFullError past the bound; a refused fork opens nothing."""
+        here or fewer slots, CacheFullError past the bound; a refused fork opens nothing.
+        A new job maps the source's slots copy-on-write (_Room): the source must not write
+        its slots below `slots` again (a kept source writes nothing; a running job writes
+        only past its context)."""
         source = self.jobs.get(source_id)
         if source is None:
             raise CacheError(f"prefix source job {source_id!r} holds no KV cache on this stage (re-prefill from 0)")
