@@ -185,8 +185,8 @@ class KVCache:
 
     def open(self, job_id: str, max_slots: int, source: JobCache | None = None) -> JobCache:
         """Job `job_id`'s cache, `min(max_slots, INITIAL_SLOTS)` slots to start; with `source`
-        (a job of the same max_slots) a copy-on-write map of its slots where it can (its
-        room's `fd` None; else a room or blocks of its own, and the caller copies)."""
+        a copy-on-write map of its slots where it can (same max_slots, both on CPU: the new
+        room's `fd` None), else a room or blocks of its own (the caller copies)."""
         if job_id in self.jobs:
             raise CacheError(f"job {job_id!r} already has a cache on this stage")
         if max_slots <= 0:
@@ -194,8 +194,8 @@ class KVCache:
         cap = min(max_slots, INITIAL_SLOTS)
         self._budget.take(f"KV bytes to admit job {job_id!r}", cap * self.bytes_per_slot)
         shape = (self.num_layers, self.num_kv_heads, max_slots, self.head_dim)
-        room = None if source is None or source.room is None else _Room.make(shape, self.dtype, self.device, source.room)
-        room = room or _Room.make(shape, self.dtype, self.device)
+        shares = source is not None and source.room is not None and source.max_slots == max_slots
+        room = (shares and _Room.make(shape, self.dtype, self.device, source.room)) or _Room.make(shape, self.dtype, self.device)
         if room is not None:
             job = JobCache(job_id, max_slots, room.k[:, :, :cap], room.v[:, :, :cap], self._budget,
                            self.bytes_per_slot, room=room)
@@ -219,15 +219,14 @@ class KVCache:
         if slots > source.capacity:
             raise CacheError(f"prefix of {slots} slots from job {source_id!r}, which holds {source.capacity}")
         opened = job_id not in self.jobs
-        mapped = opened and source.max_slots == max_slots  # same room shape: copy-on-write
-        job = self.jobs[job_id] if not opened else self.open(job_id, max_slots, source if mapped else None)
+        job = self.jobs[job_id] if not opened else self.open(job_id, max_slots, source)
         try:
             job.ensure(slots)
         except CacheFullError:
             if opened:
                 self.close(job_id)
             raise
-        if not (mapped and job.room is not None and job.room.fd is None):  # not a private map of the source's
+        if not (opened and job.room is not None and job.room.fd is None):  # not a private map of the source's
             job.k[:, :, :slots] = source.k[:, :, :slots]
             job.v[:, :, :slots] = source.v[:, :, :slots]
         return job
