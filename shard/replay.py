@@ -167,7 +167,8 @@ def _rows(t: torch.Tensor | None, keep: tuple[int, ...]) -> torch.Tensor | None:
 @dataclass
 class ReplayStats:
     forwards: int = 0
-    rows: int = 0
+    rows: int = 0  # rows recomputed (a lead kept from an earlier replay is not)
+    lead_kept: bool = False  # the lead's state came from the LeadCache
 
 
 # Per frame: (rows recomputed, as indices within the frame (K,); hidden (K, H); aux (K, k*H) or None).
@@ -315,6 +316,8 @@ def replay_steps(stage: Stage, wire_dtype: str, frames: list[Forward], max_rows:
         job.ensure(held)
         job.k[:, :, :held], job.v[:, :, :held] = lead_state.k, lead_state.v
         out[:cut], done = list(lead_state.out), leading
+        if stats is not None:
+            stats.lead_kept = True
     for n, (fwd, seg) in enumerate(zip(merged, segments), start=1):
         if n <= done:
             continue

@@ -32,7 +32,7 @@ from shard.errors import ShardError
 from shard.layers import LayerRange
 from shard.low_priority import LowPriorityThread
 from shard.quant import scheme
-from shard.replay import LeadCache, Replayed, replay_steps
+from shard.replay import LeadCache, Replayed, ReplayStats, replay_steps
 from shard.slice_cache import SliceCache
 from shard.stage import Stage
 from shard.store import ModelStore
@@ -227,10 +227,11 @@ class Verifier:
             stage, load_s = await self._stage(LayerRange(req.layer_start, req.layer_end), req.quant, warm)
             lead = next((i for i, f in enumerate(frames) if f.prefix_job is not None), 0)
             key = await trio.to_thread.run_sync(lead_key, req, lead, warm is None or stage is not warm[0]) if lead else b""
-            steps = replay_steps(stage, req.wire_dtype, frames, min(req.max_replay_rows, self.step_rows),
+            stats = ReplayStats()
+            steps = replay_steps(stage, req.wire_dtype, frames, min(req.max_replay_rows, self.step_rows), stats,
                                  aux_dtype=req.aux_dtype, frame_by_frame=scheme(req.quant).quantised, lead=lead,
                                  lead_key=key, lead_cache=self.leads)
-            replayed, cpu_s, hits = None, 0.0, self.leads.hits
+            replayed, cpu_s = None, 0.0
             background = self._in_background(frames, stage, min(req.max_replay_rows, self.step_rows))
             while replayed is None:  # one forward at a time: the node's own frames run between
                 async with self._background:
@@ -243,10 +244,12 @@ class Verifier:
                 cpu_s += step_s
             reply, size = await trio.to_thread.run_sync(sized_reply, req.request_id, replayed, limits)
             self.replayed_rows, self.replay_cpu_s = self.replayed_rows + sum(reply.frame_rows), self.replay_cpu_s + cpu_s
-            log.info("verify request %d: %d rows of %d frames replayed on layers [%d, %d) in %.2f CPU-s%s", req.request_id,
-                     sum(reply.frame_rows), len(frames), req.layer_start, req.layer_end, cpu_s,
-                     ("" if load_s is None else f", after loading the slice ({load_s:.2f} CPU-s)")
-                     + (f", the first {lead} (a fork's source) kept from an earlier replay" if self.leads.hits > hits else ""))
+            # The lead's hit read off this replay's own stats: the cache's counters are shared by the
+            # requests whose steps interleave here, so a hit of another one read as this one's.
+            log.info("verify request %d: %d rows of %d frames replayed on layers [%d, %d) in %.2f CPU-s (%d rows "
+                     "recomputed)%s", req.request_id, sum(reply.frame_rows), len(frames), req.layer_start, req.layer_end,
+                     cpu_s, stats.rows, ("" if load_s is None else f", after loading the slice ({load_s:.2f} CPU-s)")
+                     + (f", the first {lead} (a fork's source) kept from an earlier replay" if stats.lead_kept else ""))
         except ShardError as exc:
             return self._refuse(req.request_id, str(exc), req)
         except Exception as exc:  # a check we missed: this request's error, never the node's

@@ -13,6 +13,8 @@ every frame, and with the stage's own outputs; the replayed rows are counted.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import trio
 
@@ -68,6 +70,7 @@ def test_a_second_fork_of_a_source_replays_only_its_own_rows_and_the_same_output
     assert (cache.misses, cache.hits, len(cache)) == (1, 1, 1)
     assert same(first, whole) and same(second, whole)  # bitwise: the kept K/V is what the lead left
     assert first_stats.rows == whole_stats.rows
+    assert (whole_stats.lead_kept, first_stats.lead_kept, second_stats.lead_kept) == (False, False, True)
     assert second_stats.rows < whole_stats.rows and second_stats.forwards < whole_stats.forwards
     for (keep, hidden, _), out in zip(second[len(lead):], outs):  # and it is what the stage computed
         assert (hidden[-1:] - out.hidden.float()[-1:]).abs().max().item() <= 1e-4
@@ -102,7 +105,8 @@ def test_the_kept_states_stay_within_their_bytes_oldest_out_first():
     assert LeadCache(0).max_bytes == 0 and (LeadCache(0).put((b"x", ()), state(1)) or True)
 
 
-def test_a_verifier_keeps_a_sources_lead_across_requests_and_not_across_prefixes(tiny_llama_store):
+def test_a_verifier_keeps_a_sources_lead_across_requests_and_not_across_prefixes(tiny_llama_store, caplog):
+    caplog.set_level(logging.INFO, logger="shard.node")
     store = tiny_llama_store
     stage = stage_of(store, LayerRange(0, store.num_layers))
     limits = Limits.for_model(store.config, max_tokens_per_frame=2048)
@@ -131,3 +135,7 @@ def test_a_verifier_keeps_a_sources_lead_across_requests_and_not_across_prefixes
     assert (leads.hits, leads.misses) == (2, 1)  # b and c reused a's lead (c reads the same rows of it)
     assert b.frame_rows == fresh.frame_rows and torch.equal(b.hidden, fresh.hidden) and torch.equal(b.keep, fresh.keep)
     assert a.frame_rows == b.frame_rows
+    # Each request's log line says whether its own lead was kept (read off its own replay, not
+    # the cache's shared counters: the steps of concurrent requests interleave).
+    kept = [r.getMessage().endswith("kept from an earlier replay") for r in caplog.records if "replayed on layers" in r.getMessage()]
+    assert kept == [False, True, True, False], kept
