@@ -244,8 +244,8 @@ class Verifier:
                 cpu_s += step_s
             reply, size = await trio.to_thread.run_sync(sized_reply, req.request_id, replayed, limits)
             self.replayed_rows, self.replay_cpu_s = self.replayed_rows + sum(reply.frame_rows), self.replay_cpu_s + cpu_s
-            # The lead's hit read off this replay's own stats: the cache's counters are shared by the
-            # requests whose steps interleave here, so a hit of another one read as this one's.
+            # Whether the lead was kept comes from this replay's own stats: the cache's counters are
+            # shared by requests whose steps interleave, so another's hit read as this one's.
             log.info("verify request %d: %d rows of %d frames replayed on layers [%d, %d) in %.2f CPU-s (%d rows "
                      "recomputed)%s", req.request_id, sum(reply.frame_rows), len(frames), req.layer_start, req.layer_end,
                      cpu_s, stats.rows, ("" if load_s is None else f", after loading the slice ({load_s:.2f} CPU-s)")

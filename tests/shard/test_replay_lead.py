@@ -139,3 +139,38 @@ def test_a_verifier_keeps_a_sources_lead_across_requests_and_not_across_prefixes
     # the cache's shared counters: the steps of concurrent requests interleave).
     kept = [r.getMessage().endswith("kept from an earlier replay") for r in caplog.records if "replayed on layers" in r.getMessage()]
     assert kept == [False, True, True, False], kept
+
+
+def test_each_replay_reports_its_own_lead_hit_while_another_runs_beside_it(tiny_llama_store, caplog):
+    # Bug guarded: the log line read "kept from an earlier replay" off the cache's shared hit
+    # counter, so a replay that missed read as a hit when another request's steps, interleaved
+    # with its own, hit meanwhile (the logs overcounted hits under load).
+    caplog.set_level(logging.INFO, logger="shard.node")
+    store = tiny_llama_store
+    stage = stage_of(store, LayerRange(0, store.num_layers))
+    limits = Limits.for_model(store.config, max_tokens_per_frame=2048)
+
+    def request(request_id, frames):
+        data = [encode_body(f) for f in frames]
+        return VerifyRequest(request_id=request_id, layer_start=0, layer_end=store.num_layers, wire_dtype="f32",
+                             frame_bytes=tuple(map(len, data)),
+                             frames=torch.frombuffer(bytearray(b"".join(data)), dtype=torch.uint8))
+
+    lead, ours, _ = fork_frames(stage, 7)
+    _, other, _ = fork_frames(stage, 7, job="k")  # the same lead: a hit once `ours` was replayed
+    long_lead, at10, _ = fork_frames(stage, 10)  # a longer lead: a miss
+
+    async def main():
+        verifier = Verifier(store, "cpu", trio.CapacityLimiter(1), step_rows=2, pause_ratio=0.0)
+        await verifier.answer(request(1, lead + ours), limits)
+        async with trio.open_nursery() as n:
+            n.start_soon(verifier.answer, request(2, long_lead + at10), limits)
+            n.start_soon(verifier.answer, request(3, lead + other), limits)
+        return verifier.leads
+
+    leads = trio.run(main)
+    assert (leads.hits, leads.misses) == (1, 2)
+    lines = {int(r.getMessage().split()[2].rstrip(":")): r.getMessage() for r in caplog.records
+             if "replayed on layers" in r.getMessage()}
+    kept = {i: line.endswith("kept from an earlier replay") for i, line in lines.items()}
+    assert kept == {1: False, 2: False, 3: True}, lines
