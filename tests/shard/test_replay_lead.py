@@ -44,6 +44,14 @@ def fork_frames(stage, prefix_len: int, job: str = "j"):
     return lead, ours, outs
 
 
+def verify_request(store, frames, request_id: int = 1) -> VerifyRequest:
+    """A request to replay `frames` on all of `store`'s layers, as the gateway sends it."""
+    data = [encode_body(f) for f in frames]
+    return VerifyRequest(request_id=request_id, layer_start=0, layer_end=store.num_layers, wire_dtype="f32",
+                         frame_bytes=tuple(map(len, data)),
+                         frames=torch.frombuffer(bytearray(b"".join(data)), dtype=torch.uint8))
+
+
 def run(stage, frames, lead=0, key=b"k", cache=None, max_rows=4):
     stats = ReplayStats()
     steps = replay_steps(stage, "f32", frames, max_rows, stats, lead=lead, lead_key=key, lead_cache=cache)
@@ -111,23 +119,17 @@ def test_a_verifier_keeps_a_sources_lead_across_requests_and_not_across_prefixes
     stage = stage_of(store, LayerRange(0, store.num_layers))
     limits = Limits.for_model(store.config, max_tokens_per_frame=2048)
 
-    def request(frames):
-        data = [encode_body(f) for f in frames]
-        return VerifyRequest(request_id=1, layer_start=0, layer_end=store.num_layers, wire_dtype="f32",
-                             frame_bytes=tuple(map(len, data)),
-                             frames=torch.frombuffer(bytearray(b"".join(data)), dtype=torch.uint8))
-
     lead, ours, _ = fork_frames(stage, 7)
     _, other, _ = fork_frames(stage, 7, job="k")  # another fork of the same source
     _, at5, _ = fork_frames(stage, 5)
 
     async def main():
         verifier = Verifier(store, "cpu", trio.CapacityLimiter(1), step_rows=4, pause_ratio=0.0)
-        a = await verifier.answer(request(lead + ours), limits)
-        b = await verifier.answer(request(lead + other), limits)
-        c = await verifier.answer(request(lead[:1] + at5), limits)  # forked at 5: its lead is the same frame
+        a = await verifier.answer(verify_request(store, lead + ours), limits)
+        b = await verifier.answer(verify_request(store, lead + other), limits)
+        c = await verifier.answer(verify_request(store, lead[:1] + at5), limits)  # forked at 5: its lead is the same frame
         fresh = await Verifier(store, "cpu", trio.CapacityLimiter(1), step_rows=4, lead_cache_bytes=0).answer(
-            request(lead + other), limits)
+            verify_request(store, lead + other), limits)
         return verifier.leads, a, b, c, fresh
 
     leads, a, b, c, fresh = trio.run(main)
@@ -149,23 +151,16 @@ def test_each_replay_reports_its_own_lead_hit_while_another_runs_beside_it(tiny_
     store = tiny_llama_store
     stage = stage_of(store, LayerRange(0, store.num_layers))
     limits = Limits.for_model(store.config, max_tokens_per_frame=2048)
-
-    def request(request_id, frames):
-        data = [encode_body(f) for f in frames]
-        return VerifyRequest(request_id=request_id, layer_start=0, layer_end=store.num_layers, wire_dtype="f32",
-                             frame_bytes=tuple(map(len, data)),
-                             frames=torch.frombuffer(bytearray(b"".join(data)), dtype=torch.uint8))
-
     lead, ours, _ = fork_frames(stage, 7)
     _, other, _ = fork_frames(stage, 7, job="k")  # the same lead: a hit once `ours` was replayed
     long_lead, at10, _ = fork_frames(stage, 10)  # a longer lead: a miss
 
     async def main():
         verifier = Verifier(store, "cpu", trio.CapacityLimiter(1), step_rows=2, pause_ratio=0.0)
-        await verifier.answer(request(1, lead + ours), limits)
+        await verifier.answer(verify_request(store, lead + ours, 1), limits)
         async with trio.open_nursery() as n:
-            n.start_soon(verifier.answer, request(2, long_lead + at10), limits)
-            n.start_soon(verifier.answer, request(3, lead + other), limits)
+            n.start_soon(verifier.answer, verify_request(store, long_lead + at10, 2), limits)
+            n.start_soon(verifier.answer, verify_request(store, lead + other, 3), limits)
         return verifier.leads
 
     leads = trio.run(main)
