@@ -247,7 +247,7 @@ class Verifier:
                         await trio.sleep(step_s * self.pause_ratio)
                 cpu_s += step_s
             reply, size = await trio.to_thread.run_sync(sized_reply, req.request_id, replayed, limits)
-            self.replayed_rows, self.replay_cpu_s = self.replayed_rows + sum(reply.frame_rows), self.replay_cpu_s + cpu_s
+            self.replayed_rows, self.replay_cpu_s = self.replayed_rows + stats.rows, self.replay_cpu_s + cpu_s
             # Whether the lead was kept comes from this replay's own stats: the cache's counters are
             # shared by requests whose steps interleave, so another's hit read as this one's.
             log.info("verify request %d: %d rows of %d frames replayed on layers [%d, %d) in %.2f CPU-s (%d rows "
