@@ -95,9 +95,10 @@ def _trace(frames: list[Forward]) -> tuple[list[int], list[list[int]]] | None:
 def plan_replay(frames: list[Forward], max_rows: int, cut: int = 0) -> list[Segment] | None:
     """Segments that reproduce `frames` (the stage's frames of one epoch, from the first,
     in processing order), or None if their rows do not form one tree. Pure. `cut` > 0: a
-    segment starts at frame `cut` (no segment holds frames on both sides of it), so the
-    segments before it, and the replay cache they leave, depend only on the frames before
-    it and on which of their rows the later frames read (`LeadState`).
+    segment starts at frame `cut` (no segment holds frames on both sides of it) and every
+    row before it is kept, so the segments before it, and the replay cache they leave,
+    depend only on the frames before it (`LeadState`): forks of one source at different
+    prefix lengths (prompts that differ only in their last tokens) read the same state.
 
     Kept rows: every row a later frame attends to as context (prompt rows, roots, accepted
     draft nodes: everything a token or a later K/V depends on) and every row of the last
@@ -113,6 +114,8 @@ def plan_replay(frames: list[Forward], max_rows: int, cut: int = 0) -> list[Segm
     for f in frames:
         first_row.append(first_row[-1] + f.positions.shape[0])
     needed.update(range(first_row[-2], first_row[-1]))
+    if cut:  # the lead whole: its state then serves a fork at any prefix length
+        needed.update(range(first_row[cut]))
     segments: list[Segment] = []
     seg_frames: list[int] = []
     seg_keep: list[tuple[int, ...]] = []
@@ -179,19 +182,18 @@ Replayed = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
 class LeadState:
     """What replaying a fork's lead frames (its source's, before the job's own: the forked
     job's audit, coordinator.trust.prefix_audit) left: the replay cache's K/V, slots [0, S)
-    after the lead's segments (planned with a cut at the job's first frame), and the rows
-    each lead piece recomputed. The same lead frames, lead segments (which of their rows the
-    job reads), slice and formats replay to the same state, so a verifier keeps it for the
-    next fork of that source (shard.verifier) and replays only the job's own frames then."""
+    after the lead's segments (planned with a cut at the job's first frame, every lead row
+    kept). The same lead frames, slice and formats replay to the same state, so a verifier
+    keeps it for the next fork of that source (shard.verifier), at whatever prefix length,
+    and replays only the job's own frames then. The lead's own rows are not kept: an audit
+    never compares them (replay_steps does not return them)."""
 
     k: torch.Tensor  # (layers, kv_heads, S, head_dim)
     v: torch.Tensor
-    out: tuple[Replayed | None, ...]  # per lead piece (split_long's), in order
 
     @property
     def nbytes(self) -> int:
-        rows = sum(t.numel() * t.element_size() for r in self.out if r is not None for t in r if t is not None)
-        return self.k.numel() * self.k.element_size() * 2 + rows
+        return self.k.numel() * self.k.element_size() * 2
 
 
 class LeadCache:
@@ -278,11 +280,13 @@ def replay_steps(stage: Stage, wire_dtype: str, frames: list[Forward], max_rows:
     CPU with other work (a ring stage answering an audit: shard.verifier) runs the steps
     one at a time and lets that work in between. Frames longer than max_rows replay in
     pieces (`split_long`) unless frame_by_frame. Advance it from one thread at a time.
-    `lead`: frames before the job's own (a fork's source's): the segments are cut there, and
-    with `lead_cache` what those frames left in an earlier replay under the same `lead_key`
-    (the caller's digest of them and of everything else their result depends on) and the
-    same lead segments stands in for replaying them (`LeadState`), or what they leave now
-    is kept there. Not for a replay frame by frame (the lead is replayed then as any frame)."""
+    `lead`: frames before the job's own (a fork's source's), replayed for the K/V they leave
+    and returned as None (a fork's audit never compares its source's rows:
+    coordinator.trust.compare.Logged.own): the segments are cut there, and with `lead_cache`
+    what those frames left in an earlier replay under the same `lead_key` (the caller's
+    digest of them and of everything else their result depends on) and the same lead
+    segments stands in for replaying them (`LeadState`), or what they leave now is kept
+    there. Not for a replay frame by frame (the lead is replayed then as any frame)."""
     whole = len(frames)
     frames, origin = split_long(frames, max_rows) if not frame_by_frame else (frames, [(i, 0) for i in range(whole)])
     cut = next((n for n, (i, _) in enumerate(origin) if i >= lead), len(frames)) if lead else 0
@@ -315,7 +319,7 @@ def replay_steps(stage: Stage, wire_dtype: str, frames: list[Forward], max_rows:
         held = lead_state.k.shape[2]
         job.ensure(held)
         job.k[:, :, :held], job.v[:, :, :held] = lead_state.k, lead_state.v
-        out[:cut], done = list(lead_state.out), leading
+        done = leading
         if stats is not None:
             stats.lead_kept = True
     for n, (fwd, seg) in enumerate(zip(merged, segments), start=1):
@@ -334,9 +338,8 @@ def replay_steps(stage: Stage, wire_dtype: str, frames: list[Forward], max_rows:
             stats.rows += start
         if n == leading and key is not None and lead_cache is not None:
             job, held = worker.cache.get(REPLAY_JOB_ID), max(m.ctx_len + m.positions.shape[0] for m in merged[:n])
-            rows = tuple(None if r is None else (r[0].clone(), r[1].clone(), None if r[2] is None else r[2].clone())
-                         for r in out[:cut])
-            lead_cache.put(key, LeadState(job.k[:, :, :held].clone(), job.v[:, :, :held].clone(), rows))
+            lead_cache.put(key, LeadState(job.k[:, :, :held].clone(), job.v[:, :, :held].clone()))
         yield n < len(segments)
     worker.end_job(REPLAY_JOB_ID)
+    out[:cut] = [None] * cut
     return _joined(out, origin, whole)

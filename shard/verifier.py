@@ -73,8 +73,7 @@ CACHE_BYTES = 512 << 20
 # of the same source on the same slice: a fork's audit replays its source's frames first
 # (coordinator.trust.prefix_audit), ~40% of the rows replayed at 16 streams of the short
 # mix, the same rows at every audit of a fork of that source. A 200-token prompt's state on a
-# 10-layer SmolLM2 slice is ~3.5 MB (its K/V in f32 and the rows it recomputed), a 1.9k-token
-# one ~34 MB. 64 MB held one long source's state a node: at 32 streams of the full mix (two
+# 10-layer SmolLM2 slice is ~3 MB (its K/V in f32), a 1.9k-token one ~29 MB. 64 MB held one long source's state a node: at 32 streams of the full mix (two
 # long sources, two slices a verifier) its replays missed, 3.5-4.3 CPU-s each, and 61 of 274
 # audits in 600 s went stale; with 256 MB 644 were done, 10 stale, at 115.9 against 123.9 tok/s
 # and ~80 MB more per node, RSS flat (docs/batching.md, "Audits that keep up").
@@ -97,10 +96,10 @@ def request_frames(req: VerifyRequest, limits: Limits) -> list[Forward]:
 
 
 def lead_key(req: VerifyRequest, lead: int, own_slice: bool) -> bytes:
-    """A digest of what the replay of `req`'s first `lead` frames depends on besides which
-    of their rows the job reads (replay_steps keys on the lead's segments for that): their
-    bytes, the slice, its quantisation and the wire formats, and whether the slice is the
-    verifier's own copy or the node's warm one (other kernels)."""
+    """A digest of what the replay of `req`'s first `lead` frames depends on: their bytes,
+    the slice, its quantisation and the wire formats, and whether the slice is the
+    verifier's own copy or the node's warm one (other kernels). (replay_steps keys on the
+    lead's pieces and segments too, which follow from the frames and the step's rows.)"""
     if not lead:
         return b""
     h = hashlib.sha256(repr((req.layer_start, req.layer_end, req.quant, req.wire_dtype, req.aux_dtype, own_slice,
@@ -176,6 +175,10 @@ class Verifier:
         self._low = LowPriorityThread() if low_priority and torch.device(device).type == "cpu" else None
         self._fetching = trio.Lock()  # one fetch of missing files at a time
         self.leads = LeadCache(lead_cache_bytes)
+        # Lead digests being replayed here now -> set when that replay ends. Audits of forks of one
+        # source drawn together (a closed loop's clients end in clusters) each replayed the whole
+        # lead, ~3.5 CPU-s for a 1.9k-token prompt on a 10-layer slice, before either was kept.
+        self._leading: dict[bytes, trio.Event] = {}
         self.slices = SliceCache(store, device, cache_bytes)
         self.answered = 0  # requests answered with rows (not errors)
         self.refused = 0  # requests answered with an error (timing requests aside)
@@ -231,34 +234,50 @@ class Verifier:
             stage, load_s = await self._stage(LayerRange(req.layer_start, req.layer_end), req.quant, warm)
             lead = next((i for i, f in enumerate(frames) if f.prefix_job is not None), 0)
             key = await trio.to_thread.run_sync(lead_key, req, lead, warm is None or stage is not warm[0]) if lead else b""
-            stats = ReplayStats()
-            steps = replay_steps(stage, req.wire_dtype, frames, min(req.max_replay_rows, self.step_rows), stats,
-                                 aux_dtype=req.aux_dtype, frame_by_frame=scheme(req.quant).quantised, lead=lead,
-                                 lead_key=key, lead_cache=self.leads)
-            replayed, cpu_s = None, 0.0
-            background = self._in_background(frames, stage, min(req.max_replay_rows, self.step_rows))
-            while replayed is None:  # one forward at a time: the node's own frames run between
-                async with self._background:
-                    await self._wait_idle()
-                    step = lambda: thread_cpu(lambda: _step(steps))  # noqa: E731
-                    (replayed, more), step_s = await (background.run(step) if background is not None else
-                                                      trio.to_thread.run_sync(step, limiter=self.limiter))
-                    if more:  # paced between forwards, the lock held; a one-forward replay (a speed probe) never
-                        await trio.sleep(step_s * self.pause_ratio)
-                cpu_s += step_s
-            reply, size = await trio.to_thread.run_sync(sized_reply, req.request_id, replayed, limits)
-            self.replayed_rows, self.replay_cpu_s = self.replayed_rows + stats.rows, self.replay_cpu_s + cpu_s
-            # Whether the lead was kept comes from this replay's own stats: the cache's counters are
-            # shared by requests whose steps interleave, so another's hit read as this one's.
-            log.info("verify request %d: %d rows of %d frames replayed on layers [%d, %d) in %.2f CPU-s (%d rows "
-                     "recomputed)%s", req.request_id, sum(reply.frame_rows), len(frames), req.layer_start, req.layer_end,
-                     cpu_s, stats.rows, ("" if load_s is None else f", after loading the slice ({load_s:.2f} CPU-s)")
-                     + (f", the first {lead} (a fork's source) kept from an earlier replay" if stats.lead_kept else ""))
+            while key in self._leading:  # the same lead being replayed here: wait, then find its state kept
+                await self._leading[key].wait()
+            if key:
+                self._leading[key] = trio.Event()
+            try:
+                return await self._replay(req, limits, frames, stage, load_s, lead, key)
+            finally:
+                if key:
+                    self._leading.pop(key).set()
         except ShardError as exc:
             return self._refuse(req.request_id, str(exc), req)
         except Exception as exc:  # a check we missed: this request's error, never the node's
             log.exception("verify request %d raised", req.request_id)
             return self._refuse(req.request_id, f"{type(exc).__name__}: {exc}", req)
+
+    async def _replay(self, req: VerifyRequest, limits: Limits, frames: list[Forward], stage: Stage,
+                      load_s: float | None, lead: int, key: bytes) -> VerifyReply:
+        """answer's replay of `frames` on `stage` (the first `lead` a fork's source's, under
+        digest `key`) and its reply (an error reply past max_reply_bytes). Raises what the
+        replay raises."""
+        stats = ReplayStats()
+        steps = replay_steps(stage, req.wire_dtype, frames, min(req.max_replay_rows, self.step_rows), stats,
+                             aux_dtype=req.aux_dtype, frame_by_frame=scheme(req.quant).quantised, lead=lead,
+                             lead_key=key, lead_cache=self.leads)
+        replayed, cpu_s = None, 0.0
+        background = self._in_background(frames, stage, min(req.max_replay_rows, self.step_rows))
+        while replayed is None:  # one forward at a time: the node's own frames run between
+            async with self._background:
+                await self._wait_idle()
+                step = lambda: thread_cpu(lambda: _step(steps))  # noqa: E731
+                (replayed, more), step_s = await (background.run(step) if background is not None else
+                                                  trio.to_thread.run_sync(step, limiter=self.limiter))
+                if more:  # paced between forwards, the lock held; a one-forward replay (a speed probe) never
+                    await trio.sleep(step_s * self.pause_ratio)
+            cpu_s += step_s
+        reply, size = await trio.to_thread.run_sync(sized_reply, req.request_id, replayed, limits)
+        self.replayed_rows, self.replay_cpu_s = self.replayed_rows + stats.rows, self.replay_cpu_s + cpu_s
+        # Whether the lead was kept comes from this replay's own stats: the cache's counters are
+        # shared by requests whose steps interleave, so another's hit read as this one's.
+        log.info("verify request %d: %d rows of %d frames replayed on layers [%d, %d) in %.2f CPU-s (%d rows "
+                 "recomputed)%s", req.request_id, sum(reply.frame_rows), len(frames), req.layer_start, req.layer_end,
+                 cpu_s, stats.rows, ("" if load_s is None else f", after loading the slice ({load_s:.2f} CPU-s)")
+                 + (f", the first {lead} (a fork's source, lead {key[:4].hex()}) "
+                    + ("kept from an earlier replay" if stats.lead_kept else "replayed") if lead else ""))
         if size > req.max_reply_bytes:
             return self._refuse(req.request_id, f"the recomputed rows take {size} bytes, over the request's "
                                                 f"max_reply_bytes {req.max_reply_bytes}", req)

@@ -3,12 +3,12 @@
 Bug guarded (issue 21): every audit of a fork replayed the source's prompt before the job's
 own rows (coordinator.trust.prefix_audit), ~40% of the rows a 16-stream ring's verifiers
 replayed, the same rows for every fork of one source. Now a verifier keeps what those rows
-left (the replay cache's K/V and their recomputed rows) under a digest of the source's frames,
-the prefix length, slice and formats, and under the lead's segments (which rows of it the
-job reads), and replays only the job's own frames on the next fork. Wrong would be: a state
-used for another prefix or other frames (wrong K/V: an honest stage accused), or outputs that
-differ from replaying everything. Sound: the replies are compared bitwise with a replay of
-every frame, and with the stage's own outputs; the replayed rows are counted.
+left (the replay cache's K/V after every row of the source's frames) under a digest of those
+frames, the slice and formats, and under the lead's segments, and replays only the job's own
+frames on the next fork, at any prefix length. Wrong would be: a state used for other frames
+(wrong K/V: an honest stage accused), or outputs that differ from replaying everything.
+Sound: the replies are compared bitwise with a replay of every frame, and with the stage's
+own outputs; the replayed rows are counted.
 """
 
 from __future__ import annotations
@@ -84,24 +84,29 @@ def test_a_second_fork_of_a_source_replays_only_its_own_rows_and_the_same_output
         assert (hidden[-1:] - out.hidden.float()[-1:]).abs().max().item() <= 1e-4
 
 
-def test_a_state_serves_another_prefix_only_where_the_job_reads_the_same_lead_rows(tiny_llama_store):
-    # The same lead frames under the same caller key, forked at 7 and then at 5. Whole (rows
-    # <= 16), the lead's one frame keeps only the rows the job reads (7 against 5): other
-    # segments, so the kept state is not used. In pieces of 4, its last piece reads rows 0-7
-    # whatever the fork reads: the same segments and the same state, used, same outputs.
+def test_one_state_serves_every_prefix_length_of_its_source(tiny_llama_store):
+    # Bug guarded (issue 21): a lead's segments kept only the lead rows the job read, so forks
+    # of one source at two prefix lengths (bench_load's two 1.9k-token prompts differ only in
+    # their last tokens) keyed two states, and each verifier replayed the whole lead once for
+    # each (~3.5 CPU-s on a 10-layer slice). Now every lead row is replayed and kept: forked at
+    # 7 and then at 5, whole (rows <= 16) or in pieces of 4, the second finds the first's state,
+    # and its rows are the replay's without it and within 1e-4 of what the stage computed.
     stage = stage_of(tiny_llama_store, LayerRange(0, tiny_llama_store.num_layers))
     at7, at5 = fork_frames(stage, 7), fork_frames(stage, 5)
-    for max_rows, hits in ((16, 0), (4, 1)):
+    for max_rows in (16, 4):
         cache = LeadCache(1 << 30)
-        run(stage, at7[0] + at7[1], lead=1, cache=cache, max_rows=max_rows)
-        got, _ = run(stage, at5[0] + at5[1], lead=1, cache=cache, max_rows=max_rows)
-        want, _ = run(stage, at5[0] + at5[1], lead=1, max_rows=max_rows)
-        assert cache.hits == hits and same(got, want)
+        run(stage, at7[0] + at7[1], lead=len(at7[0]), cache=cache, max_rows=max_rows)
+        got, stats = run(stage, at5[0] + at5[1], lead=len(at5[0]), cache=cache, max_rows=max_rows)
+        want, _ = run(stage, at5[0] + at5[1], lead=len(at5[0]), max_rows=max_rows)
+        assert (cache.hits, cache.misses, stats.lead_kept) == (1, 1, True) and same(got, want)
+        assert got[0] is None  # the source's rows are not returned: an audit never compares them
+        for (keep, hidden, _), out in zip(got[1:], at5[2]):
+            assert (hidden[-1:] - out.hidden.float()[-1:]).abs().max().item() <= 1e-4
 
 
 def test_the_kept_states_stay_within_their_bytes_oldest_out_first():
     def state(n):
-        return LeadState(torch.zeros(1, 1, n, 4), torch.zeros(1, 1, n, 4), (None,))
+        return LeadState(torch.zeros(1, 1, n, 4), torch.zeros(1, 1, n, 4))
 
     size = state(8).nbytes
     cache = LeadCache(2 * size)
@@ -169,3 +174,36 @@ def test_each_replay_reports_its_own_lead_hit_while_another_runs_beside_it(tiny_
              if "replayed on layers" in r.getMessage()}
     kept = {i: line.endswith("kept from an earlier replay") for i, line in lines.items()}
     assert kept == {1: False, 2: False, 3: True}, lines
+
+
+def test_audits_of_one_source_drawn_together_replay_its_lead_once(tiny_llama_store):
+    # Bug guarded (issue 21): two audits of forks of one source that reach a verifier together
+    # (a closed loop's clients end in clusters) both looked the lead up before either had kept
+    # it, so each replayed the whole source (at 16 streams of bench_load's mix, a third of the
+    # 1.9k-token leads' replays on a verifier that had just replayed that lead). Now the second
+    # waits for the first's lead and then finds it kept; both replies are the ones a verifier
+    # keeping nothing gives.
+    store = tiny_llama_store
+    stage = stage_of(store, LayerRange(0, store.num_layers))
+    limits = Limits.for_model(store.config, max_tokens_per_frame=2048)
+    lead, ours, _ = fork_frames(stage, 7)
+    _, other, _ = fork_frames(stage, 7, job="k")
+
+    async def main():
+        verifier = Verifier(store, "cpu", trio.CapacityLimiter(1), step_rows=2, pause_ratio=0.0)
+        got = {}
+
+        async def ask(frames, request_id):
+            got[request_id] = await verifier.answer(verify_request(store, frames, request_id), limits)
+
+        async with trio.open_nursery() as n:
+            n.start_soon(ask, lead + ours, 1)
+            n.start_soon(ask, lead + other, 2)
+        fresh = Verifier(store, "cpu", trio.CapacityLimiter(1), step_rows=2, lead_cache_bytes=0)
+        alone = [await fresh.answer(verify_request(store, lead + f, i), limits) for i, f in ((1, ours), (2, other))]
+        return verifier.leads, got, alone
+
+    leads, got, alone = trio.run(main)
+    assert (leads.misses, leads.hits) == (1, 1)
+    for i, want in zip((1, 2), alone):
+        assert got[i].error is None and got[i].frame_rows == want.frame_rows and torch.equal(got[i].hidden, want.hidden)
