@@ -184,7 +184,6 @@ class Verifier:
         self.refused = 0  # requests answered with an error (timing requests aside)
         self._warned_s = -WARN_EVERY_S  # when a refusal was last logged at WARNING (trio's clock)
         self.uploads: Uploads | None = None  # requests arriving in parts (made on the first part)
-        self.replayed_rows, self.replay_cpu_s = 0, 0.0  # rows recomputed, and the CPU (thread) seconds it took
 
     def receive(self, msg: VerifyRequest | VerifyPart, limits: Limits, warm: tuple[Stage, str] | None,
                 nursery: trio.Nursery, send: Callable[[Message], Awaitable[None]]) -> None:
@@ -270,7 +269,6 @@ class Verifier:
                     await trio.sleep(step_s * self.pause_ratio)
             cpu_s += step_s
         reply, size = await trio.to_thread.run_sync(sized_reply, req.request_id, replayed, limits)
-        self.replayed_rows, self.replay_cpu_s = self.replayed_rows + stats.rows, self.replay_cpu_s + cpu_s
         # Whether the lead was kept comes from this replay's own stats: the cache's counters are
         # shared by requests whose steps interleave, so another's hit read as this one's.
         log.info("verify request %d: %d rows of %d frames replayed on layers [%d, %d) in %.2f CPU-s (%d rows "
