@@ -117,9 +117,9 @@ class ReleaseGate:
                                       f"--trusted-nodes, or let a node that left probation keep it")
         engine.probation_counts["rounds_unverified"] = engine.probation_counts.get("rounds_unverified", 0) + 1
 
-    def finish(self, output_ids: list[int]) -> None:
+    async def finish(self, output_ids: list[int]) -> None:
         if self.inner is not None:
-            self.inner.finish(output_ids)
+            await self.inner.finish(output_ids)
         if self.engine.round_verifier is not None and self.inner is not None:
             self.engine.round_verifier.forget(self.inner.job_id)
 

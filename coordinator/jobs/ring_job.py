@@ -389,7 +389,7 @@ class RingJob:
                 and self.port.keep_source(ring, self.job_id, self.committed[:self.pending_commit[1] or self.ring_ctx],
                                           self.drafters))
         if self.receipts is not None:
-            self.receipts.finish(self.committed[len(self.prompt_ids):])
+            await self.receipts.finish(self.committed[len(self.prompt_ids):])
         if ring is not None and ring.epoch == self.ring_epoch:  # a source's end keeps its K/V there
             try:
                 await self.port.send_body(ring, encode(EndJob(job_id=self.job_id, epoch=ring.epoch, keep=int(kept))))

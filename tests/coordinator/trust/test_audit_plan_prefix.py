@@ -18,6 +18,7 @@ import random
 from types import SimpleNamespace
 
 import torch
+import trio
 
 from coordinator.trust.audit_plan import plan_audits
 from coordinator.trust.receipt_check import JobReceipts
@@ -65,8 +66,8 @@ def test_the_gateway_notes_the_source_its_fork_frame_named():
         job.sent(Forward(job_id="fork", epoch=3, round=round_, nonce=bytes(16), phase="prefill", ctx_len=ctx,
                          positions=torch.arange(ctx, ctx + 2), tokens=torch.tensor([5, 6]), prefix_job=prefix,
                          prefix_len=ctx if prefix else 0), bytes(32))
-    job.finish([7])  # no round verified: the unaudited path
+    trio.run(job.finish, [7])  # no round verified: the unaudited path
     assert [j.prefix for j in got] == [(3, "src", 4)]
     plain = JobReceipts(SimpleNamespace(_unaudited=got.append), "plain", bytes(16), [1])
-    plain.finish([7])
+    trio.run(plain.finish, [7])
     assert got[-1].prefix is None

@@ -127,7 +127,7 @@ def test_a_job_whose_receipts_failed_goes_to_release_not_to_the_audit_queue(tiny
     ran = finished_job(3, {1: [1, 2]}, {1: 1, 2: 1})
     job = checker.open_job("job", bytes(16), [1, 2, 3])
     job._order, job._epochs, job.failed = {1: [1, 2]}, dict(ran.epochs), True
-    job.finish([7])
+    trio.run(job.finish, [7])
     assert finished.statistics().current_buffer_used == 0
     [done] = unaudited
     assert done.job_id == "job" and done.epochs == ran.epochs
