@@ -73,10 +73,11 @@ CACHE_BYTES = 512 << 20
 # of the same source on the same slice: a fork's audit replays its source's frames first
 # (coordinator.trust.prefix_audit), ~40% of the rows replayed at 16 streams of the short
 # mix, the same rows at every audit of a fork of that source. A 200-token prompt's state on a
-# 10-layer SmolLM2 slice is ~3 MB (its K/V in f32), a 1.9k-token one ~29 MB. 64 MB held one long source's state a node: at 32 streams of the full mix (two
-# long sources, two slices a verifier) its replays missed, 3.5-4.3 CPU-s each, and 61 of 274
-# audits in 600 s went stale; with 256 MB 644 were done, 10 stale, at 115.9 against 123.9 tok/s
-# and ~80 MB more per node, RSS flat (docs/batching.md, "Audits that keep up").
+# 10-layer SmolLM2 slice is ~3 MB (its K/V in f32), a 1.9k-token one ~29 MB. 64 MB held one
+# long source's state a node: at 32 streams of the full mix (two long sources, two slices a
+# verifier) its replays missed, 3.5-4.3 CPU-s each, and 61 of 274 audits in 600 s went stale;
+# with 256 MB 644 were done, 10 stale, at 115.9 against 123.9 tok/s and ~80 MB more per node,
+# RSS flat (docs/batching.md, "Audits that keep up").
 LEAD_CACHE_BYTES = 256 << 20
 WARN_EVERY_S = 60.0  # refusals logged at WARNING at most this often (the rest at INFO)
 

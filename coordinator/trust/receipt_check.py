@@ -5,10 +5,11 @@ recorded by round; each Result from the tail is checked with `receipts.verify_ch
 before its hidden states become tokens (fail closed: `ReceiptRejected`, an CoordinatorError
 the HTTP layer turns into a clear 503, never caught by the resume loop). At the end the
 verified rounds, the assignments of every epoch the job used and the request/output token
-digests are signed into a `Bundle`, kept in memory (`recent` most recent) and appended to
-a BundleStore when a directory is configured (in a worker thread, off the rounds' path). Finished jobs leave on a channel (to the
-auditor), naming the source job whose K/V their first frame started from if they forked
-(an audit replays the source's frames first: coordinator.trust.prefix_audit). A round
+digests are signed into a `Bundle` (in a worker thread, off the rounds' path), kept in
+memory (`recent` most recent) and appended to a BundleStore when a directory is configured.
+Finished jobs leave on a channel (to the auditor), naming the source job whose K/V their
+first frame started from if they forked (an audit replays the source's frames first:
+coordinator.trust.prefix_audit). A round
 that probation (coordinator.trust.shadow) caught is signed here as evidence against the
 blamed stage's own receipt (`sign_catch`), as an audit's catch is.
 The layer count and digests come from the coordinator's own model store; the
