@@ -148,4 +148,8 @@ def test_a_long_prompt_is_audited_in_parts_and_a_liar_past_probation_caught(tiny
     assert out["clean_audits"] == 6 and out["faulty_before"] == {}  # honest long jobs audited and passed
     assert liar in swarm.faulty and swarm.faulty[liar].startswith("audit "), swarm.faulty
     assert set(swarm.faulty) == {liar} and stats.by_members >= stats.audits > 0 and stats.by_coordinator == 0
-    assert stats.skipped_no_verifier == 0 and out["reply_parts"] >= stats.audits
+    # The first long job's three audits came back in parts (every row of its 160-token prompt);
+    # the later jobs fork from it (the prefix cache) and their requests carry its frames first,
+    # but a verifier answers none of a source's rows (never compared: docs/protocol.md), so
+    # their replies carry their own few rows, in one frame.
+    assert stats.skipped_no_verifier == 0 and out["reply_parts"] >= 3
