@@ -121,18 +121,24 @@ STREAM_AND_KILL = r"""
 import httpx, json, os, signal, sys, time
 url, model, prompt, max_tokens, pid, kill_after = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6])
 body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
-text, n, killed = [], 0, False
-with httpx.stream("POST", url + "/v1/completions", json=body, timeout=180) as r:
-    for line in r.iter_lines():
-        if not line.startswith("data: ") or line == "data: [DONE]":
+text, n, killed, error = [], 0, False, ""
+for attempt in range(10):  # a 503 before any token (the ring re-forming: a link dropped) says when to retry
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=180) as r:
+        if r.status_code == 503 and attempt < 9:
+            error = r.read().decode()[:300]
+            time.sleep(float(r.headers.get("retry-after", "1")))
             continue
-        piece = json.loads(line[6:])["choices"][0].get("text") or ""
-        text.append(piece)
-        n += 1
-        if not killed and n >= kill_after:
-            os.kill(pid, signal.SIGKILL)
-            killed = True
-print(json.dumps({"status": r.status_code, "text": "".join(text), "killed": killed}))
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            piece = json.loads(line[6:])["choices"][0].get("text") or ""
+            text.append(piece)
+            n += 1
+            if not killed and n >= kill_after:
+                os.kill(pid, signal.SIGKILL)
+                killed = True
+        break
+print(json.dumps({"status": r.status_code, "text": "".join(text), "killed": killed, "retried": attempt, "last_503": error}))
 """
 
 
