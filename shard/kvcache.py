@@ -194,8 +194,11 @@ class KVCache:
         cap = min(max_slots, INITIAL_SLOTS)
         self._budget.take(f"KV bytes to admit job {job_id!r}", cap * self.bytes_per_slot)
         shape = (self.num_layers, self.num_kv_heads, max_slots, self.head_dim)
-        shares = source is not None and source.room is not None and source.max_slots == max_slots
-        room = (shares and _Room.make(shape, self.dtype, self.device, source.room)) or _Room.make(shape, self.dtype, self.device)
+        room = None
+        if source is not None and source.room is not None and source.max_slots == max_slots:
+            room = _Room.make(shape, self.dtype, self.device, source.room)  # the source's pages, copy-on-write
+        if room is None:
+            room = _Room.make(shape, self.dtype, self.device)
         if room is not None:
             job = JobCache(job_id, max_slots, room.k[:, :, :cap], room.v[:, :, :cap], self._budget,
                            self.bytes_per_slot, room=room)
