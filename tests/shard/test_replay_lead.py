@@ -118,7 +118,7 @@ def test_the_kept_states_stay_within_their_bytes_oldest_out_first():
     assert LeadCache(0).max_bytes == 0 and (LeadCache(0).put((b"x", ()), state(1)) or True)
 
 
-def test_a_verifier_keeps_a_sources_lead_across_requests_and_not_across_prefixes(tiny_llama_store, caplog):
+def test_a_verifier_keeps_a_sources_lead_across_requests_and_prefix_lengths(tiny_llama_store, caplog):
     caplog.set_level(logging.INFO, logger="shard.node")
     store = tiny_llama_store
     stage = stage_of(store, LayerRange(0, store.num_layers))
@@ -139,7 +139,7 @@ def test_a_verifier_keeps_a_sources_lead_across_requests_and_not_across_prefixes
 
     leads, a, b, c, fresh = trio.run(main)
     assert all(r.error is None for r in (a, b, c, fresh))
-    assert (leads.hits, leads.misses) == (2, 1)  # b and c reused a's lead (c reads the same rows of it)
+    assert (leads.hits, leads.misses) == (2, 1)  # b and c reused a's lead (c, forked shorter, too)
     assert b.frame_rows == fresh.frame_rows and torch.equal(b.hidden, fresh.hidden) and torch.equal(b.keep, fresh.keep)
     assert a.frame_rows == b.frame_rows
     # Each request's log line says whether its own lead was kept (read off its own replay, not
