@@ -4,15 +4,29 @@ glibc keeps freed heap (a stage's logged frames once dropped, a prefill chunk's
 activations) in its arenas for reuse, so a node's RSS never fell after load however much
 it freed; malloc_trim gives the free pages back. Measured on a 5-layer SmolLM2 stage after
 20 jobs of a 1024-token prompt and 10 decode steps: 452 MB with their logged frames held,
-still 452 MB once the log dropped them, 336 MB after malloc_trim. fix_mmap_threshold stops
-glibc raising its mmap threshold, so large blocks keep leaving the arenas
-(coordinator.jobs.heap_sweep measures why), and puts its trim threshold back: malloc_trim
-never trims a thread arena's top (glibc's mtrim trims only the main arena's), a thread
-arena gives its top back only on a free once it passes the trim threshold, and glibc had
-raised that to twice the largest mmapped block freed (up to 64 MiB). So a node whose
-forwards run in worker threads kept ~20 MB after a hostile-frame flood whatever it
-trimmed (issue 20; tests/shard/test_heap.py reproduces it in a fresh process: 11 MB
-kept, 0.2 MB with the thresholds fixed). Knows nothing of what was freed.
+still 452 MB once the log dropped them, 336 MB after malloc_trim.
+
+fix_mmap_threshold fixes glibc's two thresholds, which glibc otherwise raises as it runs
+(the mmap threshold to the largest mmapped block freed, up to 32 MiB; the trim threshold
+to twice that, up to 64 MiB). malloc_trim never trims a thread arena's top (glibc's mtrim
+trims only the main arena's): a thread arena gives its top back only on a free once it
+passes the trim threshold. Raised, that let a node whose forwards run in worker threads
+keep ~20 MB after a hostile-frame flood whatever it trimmed (issue 20), and let logits
+rows and prefill chunks fragment the gateway's arenas (coordinator.jobs.heap_sweep).
+Fixed at glibc's defaults (128 KiB each), though, every block of 128 KiB or more was
+mapped on allocation and unmapped on free, and every arena top past 128 KiB went back at
+once: each round's temporaries (a 16-row product's 3 MB of logits, a sampled row's
+196 KB probabilities and its 393 KB float64 CDF, a 64-row piece's activations) came back
+as fresh zeroed pages, a page fault each (2693 faults, 6.2 ms of kernel time, for one
+8-row LM-head product with a sampled row's softmax and CDF: 17.8 ms against 10.8 with the
+blocks reused; on a ring at 16 streams the gateway faulted ~20k times a second). So the
+thresholds are fixed above a round's temporaries and below what lives long: blocks of
+MMAP_THRESHOLD_BYTES (4 MiB) and more (a long job's K/V, a kept lead state, a replay
+slice's weights) are still mapped on their own and leave when freed, and an arena keeps
+at most TRIM_THRESHOLD_BYTES (16 MiB) of free top for the next round, giving the rest
+back on the free that passes it (tests/shard/test_heap.py: a thread that frees 40 MB
+keeps 40 with glibc's raised thresholds, at most 16 with these). Knows nothing of what
+was freed.
 
 bound_kernel_caches caps the CPU matmul kernels kept per row count. A packed oneDNN linear
 (shard.linear) builds a kernel for each new number of rows and keeps it in ideep's LRU and
@@ -46,8 +60,8 @@ import sys
 
 _LIBC = ctypes.CDLL(ctypes.util.find_library("c") or None)
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
-MMAP_THRESHOLD_BYTES = 128 * 1024  # glibc's default
-TRIM_THRESHOLD_BYTES = 128 * 1024  # glibc's default
+MMAP_THRESHOLD_BYTES = 4 << 20  # above a round's temporaries (module docstring)
+TRIM_THRESHOLD_BYTES = 16 << 20  # the free top an arena keeps, at most
 KERNEL_CACHE_ENTRIES = 256  # per cache (ideep's LRU, oneDNN's primitives); both default to 1024
 
 

@@ -9,12 +9,14 @@ requests): the largest growth tracemalloc found over 111 jobs was 0.15 MB (recei
 bundles, bounded); after 448 jobs RSS was 1326 MB, and 992 MB right after one malloc_trim
 (shard.heap.return_freed_heap); with this sweep running it was 991 MB when the load
 ended. So: every `period_s` in which a job ended, trim once, in a worker thread (it walks
-every arena). And the mmap threshold is fixed at glibc's default (128 KiB): glibc raises
-it to the largest mmapped block freed (up to 32 MiB), after which every logits row and
-prefill chunk comes from the arenas and fragments them. Over a 180 s run at 32 streams
-(bench_load, short prompts, load 7-10) the gateway's RSS grew 4.4% after its first 60 s
-with a moving threshold, steadily, and 0.3% with it fixed (MALLOC_MMAP_THRESHOLD_; 1036
--> 1044 MB over the last 60 s). Knows nothing of jobs beyond a count that grows as they end.
+every arena). And the mmap threshold is fixed (shard.heap.fix_mmap_threshold): glibc raises
+it to the largest mmapped block freed (up to 32 MiB), after which long-lived blocks too
+come from the arenas and fragment them. Over a 180 s run at 32 streams (bench_load, short
+prompts, load 7-10) the gateway's RSS grew 4.4% after its first 60 s with a moving
+threshold, steadily, and 0.3% with it fixed at 128 KiB (MALLOC_MMAP_THRESHOLD_; 1036 ->
+1044 MB over the last 60 s). It is fixed at 4 MiB now, above a round's temporaries, which
+128 KiB turned into page faults (shard.heap). Knows nothing of jobs beyond a count that
+grows as they end.
 """
 
 from __future__ import annotations
