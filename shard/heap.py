@@ -25,8 +25,8 @@ MMAP_THRESHOLD_BYTES (4 MiB) and more (a long job's K/V, a kept lead state, a re
 slice's weights) are still mapped on their own and leave when freed, and an arena keeps
 at most TRIM_THRESHOLD_BYTES (16 MiB) of free top for the next round, giving the rest
 back on the free that passes it (tests/shard/test_heap.py: a thread that frees 40 MB
-keeps 40 with glibc's raised thresholds, at most 16 with these). Knows nothing of what
-was freed.
+keeps ~39 with glibc's raised thresholds, at most 16 with these, 0.6 measured). Knows
+nothing of what was freed.
 
 bound_kernel_caches caps the CPU matmul kernels kept per row count. A packed oneDNN linear
 (shard.linear) builds a kernel for each new number of rows and keeps it in ideep's LRU and
