@@ -10,6 +10,7 @@ trimming of its top never reaches; RSS must stay up after the free and fall afte
 from __future__ import annotations
 
 import gc
+import subprocess
 import sys
 
 import pytest
@@ -36,6 +37,13 @@ def test_freed_heap_leaves_the_process():
     after = rss_mb()
     assert held - after > 100, (held, after)  # most of the ~180 MB freed is handed back
     assert len(keep) == 200
+
+
+def in_fresh_interpreter(script: str, case: str) -> float:
+    """The number `script` prints, run with argument `case` in a fresh interpreter (glibc's
+    thresholds and arenas as a new process has them)."""
+    done = subprocess.run([sys.executable, "-c", script, case], capture_output=True, text=True, timeout=120, check=True)
+    return float(done.stdout.strip())
 
 
 THREAD_ARENA_SCRIPT = """
@@ -74,15 +82,8 @@ def test_what_a_worker_thread_freed_leaves_once_the_thresholds_are_fixed():
     # (so the case reproduces the bug here), with fix_mmap_threshold called after the
     # raise, as a node calls it after its imports, all but the fixed trim threshold's
     # worth (16 MiB, what an arena keeps for the next round's temporaries) leaves.
-    import subprocess
-
-    def kept_mb(case: str) -> float:
-        done = subprocess.run([sys.executable, "-c", THREAD_ARENA_SCRIPT, case], capture_output=True, text=True,
-                              timeout=120, check=True)
-        return float(done.stdout.strip())
-
-    assert kept_mb("raised") > 30
-    assert kept_mb("fixed") < TRIM_THRESHOLD_BYTES / 2**20 + 2
+    assert in_fresh_interpreter(THREAD_ARENA_SCRIPT, "raised") > 30
+    assert in_fresh_interpreter(THREAD_ARENA_SCRIPT, "fixed") < TRIM_THRESHOLD_BYTES / 2**20 + 2
 
 
 FAULT_SCRIPT = """
@@ -119,15 +120,8 @@ def test_a_rounds_temporaries_reuse_the_heap_instead_of_faulting_in_fresh_pages(
     # Sound: the same allocations in two fresh interpreters; with 128 KiB they fault in
     # every page every time (~870 a round, so the case reproduces it), with the fixed
     # thresholds the second round on reuses what the first freed.
-    import subprocess
-
-    def faults_per_round(case: str) -> float:
-        done = subprocess.run([sys.executable, "-c", FAULT_SCRIPT, case], capture_output=True, text=True,
-                              timeout=120, check=True)
-        return float(done.stdout.strip())
-
-    assert faults_per_round("glibc") > 500
-    assert faults_per_round("fixed") < 20
+    assert in_fresh_interpreter(FAULT_SCRIPT, "glibc") > 500
+    assert in_fresh_interpreter(FAULT_SCRIPT, "fixed") < 20
 
 
 FREEZE_CHECK = r"""
@@ -160,7 +154,6 @@ def test_a_frozen_startup_heap_is_not_walked_by_full_collections():
     # stalled. Sound: the same collection before and after the freeze in one fresh process
     # (the test's own process must not freeze its heap), and garbage alive before the
     # freeze is collected, not frozen.
-    import subprocess
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
